@@ -1,0 +1,77 @@
+// Copyright 2026 The jaxoverlap Authors. SPDX-License-Identifier: Apache-2.0
+//
+// Device helpers shared by the kernels: type conversion for fp32 accumulation,
+// acquire loads of completion flags, and bounded waits that report who did
+// not arrive instead of spinning forever.
+#ifndef JAXOVERLAP_DEVICE_UTILS_CUH_
+#define JAXOVERLAP_DEVICE_UTILS_CUH_
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdint>
+#include <cstdio>
+
+#include "jaxoverlap/runtime.h"
+
+namespace jaxoverlap {
+
+__device__ __forceinline__ float ToFloat(float x) { return x; }
+__device__ __forceinline__ float ToFloat(__nv_bfloat16 x) { return __bfloat162float(x); }
+__device__ __forceinline__ float ToFloat(__half x) { return __half2float(x); }
+
+template <typename T>
+__device__ __forceinline__ T FromFloat(float x);
+template <>
+__device__ __forceinline__ float FromFloat<float>(float x) { return x; }
+template <>
+__device__ __forceinline__ __nv_bfloat16 FromFloat<__nv_bfloat16>(float x) {
+  return __float2bfloat16_rn(x);
+}
+template <>
+__device__ __forceinline__ __half FromFloat<__half>(float x) { return __float2half_rn(x); }
+
+__device__ __forceinline__ uint64_t GlobalTimerNs() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+__device__ __forceinline__ uint64_t LoadAcquireSys(const uint64_t* addr) {
+  uint64_t v;
+  asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(addr) : "memory");
+  return v;
+}
+
+// Waits until *flag >= expected. On timeout records who did not arrive in
+// `error` (first timeout wins), prints it and traps: a hang becomes an error
+// that names rank, peer and step.
+__device__ __forceinline__ void WaitFlagOrTrap(const uint64_t* flag, uint64_t expected,
+                                               uint64_t timeout_ns, DeviceError* error, int rank,
+                                               int peer_pe, int step) {
+  if (LoadAcquireSys(flag) >= expected) return;
+  const uint64_t start = GlobalTimerNs();
+  uint64_t seen;
+  while ((seen = LoadAcquireSys(flag)) < expected) {
+    if (GlobalTimerNs() - start > timeout_ns) {
+      if (atomicCAS(&error->code, 0, 1) == 0) {
+        error->rank = rank;
+        error->peer_pe = peer_pe;
+        error->step = step;
+        error->block = blockIdx.x;
+        error->epoch = expected;
+        error->seen = seen;
+        __threadfence_system();
+      }
+      printf("jaxoverlap: device wait timed out: rank %d waited for peer PE %d at step %d "
+             "(block %d, epoch %llu, seen %llu)\n",
+             rank, peer_pe, step, static_cast<int>(blockIdx.x),
+             static_cast<unsigned long long>(expected), static_cast<unsigned long long>(seen));
+      __trap();
+    }
+  }
+}
+
+}  // namespace jaxoverlap
+
+#endif  // JAXOVERLAP_DEVICE_UTILS_CUH_

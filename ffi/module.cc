@@ -1,0 +1,81 @@
+// Copyright 2026 The jaxoverlap Authors. SPDX-License-Identifier: Apache-2.0
+//
+// The Python extension: FFI registrations and the runtime's host functions.
+// Host functions raise RuntimeError with the ffi::Error's message.
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/string.h>
+
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+
+#include "jaxoverlap/all_reduce.h"
+#include "jaxoverlap/runtime.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace nb = nanobind;
+
+namespace jaxoverlap {
+namespace {
+
+void ThrowIfError(const xla::ffi::Error& e) {
+  if (e.failure()) throw std::runtime_error(e.message());
+}
+
+template <typename Fn>
+nb::capsule EncapsulateFfiHandler(Fn* fn) {
+  return nb::capsule(reinterpret_cast<void*>(fn));
+}
+
+}  // namespace
+}  // namespace jaxoverlap
+
+NB_MODULE(_jaxoverlap_cuda, m) {
+  using namespace jaxoverlap;
+  m.doc() = "jaxoverlap CUDA backend: XLA FFI handlers and the NVSHMEM runtime";
+
+  m.def("registrations", []() {
+    nb::dict d;
+    d["jaxoverlap_all_reduce"] = EncapsulateFfiHandler(JaxoverlapAllReduce);
+    return d;
+  });
+
+  m.def("get_unique_id", []() {
+    std::string id;
+    ThrowIfError(GetUniqueId(&id));
+    return nb::bytes(id.data(), id.size());
+  });
+
+  m.def(
+      "initialize",
+      [](nb::bytes unique_id, int rank, int num_ranks, int device, size_t heap_bytes,
+         uint64_t timeout_ns) {
+        std::string id(static_cast<const char*>(unique_id.data()), unique_id.size());
+        ThrowIfError(Initialize(id, rank, num_ranks, device, heap_bytes, timeout_ns));
+      },
+      nb::arg("unique_id"), nb::arg("rank"), nb::arg("num_ranks"), nb::arg("device"),
+      nb::arg("heap_bytes"), nb::arg("timeout_ns"));
+
+  m.def("finalize", &Finalize);
+  m.def("set_timeout_ns", &SetTimeout, nb::arg("timeout_ns"));
+
+  m.def("info", []() {
+    const RuntimeState& s = State();
+    nb::dict d;
+    d["initialized"] = s.initialized;
+    d["pe"] = s.my_pe;
+    d["num_pes"] = s.num_pes;
+    d["device"] = s.device;
+    d["heap_bytes"] = s.heap_bytes;
+    d["slot_bytes"] = s.slot_bytes;
+    d["timeout_ns"] = s.timeout_ns;
+    d["max_group_size"] = kMaxGroupSize;
+    return d;
+  });
+
+  m.def("device_error", []() -> nb::object {
+    const DeviceError e = LastDeviceError();
+    if (e.code == 0) return nb::none();
+    return nb::str(DeviceErrorToFfi(e).message().c_str());
+  });
+}

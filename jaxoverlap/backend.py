@@ -1,0 +1,88 @@
+"""Backend selection: which implementation ("xla" or "cuda") runs an op.
+
+Every public op takes ``backend="auto" | "xla" | "cuda"``:
+
+* ``"xla"``: pure JAX (``lax`` collectives, or the decomposed ``ppermute``
+  schedule). Always available, on every platform.
+* ``"cuda"``: the CUDA kernels of this package, registered as XLA FFI custom
+  calls. Usable only when the extension was built with CUDA, the arrays live on
+  NVIDIA GPUs, ``jaxoverlap.initialize()`` has run (NVSHMEM is up) and the op
+  has a kernel. Asking for it when it is not usable raises ``RuntimeError``
+  that says why; nothing falls back silently.
+* ``"auto"``: ``"cuda"`` when usable, else ``"xla"``; the first time an op
+  falls back, the reason is logged once (logger ``jaxoverlap``).
+
+``jaxoverlap.runtime_info()`` reports the same reasons for every op.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+__all__ = ["BACKENDS", "OPS", "select_backend", "cuda_unavailable_reason"]
+
+logger = logging.getLogger("jaxoverlap")
+
+BACKENDS = ("auto", "xla", "cuda")
+
+# Ops that have a CUDA kernel in this build. The others run on "xla" only.
+OPS = ("all_reduce", "all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce")
+_CUDA_OPS = frozenset({"all_reduce"})
+
+_logged: set[tuple[str, str]] = set()
+_lock = threading.Lock()
+
+
+def cuda_unavailable_reason(op: str) -> str | None:
+  """Why ``backend="cuda"`` cannot run ``op`` right now, or None if it can.
+
+  Args:
+    op: one of ``OPS``.
+
+  Returns:
+    A sentence naming the missing piece, or None when the CUDA path is usable.
+  """
+  if op not in _CUDA_OPS:
+    return f"no CUDA kernel for {op} in this version (it runs on the xla backend)"
+  from jaxoverlap import _ffi  # local import: importing jaxoverlap never loads the extension
+  reason = _ffi.unavailable_reason()
+  if reason is not None:
+    return reason
+  from jaxoverlap import runtime
+  if not runtime.is_initialized():
+    return "jaxoverlap.initialize() has not been called in this process (NVSHMEM is not up)"
+  return None
+
+
+def select_backend(op: str, backend: str) -> str:
+  """Resolves ``backend`` for ``op`` to ``"xla"`` or ``"cuda"``.
+
+  Args:
+    op: the public op's name, one of ``OPS``.
+    backend: ``"auto"``, ``"xla"`` or ``"cuda"``.
+
+  Returns:
+    ``"xla"`` or ``"cuda"``.
+
+  Raises:
+    ValueError: ``backend`` is not one of ``BACKENDS``.
+    RuntimeError: ``backend="cuda"`` but the CUDA path is not usable; the
+      message says why.
+  """
+  if backend not in BACKENDS:
+    raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+  if backend == "xla":
+    return "xla"
+  reason = cuda_unavailable_reason(op)
+  if backend == "cuda":
+    if reason is not None:
+      raise RuntimeError(f"backend='cuda' was requested for {op}, but {reason}")
+    return "cuda"
+  if reason is None:
+    return "cuda"
+  with _lock:
+    if (op, reason) not in _logged:
+      _logged.add((op, reason))
+      logger.info("jaxoverlap: %s runs on backend 'xla' (auto): %s", op, reason)
+  return "xla"

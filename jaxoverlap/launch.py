@@ -1,0 +1,184 @@
+"""Starts one process per GPU with jax.distributed (and jaxoverlap) set up.
+
+Usage:
+  python -m jaxoverlap.launch --nproc 2 examples/train/main.py --distributed ...
+  python -m jaxoverlap.launch --nproc 2 --share_gpu tests/multiprocess/check_all_reduce.py
+
+Each child gets ``JAXOVERLAP_COORDINATOR``, ``JAXOVERLAP_NUM_PROCESSES``,
+``JAXOVERLAP_PROCESS_ID`` and ``JAXOVERLAP_LOCAL_DEVICE`` in its environment,
+and calls ``initialize_from_env()``. Under SLURM (``srun``, one task per GPU)
+no launcher is needed: ``initialize_from_env()`` reads SLURM's variables and
+``jax.distributed.initialize`` finds the coordinator itself.
+
+The launcher prefixes each line of output with the rank, stops the others when
+one fails, and exits with the first non-zero exit code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from typing import Any
+
+__all__ = ["main", "initialize_from_env", "free_port"]
+
+_ENV_PREFIX = "JAXOVERLAP_"
+
+
+def free_port() -> int:
+  """A TCP port that was free a moment ago (bind to port 0)."""
+  with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def initialize_from_env(
+    *, nvshmem: bool | None = None, heap_bytes: int | None = None
+) -> dict[str, Any]:
+  """Initialises jax.distributed (and jaxoverlap's NVSHMEM runtime) for this process.
+
+  Reads the launcher's ``JAXOVERLAP_*`` variables, or SLURM's
+  (``SLURM_PROCID``, ``SLURM_NTASKS``, ``SLURM_LOCALID``). With neither, the
+  process runs alone and jax.distributed is left untouched.
+
+  Args:
+    nvshmem: bring up the CUDA backend's runtime (``jaxoverlap.initialize``).
+      Default: when the platform is GPU and the CUDA extension is built.
+    heap_bytes: passed to ``jaxoverlap.initialize``.
+
+  Returns:
+    dict with ``process_id``, ``num_processes``, ``local_device`` and, when
+    NVSHMEM was brought up, ``runtime`` (``jaxoverlap.runtime_info()``).
+
+  Raises:
+    RuntimeError: ``nvshmem=True`` but the CUDA backend cannot start.
+  """
+  import jax
+
+  env = os.environ
+  out: dict[str, Any] = {"process_id": 0, "num_processes": 1, "local_device": None}
+  if _ENV_PREFIX + "COORDINATOR" in env:
+    pid = int(env[_ENV_PREFIX + "PROCESS_ID"])
+    nproc = int(env[_ENV_PREFIX + "NUM_PROCESSES"])
+    local = int(env[_ENV_PREFIX + "LOCAL_DEVICE"])
+    jax.distributed.initialize(
+        coordinator_address=env[_ENV_PREFIX + "COORDINATOR"],
+        num_processes=nproc,
+        process_id=pid,
+        local_device_ids=[local],
+    )
+    out.update(process_id=pid, num_processes=nproc, local_device=local)
+  elif "SLURM_PROCID" in env and int(env.get("SLURM_NTASKS", "1")) > 1:
+    local = int(env.get("SLURM_LOCALID", "0"))
+    jax.distributed.initialize(local_device_ids=[local])
+    out.update(process_id=jax.process_index(), num_processes=jax.process_count(),
+               local_device=local)
+
+  if nvshmem is None:
+    from jaxoverlap import _ffi
+
+    nvshmem = jax.default_backend() == "gpu" and _ffi.unavailable_reason() is None
+  if nvshmem:
+    from jaxoverlap import runtime
+
+    out["runtime"] = runtime.initialize(heap_bytes)
+  return out
+
+
+def _pump(stream, rank: int, sink) -> None:
+  for raw in iter(stream.readline, b""):
+    sink.write(f"[rank {rank}] {raw.decode(errors='replace')}")
+    sink.flush()
+
+
+def main(argv: list[str] | None = None) -> int:
+  parser = argparse.ArgumentParser(
+      prog="python -m jaxoverlap.launch",
+      description="Run a script in N local processes, one GPU each, with jax.distributed set up.")
+  parser.add_argument("--nproc", type=int, required=True, help="number of processes (GPUs)")
+  parser.add_argument("--share_gpu", action="store_true",
+                      help="all processes use GPU 0 (correctness checks on a 1-GPU machine; "
+                           "never for timing)")
+  parser.add_argument("--port", type=int, default=0, help="coordinator port (default: a free one)")
+  parser.add_argument("--timeout_s", type=float, default=0,
+                      help="kill all processes after this many seconds (0: no limit)")
+  parser.add_argument("script", help="Python script, or -m module")
+  parser.add_argument("args", nargs=argparse.REMAINDER)
+  a = parser.parse_args(argv)
+  if a.nproc < 1:
+    parser.error(f"--nproc must be >= 1, got {a.nproc}")
+
+  port = a.port or free_port()
+  cmd = [sys.executable] + (["-m", a.args[0]] + a.args[1:] if a.script == "-m" else [a.script] + a.args)
+  procs, pumps = [], []
+  for rank in range(a.nproc):
+    env = dict(os.environ)
+    env.update({
+        _ENV_PREFIX + "COORDINATOR": f"127.0.0.1:{port}",
+        _ENV_PREFIX + "NUM_PROCESSES": str(a.nproc),
+        _ENV_PREFIX + "PROCESS_ID": str(rank),
+        _ENV_PREFIX + "LOCAL_DEVICE": "0" if a.share_gpu else str(rank),
+        "PYTHONUNBUFFERED": "1",
+        "PYTHONFAULTHANDLER": "1",  # a crash prints the Python stack
+    })
+    env.setdefault("NVSHMEM_DISABLE_NVLS", "1")
+    env.setdefault("NCCL_NVLS_ENABLE", "0")
+    if a.share_gpu:
+      env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", str(round(0.6 / a.nproc, 3)))
+    p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                         start_new_session=True)
+    t = threading.Thread(target=_pump, args=(p.stdout, rank, sys.stdout), daemon=True)
+    t.start()
+    pumps.append(t)
+    procs.append(p)
+
+  start = time.monotonic()
+  code = 0
+  try:
+    while any(p.poll() is None for p in procs):
+      failed = [p.returncode for p in procs if p.returncode not in (None, 0)]
+      timed_out = a.timeout_s and time.monotonic() - start > a.timeout_s
+      if failed or timed_out:
+        code = failed[0] if failed else 124
+        if failed and code < 0:
+          why = f"a process was killed by {signal.Signals(-code).name}"
+        elif failed:
+          why = f"a process exited with {code}"
+        else:
+          why = f"timeout of {a.timeout_s} s"
+        sys.stderr.write(f"jaxoverlap.launch: {why}; stopping the others\n")
+        _stop(procs)
+        break
+      time.sleep(0.1)
+  except KeyboardInterrupt:
+    _stop(procs)
+    code = 130
+  for p in procs:
+    p.wait()
+  for t in pumps:  # drain what the processes printed before they ended
+    t.join(timeout=5.0)
+  if code == 0:
+    code = next((p.returncode for p in procs if p.returncode), 0)
+  return code
+
+
+def _stop(procs, grace_s: float = 5.0) -> None:
+  for p in procs:
+    if p.poll() is None:
+      os.killpg(p.pid, signal.SIGTERM)
+  deadline = time.monotonic() + grace_s
+  for p in procs:
+    while p.poll() is None and time.monotonic() < deadline:
+      time.sleep(0.05)
+    if p.poll() is None:
+      os.killpg(p.pid, signal.SIGKILL)
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,316 @@
+"""NVSHMEM runtime: bootstrap, symmetric heap, topology, rank <-> PE mapping.
+
+Problem:
+  The CUDA backend moves data with device-initiated NVSHMEM puts, so every
+  process must join one NVSHMEM job (one PE per process, one GPU per PE) and
+  allocate one symmetric heap, in the same order on every process, before the
+  first kernel runs.
+
+Algorithm:
+  ``initialize()`` runs after ``jax.distributed.initialize``. Process 0 makes
+  an NVSHMEM unique id; it travels through the jax.distributed key-value store
+  under a ``jaxoverlap/`` key; every process then initialises NVSHMEM on the GPU
+  that JAX gave it and allocates the heap once. The hosts of all processes go
+  through the same store to find the ranks per node. PE numbers equal
+  ``jax.process_index()``; this module is the one place that says so.
+
+Example:
+  >>> jax.distributed.initialize(coordinator, num_processes, process_id,
+  ...                            local_device_ids=[local_rank])
+  >>> jaxoverlap.initialize()            # or: python -m jaxoverlap.launch
+  >>> jaxoverlap.runtime_info()["num_pes"]
+  2
+"""
+
+from __future__ import annotations
+
+import atexit
+import base64
+import logging
+import os
+import re
+import socket
+import threading
+from typing import Any
+
+logger = logging.getLogger("jaxoverlap")
+
+__all__ = [
+    "initialize",
+    "finalize",
+    "is_initialized",
+    "runtime_info",
+    "pe_of_device",
+    "groups_along_axis",
+    "DEFAULT_HEAP_BYTES",
+    "DEFAULT_TIMEOUT_S",
+]
+
+DEFAULT_HEAP_BYTES = 1 << 30  # 1 GiB per GPU
+DEFAULT_TIMEOUT_S = 10.0
+# NVSHMEM's own heap must hold ours plus its internal allocations.
+_NVSHMEM_HEAP_SLACK_BYTES = 256 << 20
+
+_lock = threading.Lock()
+_initialized = False
+_generation = 0
+_info: dict[str, Any] = {}
+
+
+def is_initialized() -> bool:
+  """True once ``initialize()`` has brought NVSHMEM up in this process."""
+  return _initialized
+
+
+def _parse_bytes(text: str, what: str) -> int:
+  m = re.fullmatch(r"\s*(\d+)\s*([kKmMgG]?)(i?[bB])?\s*", text)
+  if not m:
+    raise ValueError(f"{what}={text!r} is not a byte count (e.g. 1073741824, 512M, 1G)")
+  scale = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30}[m.group(2).lower()]
+  return int(m.group(1)) * scale
+
+
+def _kv_client():
+  # The jax.distributed key-value store has no public accessor in jax 0.11;
+  # this is the one private JAX attribute the package touches.
+  from jax._src import distributed
+
+  return distributed.global_state.client
+
+
+def _exchange(key: str, value: bytes | None, rank: int, timeout_s: float) -> bytes:
+  """Rank 0 (value given) publishes ``value`` under ``key``; others read it."""
+  client = _kv_client()
+  if client is None:
+    raise RuntimeError(
+        "jaxoverlap.initialize: jax.distributed is not initialised but there are several "
+        "processes; call jax.distributed.initialize(...) first (python -m jaxoverlap.launch does)")
+  if value is not None:
+    client.key_value_set(key, base64.b64encode(value).decode())
+    return value
+  return base64.b64decode(client.blocking_key_value_get(key, int(timeout_s * 1000)))
+
+
+def _ranks_per_node(rank: int, num_ranks: int, timeout_s: float) -> tuple[int, list[str]]:
+  host = socket.gethostname()
+  if num_ranks == 1:
+    return 1, [host]
+  client = _kv_client()
+  client.key_value_set(f"jaxoverlap/{_generation}/host/{rank}", host)
+  hosts = [
+      client.blocking_key_value_get(f"jaxoverlap/{_generation}/host/{r}", int(timeout_s * 1000))
+      for r in range(num_ranks)
+  ]
+  counts = {h: hosts.count(h) for h in hosts}
+  if len(set(counts.values())) != 1:
+    raise RuntimeError(
+        f"jaxoverlap.initialize: nodes hold different numbers of processes {counts}; set "
+        "JAXOVERLAP_RANKS_PER_NODE (or ranks_per_node=) if that is intended")
+  per_node = counts[host]
+  # Ranks of one node must be contiguous: node = rank // ranks_per_node.
+  for r, h in enumerate(hosts):
+    if hosts[(r // per_node) * per_node] != h:
+      raise RuntimeError(
+          f"jaxoverlap.initialize: process ranks are not grouped by node (hosts by rank: {hosts}); "
+          "launch ranks node by node, or set JAXOVERLAP_RANKS_PER_NODE")
+  return per_node, hosts
+
+
+def initialize(
+    heap_bytes: int | None = None,
+    *,
+    timeout_s: float | None = None,
+    ranks_per_node: int | None = None,
+) -> dict[str, Any]:
+  """Brings up NVSHMEM in this process and allocates the symmetric heap.
+
+  Call once per process, after ``jax.distributed.initialize`` (when there are
+  several processes) and before the first op with ``backend="cuda"``. Every
+  process must call it: it is a collective.
+
+  Args:
+    heap_bytes: size of the symmetric heap in bytes (default: environment
+      variable ``JAXOVERLAP_HEAP_BYTES``, e.g. ``512M``, else 1 GiB). It must
+      fit beside XLA's preallocation (``XLA_PYTHON_CLIENT_MEM_FRACTION``).
+    timeout_s: bound on every device wait, in seconds (default
+      ``JAXOVERLAP_TIMEOUT_S`` or 10 s). A wait that times out records the
+      rank, peer and step and traps the kernel.
+    ranks_per_node: GPUs per node (default ``JAXOVERLAP_RANKS_PER_NODE``, else
+      detected from the hosts of the processes). Setting 1 on one host makes
+      each GPU its own "node", which exercises the inter-node path.
+
+  Returns:
+    ``runtime_info()``.
+
+  Raises:
+    RuntimeError: the CUDA extension is missing, XLA's own NVSHMEM is switched
+      on, the process does not own exactly one GPU, NVSHMEM fails to start or
+      the heap does not fit. Messages say which.
+    ValueError: a size or timeout is malformed.
+  """
+  global _initialized, _generation, _info
+  with _lock:
+    if _initialized:
+      return runtime_info()
+    import jax
+
+    from jaxoverlap import _ffi
+
+    if re.search(r"xla_gpu_experimental_enable_nvshmem(=true|=1)?(\s|$)", os.environ.get("XLA_FLAGS", "")):
+      raise RuntimeError(
+          "jaxoverlap.initialize: XLA's own NVSHMEM is switched on "
+          "(--xla_gpu_experimental_enable_nvshmem in XLA_FLAGS); two NVSHMEM runtimes cannot "
+          "share a process. Remove the flag.")
+    # XLA's GPU client must exist before the extension (and NVSHMEM's host
+    # library) is loaded: loaded the other way round, NVSHMEM's start-up
+    # crashed (seen on 2x H200, jax 0.11.2, NVSHMEM 3.4.5).
+    devices = jax.local_devices()
+    ext = _ffi.load()
+
+    if heap_bytes is None:
+      env = os.environ.get("JAXOVERLAP_HEAP_BYTES")
+      heap_bytes = _parse_bytes(env, "JAXOVERLAP_HEAP_BYTES") if env else DEFAULT_HEAP_BYTES
+    if heap_bytes <= 0:
+      raise ValueError(f"heap_bytes must be positive, got {heap_bytes}")
+    if timeout_s is None:
+      timeout_s = float(os.environ.get("JAXOVERLAP_TIMEOUT_S", DEFAULT_TIMEOUT_S))
+    if not timeout_s > 0:
+      raise ValueError(f"timeout_s must be positive, got {timeout_s}")
+
+    if len(devices) != 1 or devices[0].platform != "gpu":
+      raise RuntimeError(
+          "jaxoverlap.initialize: the CUDA backend needs exactly one GPU per process; this "
+          f"process sees {[str(d) for d in devices]}. Start one process per GPU "
+          "(python -m jaxoverlap.launch, or jax.distributed.initialize(local_device_ids=[i])).")
+    device = devices[0]
+    ordinal = int(getattr(device, "local_hardware_id", None) or 0)
+    rank, num_ranks = jax.process_index(), jax.process_count()
+
+    # NVLink multicast stays off (it can take a host's GPUs down; our kernels
+    # do not use it), and NVSHMEM's heap must hold ours.
+    os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
+    os.environ.setdefault("NVSHMEM_SYMMETRIC_SIZE", str(heap_bytes + _NVSHMEM_HEAP_SLACK_BYTES))
+
+    env_rpn = os.environ.get("JAXOVERLAP_RANKS_PER_NODE")
+    if ranks_per_node is None and env_rpn:
+      ranks_per_node = int(env_rpn)
+    detected, hosts = _ranks_per_node(rank, num_ranks, timeout_s=60.0)
+    if ranks_per_node is None:
+      ranks_per_node = detected
+    if ranks_per_node < 1 or num_ranks % ranks_per_node:
+      raise ValueError(
+          f"ranks_per_node={ranks_per_node} must divide the number of processes {num_ranks}")
+
+    if len(set(hosts)) == 1:
+      # One host: NVSHMEM's unique-id bootstrap talks over loopback.
+      os.environ.setdefault("NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME", "lo")
+
+    key = f"jaxoverlap/{_generation}/nvshmem_uid"
+    uid = ext.get_unique_id() if rank == 0 else None
+    if num_ranks > 1:
+      uid = _exchange(key, uid, rank, timeout_s=120.0)
+    logger.info("jaxoverlap: NVSHMEM PE %d of %d on GPU %d, heap %d bytes", rank, num_ranks,
+                ordinal, heap_bytes)
+    try:
+      ext.initialize(uid, rank, num_ranks, ordinal, heap_bytes, int(timeout_s * 1e9))
+    except RuntimeError as e:
+      raise RuntimeError(f"jaxoverlap.initialize (PE {rank} of {num_ranks}): {e}") from None
+    _generation += 1
+    _initialized = True
+    _info = {
+        "transport": "nvshmem",
+        "pe": rank,
+        "num_pes": num_ranks,
+        "device": str(device),
+        "cuda_ordinal": ordinal,
+        "ranks_per_node": ranks_per_node,
+        "num_nodes": num_ranks // ranks_per_node,
+        "hosts": hosts,
+        "heap_bytes": heap_bytes,
+        "timeout_s": timeout_s,
+    }
+    atexit.register(finalize)
+    return runtime_info()
+
+
+def finalize() -> None:
+  """Frees the heap and shuts NVSHMEM down (a collective; runs at exit)."""
+  global _initialized
+  with _lock:
+    if not _initialized:
+      return
+    from jaxoverlap import _ffi
+
+    ext = _ffi.load()
+    if ext.device_error() is not None:
+      # A peer may be gone; the finalising barrier would never return.
+      logger.warning("jaxoverlap: skipping NVSHMEM finalize after a device error")
+    else:
+      ext.finalize()
+    _initialized = False
+
+
+def runtime_info() -> dict[str, Any]:
+  """What the CUDA backend uses in this process, so that no fallback is silent.
+
+  Returns:
+    A dict with ``initialized``, and once initialised: ``transport``, ``pe``,
+    ``num_pes``, ``ranks_per_node``, ``num_nodes``, ``heap_bytes``,
+    ``slot_bytes`` (one-shot capacity per peer, bytes), ``timeout_s``,
+    ``device_error`` (None, or what a timed-out wait recorded), and
+    ``backends``: for each op, ``"cuda"`` or the reason it runs on ``"xla"``.
+  """
+  from jaxoverlap import _ffi, backend
+
+  info: dict[str, Any] = {"initialized": _initialized}
+  reason = _ffi.unavailable_reason()
+  info["extension"] = "loaded" if reason is None else reason
+  if _initialized:
+    info.update(_info)
+    ext = _ffi.load()
+    native = ext.info()
+    info["slot_bytes"] = native["slot_bytes"]
+    info["max_group_size"] = native["max_group_size"]
+    info["device_error"] = ext.device_error()
+  info["backends"] = {
+      op: (backend.cuda_unavailable_reason(op) or "cuda") for op in backend.OPS
+  }
+  return info
+
+
+def pe_of_device(device) -> int:
+  """The NVSHMEM PE that owns a JAX device: its process index (one GPU per process)."""
+  return int(device.process_index)
+
+
+def groups_along_axis(mesh, axis_name: str) -> list[list[int]]:
+  """PE groups of a collective over ``axis_name`` of ``mesh``, each in rank order.
+
+  Args:
+    mesh: a concrete ``jax.sharding.Mesh``.
+    axis_name: one of ``mesh.axis_names``.
+
+  Returns:
+    One list per group (``mesh.size // mesh.shape[axis_name]`` of them), each
+    ``mesh.shape[axis_name]`` PEs long, ordered by position along the axis.
+
+  Raises:
+    ValueError: two devices of one group live in the same process (the CUDA
+      backend needs one GPU per process).
+  """
+  import numpy as np
+
+  names = list(mesh.axis_names)
+  if axis_name not in names:
+    raise ValueError(f"axis {axis_name!r} is not in the mesh axes {tuple(names)}")
+  devices = np.moveaxis(np.asarray(mesh.devices), names.index(axis_name), -1)
+  size = devices.shape[-1]
+  groups = []
+  for row in devices.reshape(-1, size):
+    pes = [pe_of_device(d) for d in row]
+    if len(set(pes)) != len(pes):
+      raise ValueError(
+          f"the CUDA backend needs one GPU per process, but devices {[str(d) for d in row]} "
+          f"along axis {axis_name!r} share processes {pes}")
+    groups.append(pes)
+  return groups
