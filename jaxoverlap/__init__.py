@@ -1,0 +1,34 @@
+"""jaxoverlap: latency-optimal all-reduce and fused compute-communication for JAX on NVIDIA GPUs.
+
+Public ops (call inside ``jax.shard_map``; each a ``jax.custom_vjp``):
+
+* ``all_reduce(x, axis_name)`` == ``lax.psum(x, axis_name)``
+* ``all_gather_matmul(x, w, axis_name, gather_dimension=0)``
+  == ``lax.all_gather(x, axis_name, axis=gather_dimension, tiled=True) @ w``
+* ``matmul_reduce_scatter(x, w, axis_name, scatter_dimension=0)``
+  == ``lax.psum_scatter(x @ w, axis_name, scatter_dimension=..., tiled=True)``
+* ``matmul_all_reduce(x, w, axis_name)`` == ``lax.psum(x @ w, axis_name)``
+
+Runtime: ``initialize()`` (NVSHMEM, for ``backend="cuda"``), ``finalize()``,
+``runtime_info()``. Importing the package needs no GPU and loads no extension.
+"""
+
+from jaxoverlap.backend import BACKENDS, select_backend
+from jaxoverlap.collectives import all_reduce
+from jaxoverlap.overlap import all_gather_matmul, matmul_all_reduce, matmul_reduce_scatter
+from jaxoverlap.runtime import finalize, initialize, is_initialized, runtime_info
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BACKENDS",
+    "all_gather_matmul",
+    "all_reduce",
+    "finalize",
+    "initialize",
+    "is_initialized",
+    "matmul_all_reduce",
+    "matmul_reduce_scatter",
+    "runtime_info",
+    "select_backend",
+]

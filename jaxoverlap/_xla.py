@@ -1,0 +1,275 @@
+"""The "xla" backend: every public op in pure JAX, as one of two algorithms.
+
+Problem:
+  The ops must run everywhere (CPU, GPU without the CUDA extension, under
+  ``jit`` and ``shard_map``) and give the CUDA kernels a baseline. XLA runs a
+  collective next to a GEMM one after the other, so the communication is
+  exposed.
+
+Algorithm:
+  ``"collective"`` is the reference expression with float32 accumulation: the
+  ``lax`` collective, then (or before) one GEMM. ``"ppermute"`` decomposes the
+  collective into a ring of ``lax.ppermute`` steps (rank ``i`` sends to rank
+  ``i + 1``) with one shard GEMM per step. A step's GEMM never depends on the
+  transfer of the same step, so XLA may run them at the same time:
+
+  * AllGather+GEMM: each rank multiplies its own shard first, then each shard
+    as it arrives from the left (ranks ``r - 1, r - 2, ...``), writing every
+    product straight into its rows of the output.
+  * GEMM+ReduceScatter: the accumulator for output block ``d`` starts on rank
+    ``d + 1`` and travels right; each rank adds its partial product to the
+    accumulator it receives and passes it on. A rank therefore computes the
+    blocks of the other ranks first and its own block last, while the last
+    transfer is in flight (CommFuse's rank-adaptive order).
+  * GEMM+AllReduce: the GEMM+ReduceScatter ring over the rows of ``x @ w``
+    (or its columns, or zero-padded rows when neither divides), then
+    ``lax.all_gather(..., to="invarying")``, so that the result has the type
+    of ``psum`` (invariant over the axis).
+  * AllReduce: flatten, zero-pad to a multiple of the number of ranks, ring
+    reduce-scatter by ``ppermute``, then ``lax.all_gather(...,
+    to="invarying")`` as above. A ring all-gather by ``ppermute`` would type
+    the result as varying, which ``out_specs=P()`` rejects under
+    ``check_vma=True``.
+
+  Accumulators that travel hold the input dtype (the bytes ``psum_scatter``
+  moves); each add happens in float32 and rounds once.
+
+Example:
+  >>> y = all_gather_matmul(x, w, "tp", 0, "ppermute")[0]   # inside shard_map
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+__all__ = [
+    "matmul",
+    "contract_leading",
+    "varying_axes",
+    "vma_checked",
+    "to_varying",
+    "cast_to_vma",
+    "all_reduce",
+    "all_gather_matmul",
+    "matmul_reduce_scatter",
+    "matmul_all_reduce",
+]
+
+
+# ----------------------------------------------------------------------------
+# GEMMs
+
+
+def matmul(x, w):
+  """``x [..., k] @ w [k, n]`` accumulated and returned in float32."""
+  return lax.dot_general(x, w, (((x.ndim - 1,), (0,)), ((), ())), precision=None,
+                         preferred_element_type=jnp.float32)
+
+
+def contract_leading(a, b):
+  """``a [..., k]``, ``b [..., n]`` -> ``[k, n]`` in float32, summed over ``...``.
+
+  This is the weight gradient ``x^T @ dy`` of ``y = x @ w`` for any number of
+  leading (batch) dimensions.
+  """
+  lead = tuple(range(a.ndim - 1))
+  return lax.dot_general(a, b, ((lead, lead), ((), ())), precision=None,
+                         preferred_element_type=jnp.float32)
+
+
+# ----------------------------------------------------------------------------
+# Varying-manual-axes ("vma") types under shard_map(check_vma=True)
+
+
+def _names(axis_name) -> tuple[str, ...]:
+  return axis_name if isinstance(axis_name, tuple) else (axis_name,)
+
+
+def varying_axes(x) -> frozenset:
+  """The mesh axes over which ``x`` is typed varying (empty outside shard_map)."""
+  aval = jax.typeof(x)
+  mat = getattr(aval, "manual_axis_type", None)  # jax 0.11
+  if mat is not None:
+    return frozenset(mat.varying)
+  return frozenset(getattr(aval, "vma", ()))  # older jax
+
+
+def vma_checked(axis_name) -> bool:
+  """True inside ``shard_map(check_vma=True)`` over ``axis_name``.
+
+  ``lax.axis_index`` is typed varying over its axis when types are checked,
+  and has no varying axes when ``check_vma=False``.
+  """
+  return set(_names(axis_name)) <= varying_axes(lax.axis_index(axis_name))
+
+
+def to_varying(x, axis_name):
+  """Casts ``x`` to varying over ``axis_name`` where it is not yet (no data moves)."""
+  missing = tuple(a for a in _names(axis_name) if a not in varying_axes(x))
+  return lax.pcast(x, missing, to="varying") if missing else x
+
+
+def cast_to_vma(ct, vma: frozenset):
+  """Gives the cotangent ``ct`` the varying axes ``vma`` of its primal input.
+
+  An input typed invariant over an axis entered the forward through an
+  implicit ``pvary``, whose transpose sums over that axis: the axes on which
+  ``ct`` varies but the input did not are summed with ``psum``. Axes on which
+  the input varies but ``ct`` does not are cast to varying (the transpose of a
+  ``psum``). Under ``check_vma=False`` both sets are empty and this does
+  nothing.
+  """
+  have = varying_axes(ct)
+  extra = tuple(sorted(have - vma))
+  if extra:
+    ct = lax.psum(ct, extra)
+  missing = tuple(sorted(vma - have))
+  if missing:
+    ct = lax.pcast(ct, missing, to="varying")
+  return ct
+
+
+# ----------------------------------------------------------------------------
+# Ring helpers
+
+
+def _send_right(x, axis_name, num_ranks):
+  """Rank ``i`` sends ``x`` to rank ``(i + 1) % num_ranks``."""
+  return lax.ppermute(x, axis_name, [(i, (i + 1) % num_ranks) for i in range(num_ranks)])
+
+
+def _ring_reduce_scatter(partial, dtype, axis_name, num_ranks):
+  """Ring reduce-scatter of the blocks ``partial(d)``, ``d = 0..num_ranks-1``.
+
+  ``partial(d)`` is this rank's float32 contribution to output block ``d``.
+  At step ``t`` a rank holds the accumulator of block ``r - 1 - t``: it adds
+  its own contribution and sends it right; after ``num_ranks - 1`` transfers
+  rank ``r`` holds block ``r``, its own contribution added last.
+  """
+  r = lax.axis_index(axis_name)
+  acc = partial((r - 1) % num_ranks).astype(dtype)
+  for t in range(1, num_ranks):
+    received = _send_right(acc, axis_name, num_ranks)
+    acc = (received.astype(jnp.float32) + partial((r - 1 - t) % num_ranks)).astype(dtype)
+  return acc
+
+
+# ----------------------------------------------------------------------------
+# Ops. Arguments are validated and dimensions normalised by the callers.
+
+
+def all_reduce(x, axis_name, algorithm: str):
+  """``psum(x)``; "ppermute": ring reduce-scatter of the flattened, padded x + all-gather."""
+  if algorithm == "collective" or x.size == 0:
+    return lax.psum(x, axis_name)
+  num_ranks = lax.axis_size(axis_name)
+  x = to_varying(x, axis_name)
+  size = x.size
+  chunk = -(-size // num_ranks)
+  flat = jnp.pad(x.reshape(-1), (0, num_ranks * chunk - size))
+  chunks = flat.reshape(num_ranks, chunk)
+
+  def partial(d):
+    return lax.dynamic_index_in_dim(chunks, d, 0, keepdims=False).astype(jnp.float32)
+
+  mine = _ring_reduce_scatter(partial, x.dtype, axis_name, num_ranks)
+  full = lax.all_gather(mine, axis_name, axis=0, tiled=True, to="invarying")
+  return full[:size].reshape(x.shape)
+
+
+def all_gather_matmul(x, w, axis_name, gather_dimension: int, algorithm: str):
+  """``(AG(x) @ w, AG(x))``, AG = tiled all-gather along ``gather_dimension``.
+
+  ``gather_dimension`` may be x's last (contracted) dimension; then ``w`` has
+  ``num_ranks * x.shape[-1]`` rows and the ring sums the shard products
+  instead of placing them (used by matmul_reduce_scatter's backward pass when
+  it scatters the last dimension).
+
+  An empty shard (``x.shape[gather_dimension] == 0``) takes the ring path
+  under "collective" too: XLA rejects an all-gather along an empty dimension.
+
+  Returns:
+    The product in x's dtype, and the gathered x (the backward's residual).
+  """
+  g = gather_dimension
+  # XLA rejects an all-gather along an empty dimension; the ring moves nothing.
+  if algorithm == "collective" and x.shape[g] != 0:
+    xg = lax.all_gather(x, axis_name, axis=g, tiled=True)
+    return matmul(xg, w).astype(x.dtype), xg
+  num_ranks = lax.axis_size(axis_name)
+  r = lax.axis_index(axis_name)
+  x = to_varying(x, axis_name)
+  m = x.shape[g]
+  contracted = g == x.ndim - 1
+  xg = jnp.zeros(x.shape[:g] + (num_ranks * m,) + x.shape[g + 1:], x.dtype)
+  if contracted:
+    acc = None
+  else:
+    out = jnp.zeros(xg.shape[:-1] + (w.shape[1],), x.dtype)
+  shard = x
+  for s in range(num_ranks):
+    src = (r - s) % num_ranks  # the rank whose shard this rank holds at step s
+    nxt = _send_right(shard, axis_name, num_ranks) if s < num_ranks - 1 else None
+    xg = lax.dynamic_update_slice_in_dim(xg, shard, src * m, axis=g)
+    if contracted:
+      part = matmul(shard, lax.dynamic_slice_in_dim(w, src * m, m, axis=0))
+      acc = part if acc is None else acc + part
+    else:
+      out = lax.dynamic_update_slice_in_dim(out, matmul(shard, w).astype(x.dtype), src * m,
+                                            axis=g)
+    shard = nxt
+  if contracted:
+    out = acc.astype(x.dtype)
+  return out, xg
+
+
+def matmul_reduce_scatter(x, w, axis_name, scatter_dimension: int, algorithm: str):
+  """``psum_scatter(x @ w)`` along ``scatter_dimension`` of the output.
+
+  An empty scattered dimension takes the ring path under "collective" too:
+  XLA rejects a reduce-scatter to an empty dimension.
+  """
+  s = scatter_dimension
+  last = s == x.ndim - 1
+  size = w.shape[1] if last else x.shape[s]
+  if algorithm == "collective" and size != 0:
+    return lax.psum_scatter(matmul(x, w).astype(x.dtype), axis_name, scatter_dimension=s,
+                            tiled=True)
+  num_ranks = lax.axis_size(axis_name)
+  x = to_varying(x, axis_name)
+  blk = size // num_ranks
+
+  def partial(d):
+    if last:
+      return matmul(x, lax.dynamic_slice_in_dim(w, d * blk, blk, axis=1))
+    return matmul(lax.dynamic_slice_in_dim(x, d * blk, blk, axis=s), w)
+
+  return _ring_reduce_scatter(partial, x.dtype, axis_name, num_ranks)
+
+
+def matmul_all_reduce(x, w, axis_name, algorithm: str):
+  """``psum(x @ w)``; "ppermute": the GEMM+RS ring on a 2-D view, then all-gather.
+
+  With no rows (``x.size == 0``) "ppermute" runs the psum: XLA rejects an
+  all-gather along an empty dimension, and there is nothing to overlap.
+  """
+  if algorithm == "collective" or x.size == 0:
+    return lax.psum(matmul(x, w).astype(x.dtype), axis_name)
+  num_ranks = lax.axis_size(axis_name)
+  lead = x.shape[:-1]
+  rows, n = math.prod(lead), w.shape[1]
+  x2 = x.reshape(rows, x.shape[-1])
+  if rows % num_ranks == 0:
+    dim = 0
+  elif n % num_ranks == 0:
+    dim = 1
+  else:  # zero rows contribute zero; sliced off below
+    dim = 0
+    x2 = jnp.pad(x2, ((0, -rows % num_ranks), (0, 0)))
+  mine = matmul_reduce_scatter(x2, w, axis_name, dim, "ppermute")
+  full = lax.all_gather(mine, axis_name, axis=dim, tiled=True, to="invarying")
+  return full[:rows].reshape(lead + (n,))

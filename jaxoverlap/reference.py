@@ -1,0 +1,52 @@
+"""Pure-JAX definitions of every public op: what each op must equal.
+
+Problem:
+  Each op of jaxoverlap replaces a JAX collective next to a matmul by a faster
+  implementation. Tests and users need the plain expression it stands for.
+
+Algorithm:
+  One function per public op, with the same name and the same arguments (less
+  ``backend`` and ``algorithm``), written with ``lax`` collectives and ``@``.
+  Call them inside ``jax.shard_map``, like the ops. jaxoverlap's results equal
+  these up to the order of float32 summation; its matmuls accumulate in
+  float32 and round once to the input dtype.
+
+Example:
+  >>> from jaxoverlap import reference
+  >>> @jax.shard_map(mesh=mesh, in_specs=(P("tp"), P(None, "tp")),
+  ...                out_specs=P(None, "tp"))
+  ... def f(x_md, w_df):
+  ...   return reference.all_gather_matmul(x_md, w_df, "tp")
+"""
+
+from __future__ import annotations
+
+from jax import lax
+
+__all__ = ["all_reduce", "all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce"]
+
+
+def all_reduce(x, axis_name):
+  """``lax.psum(x, axis_name)``: the sum of ``x`` over the ranks of the axis."""
+  return lax.psum(x, axis_name)
+
+
+def all_gather_matmul(x, w, axis_name, *, gather_dimension=0):
+  """``lax.all_gather(x, axis_name, axis=gather_dimension, tiled=True) @ w``."""
+  gather_dimension %= x.ndim
+  return lax.all_gather(x, axis_name, axis=gather_dimension, tiled=True) @ w
+
+
+def matmul_reduce_scatter(x, w, axis_name, *, scatter_dimension=0):
+  """``lax.psum_scatter(x @ w, axis_name, scatter_dimension=..., tiled=True)``.
+
+  ``scatter_dimension`` indexes the output ``x @ w`` (it may be its last one).
+  """
+  y = x @ w
+  return lax.psum_scatter(y, axis_name, scatter_dimension=scatter_dimension % y.ndim,
+                          tiled=True)
+
+
+def matmul_all_reduce(x, w, axis_name):
+  """``lax.psum(x @ w, axis_name)``."""
+  return lax.psum(x @ w, axis_name)

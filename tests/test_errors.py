@@ -1,0 +1,259 @@
+"""Bad input raises ValueError (or RuntimeError for an unusable backend) at trace time.
+
+Every case traces the op inside shard_map over a 4-rank "tp" mesh with
+jax.eval_shape (nothing is compiled or run) and checks the message.
+"""
+
+import functools
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from jaxoverlap import collectives, overlap
+
+AUTO = jax.sharding.AxisType.Auto
+F32 = jnp.float32
+
+
+@functools.cache
+def mesh4():
+  return jax.make_mesh((4,), ("tp",), axis_types=(AUTO,), devices=jax.devices()[:4])
+
+
+def trace(fn, *shapes):
+  """Traces fn on replicated per-rank operands of the given (shape, dtype)s."""
+  args = [jax.ShapeDtypeStruct(s, d) for s, d in shapes]
+  f = jax.shard_map(fn, mesh=mesh4(), in_specs=tuple(P() for _ in args), out_specs=P(),
+                    check_vma=False)
+  return jax.eval_shape(f, *args)
+
+
+def agmm(**kw):
+  return lambda x, w: overlap.all_gather_matmul(x, w, "tp", **kw)
+
+
+def mmrs(**kw):
+  return lambda x, w: overlap.matmul_reduce_scatter(x, w, "tp", **kw)
+
+
+def mmar(**kw):
+  return lambda x, w: overlap.matmul_all_reduce(x, w, "tp", **kw)
+
+
+GEMM_OPS = {"all_gather_matmul": agmm, "matmul_reduce_scatter": mmrs, "matmul_all_reduce": mmar}
+
+
+def test_good_input_traces():
+  """The cases below differ from these only in the named argument."""
+  assert trace(agmm(), ((8, 64), F32), ((64, 16), F32)).shape == (32, 16)
+  assert trace(mmrs(), ((8, 64), F32), ((64, 16), F32)).shape == (2, 16)
+  assert trace(mmar(), ((8, 64), F32), ((64, 16), F32)).shape == (8, 16)
+  assert trace(lambda x: collectives.all_reduce(x, "tp"), ((8,), F32)).shape == (8,)
+
+
+# ----------------------------------------------------------------------------
+# Shapes and dtypes
+
+
+def test_contracted_dimension_mismatch():
+  with pytest.raises(ValueError, match=re.escape(
+      "all_gather_matmul: x.shape[-1]=96 does not match w.shape[0]=64 "
+      "(the contracted dimension k)")):
+    trace(agmm(), ((8, 96), F32), ((64, 16), F32))
+
+
+@pytest.mark.parametrize("op", GEMM_OPS)
+def test_contracted_dimension_mismatch_every_op(op):
+  with pytest.raises(ValueError, match=re.escape(
+      f"{op}: x.shape[-1]=24 does not match w.shape[0]=40")):
+    trace(GEMM_OPS[op](), ((4, 24), F32), ((40, 8), F32))
+
+
+@pytest.mark.parametrize("op", GEMM_OPS)
+def test_w_not_2d(op):
+  with pytest.raises(ValueError, match=re.escape(
+      f"{op}: w must be 2-D [k, n], got w.shape=(2, 8, 4)")):
+    trace(GEMM_OPS[op](), ((4, 8), F32), ((2, 8, 4), F32))
+
+
+@pytest.mark.parametrize("op", GEMM_OPS)
+def test_x_scalar(op):
+  with pytest.raises(ValueError, match=re.escape(f"{op}: x must have at least 1 dimension")):
+    trace(GEMM_OPS[op](), ((), F32), ((8, 4), F32))
+
+
+@pytest.mark.parametrize("op", GEMM_OPS)
+def test_dtype_mismatch(op):
+  with pytest.raises(ValueError, match=re.escape(
+      f"{op}: x.dtype=float32 and w.dtype=bfloat16 differ")):
+    trace(GEMM_OPS[op](), ((4, 8), F32), ((8, 4), jnp.bfloat16))
+
+
+@pytest.mark.parametrize("dtype", [jnp.int32, jnp.float8_e4m3fn, jnp.complex64],
+                         ids=["int32", "fp8", "complex64"])
+def test_unsupported_dtype(dtype):
+  msg = f"x.dtype={jnp.dtype(dtype)} is not supported; use one of float32, bfloat16, float16"
+  with pytest.raises(ValueError, match=re.escape("all_reduce: " + msg)):
+    trace(lambda x: collectives.all_reduce(x, "tp"), ((8,), dtype))
+  with pytest.raises(ValueError, match=re.escape("matmul_all_reduce: " + msg)):
+    trace(mmar(), ((4, 8), dtype), ((8, 4), dtype))
+
+
+def test_float64_numpy_input():
+  """A float64 NumPy array is refused, not silently cast to float32."""
+  with pytest.raises(ValueError, match=re.escape("all_reduce: x.dtype=float64 is not supported")):
+    trace(lambda x: collectives.all_reduce(np.ones(3), "tp"), ((8,), F32))
+
+
+def test_not_an_array():
+  with pytest.raises(ValueError, match=re.escape("all_reduce: x must be an array, got list")):
+    trace(lambda x: collectives.all_reduce([1.0, 2.0], "tp"), ((8,), F32))
+
+
+# ----------------------------------------------------------------------------
+# gather_dimension / scatter_dimension
+
+
+@pytest.mark.parametrize("g", [2, -3])
+def test_gather_dimension_out_of_range(g):
+  with pytest.raises(ValueError, match=re.escape(
+      f"all_gather_matmul: gather_dimension={g} is out of range for x of ndim=2 "
+      f"(valid: -2..1)")):
+    trace(agmm(gather_dimension=g), ((8, 64), F32), ((64, 16), F32))
+
+
+@pytest.mark.parametrize("g", [-1, 2])
+def test_gather_dimension_is_contracted(g):
+  with pytest.raises(ValueError, match=re.escape(
+      f"all_gather_matmul: gather_dimension={g} is x's last dimension, the contracted "
+      f"dimension k (x.shape=(2, 8, 64))")):
+    trace(agmm(gather_dimension=g), ((2, 8, 64), F32), ((64, 16), F32))
+
+
+def test_gather_dimension_of_1d_x():
+  with pytest.raises(ValueError, match="gather_dimension=0 is x's last dimension"):
+    trace(agmm(), ((64,), F32), ((64, 16), F32))
+
+
+@pytest.mark.parametrize("bad", [1.5, "0", True], ids=["float", "str", "bool"])
+def test_dimension_not_int(bad):
+  with pytest.raises(ValueError, match=re.escape(
+      f"all_gather_matmul: gather_dimension must be an int, got {bad!r}")):
+    trace(agmm(gather_dimension=bad), ((8, 64), F32), ((64, 16), F32))
+  with pytest.raises(ValueError, match=re.escape(
+      f"matmul_reduce_scatter: scatter_dimension must be an int, got {bad!r}")):
+    trace(mmrs(scatter_dimension=bad), ((8, 64), F32), ((64, 16), F32))
+
+
+@pytest.mark.parametrize("s", [3, -4])
+def test_scatter_dimension_out_of_range(s):
+  with pytest.raises(ValueError, match=re.escape(
+      f"matmul_reduce_scatter: scatter_dimension={s} is out of range for the output "
+      f"x @ w of ndim=3 (valid: -3..2)")):
+    trace(mmrs(scatter_dimension=s), ((2, 8, 64), F32), ((64, 16), F32))
+
+
+@pytest.mark.parametrize("s,size", [(0, 10), (-1, 6)], ids=["rows", "last"])
+def test_scatter_dimension_not_divisible(s, size):
+  x_shape, w_shape = ((10, 64), (64, 16)) if s == 0 else ((8, 64), (64, 6))
+  with pytest.raises(ValueError, match=re.escape(
+      f"matmul_reduce_scatter: the output x @ w (shape {x_shape[:1] + w_shape[1:]}) has "
+      f"size {size} along scatter_dimension={s}, which is not divisible by the size 4 "
+      f"of axis 'tp'")):
+    trace(mmrs(scatter_dimension=s), (x_shape, F32), (w_shape, F32))
+
+
+# ----------------------------------------------------------------------------
+# axis_name
+
+
+def test_unknown_axis_name():
+  with pytest.raises(ValueError, match=re.escape(
+      "all_reduce: axis_name='dp' is not a mesh axis bound here (unbound: ('dp',); "
+      "bound mesh axes: ('tp',))")):
+    trace(lambda x: collectives.all_reduce(x, "dp"), ((8,), F32))
+
+
+@pytest.mark.parametrize("op", GEMM_OPS)
+def test_unknown_axis_name_every_op(op):
+  fn = {"all_gather_matmul": overlap.all_gather_matmul,
+        "matmul_reduce_scatter": overlap.matmul_reduce_scatter,
+        "matmul_all_reduce": overlap.matmul_all_reduce}[op]
+  with pytest.raises(ValueError, match=re.escape(f"{op}: axis_name=('tp', 'sp') is not a mesh "
+                                                 f"axis bound here (unbound: ('sp',)")):
+    trace(lambda x, w: fn(x, w, ("tp", "sp")), ((8, 64), F32), ((64, 16), F32))
+
+
+def test_axis_name_outside_shard_map():
+  with pytest.raises(ValueError, match=re.escape(
+      "all_reduce: axis_name='tp' is not a mesh axis bound here")):
+    jax.eval_shape(lambda x: collectives.all_reduce(x, "tp"), jax.ShapeDtypeStruct((8,), F32))
+
+
+@pytest.mark.parametrize("bad", [0, None, (), ("tp", "tp"), ["tp"]],
+                         ids=["int", "none", "empty", "duplicate", "list"])
+def test_axis_name_type(bad):
+  with pytest.raises(ValueError, match=re.escape(
+      f"all_reduce: axis_name must be a mesh axis name (str) or a tuple of distinct names, "
+      f"got axis_name={bad!r}")):
+    trace(lambda x: collectives.all_reduce(x, bad), ((8,), F32))
+
+
+# ----------------------------------------------------------------------------
+# backend / algorithm
+
+
+@pytest.mark.parametrize("op", ["all_reduce", *GEMM_OPS])
+def test_unknown_backend(op):
+  with pytest.raises(ValueError, match=re.escape(
+      f"{op}: backend='nccl' is not one of ('auto', 'xla', 'cuda')")):
+    if op == "all_reduce":
+      trace(lambda x: collectives.all_reduce(x, "tp", backend="nccl"), ((8,), F32))
+    else:
+      trace(GEMM_OPS[op](backend="nccl"), ((8, 64), F32), ((64, 16), F32))
+
+
+@pytest.mark.parametrize("op", GEMM_OPS)
+def test_unknown_algorithm(op):
+  with pytest.raises(ValueError, match=re.escape(
+      f"{op}: algorithm='ring' is unknown; valid: ('auto', 'collective', 'ppermute') "
+      f"(backend 'xla')")):
+    trace(GEMM_OPS[op](algorithm="ring"), ((8, 64), F32), ((64, 16), F32))
+
+
+def test_unknown_algorithm_all_reduce():
+  with pytest.raises(ValueError, match=re.escape(
+      "all_reduce: algorithm='ring' is unknown; valid: ('auto', 'collective', 'ppermute') "
+      "(backend 'xla'), ('auto', 'one_shot', 'one_shot_ll', 'one_shot_simple', 'two_shot', "
+      "'hierarchical', 'hierarchical_ll', 'hierarchical_simple') (backend 'cuda')")):
+    trace(lambda x: collectives.all_reduce(x, "tp", algorithm="ring"), ((8,), F32))
+
+
+@pytest.mark.parametrize("backend,how", [("xla", "backend='xla'"),
+                                         ("auto", "backend='auto' resolved to 'xla'")])
+def test_cuda_algorithm_on_xla_backend(backend, how):
+  # On these CPU test machines backend="auto" resolves to "xla".
+  with pytest.raises(ValueError, match=re.escape(
+      f"all_reduce: algorithm='one_shot' is not available with {how}; valid: "
+      f"('auto', 'collective', 'ppermute')")):
+    trace(lambda x: collectives.all_reduce(x, "tp", backend=backend, algorithm="one_shot"),
+          ((8,), F32))
+
+
+@pytest.mark.parametrize("op", GEMM_OPS)
+def test_cuda_backend_for_gemm_ops(op):
+  with pytest.raises(RuntimeError, match=re.escape(
+      f"backend='cuda' was requested for {op}, but no CUDA kernel for {op}")):
+    trace(GEMM_OPS[op](backend="cuda"), ((8, 64), F32), ((64, 16), F32))
+
+
+def test_cuda_backend_unavailable_for_all_reduce():
+  if jax.default_backend() == "gpu":
+    pytest.skip("CPU-only check: the CUDA path may be usable here")
+  with pytest.raises(RuntimeError, match=re.escape(
+      "backend='cuda' was requested for all_reduce, but")):
+    trace(lambda x: collectives.all_reduce(x, "tp", backend="cuda"), ((8,), F32))
