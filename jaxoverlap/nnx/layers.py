@@ -1,0 +1,776 @@
+"""Flax NNX tensor-parallel and sequence-parallel layers on jaxoverlap's ops.
+
+Problem:
+  Megatron-LM tensor parallelism (TP, arXiv 1909.08053) splits each MLP and
+  attention block into a column-parallel GEMM (weight sharded on its output
+  features) and a row-parallel GEMM (weight sharded on its input features),
+  with one all-reduce per block in the forward pass and one in the backward
+  pass. Sequence parallelism (SP, arXiv 2205.05198) shards the activations
+  between blocks on the sequence, turning each all-reduce into an all-gather
+  before the column GEMM and a reduce-scatter after the row GEMM. Done with
+  plain XLA collectives, this communication is exposed.
+
+Algorithm:
+  Every layer is thin: its parameters carry ``out_sharding`` metadata from the
+  logical-axis rules of a ``ParallelConfig`` (so ``nnx.get_partition_spec``
+  gives their specs and sharded init places them), and ``__call__`` runs the
+  per-rank computation inside ``jax.shard_map`` on global (jit-level) arrays,
+  calling jaxoverlap's functional ops for every collective next to a GEMM:
+
+  ======================  ==========================  ==========================
+  layer                   without SP                  with SP
+  ======================  ==========================  ==========================
+  ColumnParallelLinear    local GEMM; backward        ``all_gather_matmul``
+                          ``all_reduce`` of dx        (seq, dimension 1)
+  RowParallelLinear       ``matmul_all_reduce``       ``matmul_reduce_scatter``
+                                                      (seq, dimension 1)
+  ======================  ==========================  ==========================
+
+  Gradients of replicated parameters (norm scales, row biases, and every
+  parameter over ``dp``) are summed by JAX's own transposes of ``shard_map``
+  (``psum`` over the axes the parameter is replicated on). With
+  ``config.mesh=None`` the same modules run unsharded with plain ``jnp`` ops.
+
+Example:
+  >>> mesh = jax.make_mesh((2, 4), ("dp", "tp"),
+  ...                      axis_types=(jax.sharding.AxisType.Auto,) * 2)
+  >>> config = ParallelConfig(mesh=mesh, sequence_parallel=True)
+  >>> @nnx.jit
+  ... def create():
+  ...   return TransformerBlock(512, 8, 2048, config=config, rngs=nnx.Rngs(0))
+  >>> block = create()                        # parameters sharded as annotated
+  >>> x_bsd = jnp.zeros((8, 128, 512))
+  >>> y_bsd = nnx.jit(lambda m, x: m(x))(block, x_bsd)
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from flax.nnx.nn import dtypes as nnx_dtypes
+from jax import lax
+
+from jaxoverlap.collectives import all_reduce
+from jaxoverlap.nnx.config import ParallelConfig
+from jaxoverlap.overlap import all_gather_matmul, matmul_all_reduce, matmul_reduce_scatter
+
+__all__ = [
+    "ColumnParallelLinear",
+    "RowParallelLinear",
+    "RMSNorm",
+    "LayerNorm",
+    "ParallelMLP",
+    "ParallelAttention",
+    "TransformerBlock",
+]
+
+Dtype = Any
+Initializer = Callable[..., jax.Array]
+
+_default_kernel_init = nnx.initializers.lecun_normal()
+_ACTIVATIONS = ("gelu", "swiglu")
+_NORMS = ("rms", "layer")
+
+
+# ----------------------------------------------------------------------------
+# Helpers
+# ----------------------------------------------------------------------------
+
+
+def _param_init(init: Initializer, config: ParallelConfig, names: tuple[str | None, ...]):
+  """Wraps ``init`` with the ``out_sharding`` metadata of logical ``names``.
+
+  Without a mesh the initializer is returned as is (no sharding metadata, so
+  unsharded models never need a mesh context).
+  """
+  if config.mesh is None:
+    return init
+  return nnx.with_partitioning(init, tuple(config.spec(*names)), mesh=config.mesh)
+
+
+def _shard_map(fn: Callable, config: ParallelConfig, in_specs, out_specs) -> Callable:
+  """``fn`` inside ``jax.shard_map`` on ``config.mesh``; ``fn`` itself without a mesh."""
+  if config.mesh is None:
+    return fn
+  return jax.shard_map(fn, mesh=config.mesh, in_specs=in_specs, out_specs=out_specs)
+
+
+def _matmul(x: jax.Array, w: jax.Array) -> jax.Array:
+  """Local ``x @ w`` with fp32 accumulation, returned in ``x.dtype``."""
+  return jnp.matmul(x, w, preferred_element_type=jnp.float32).astype(x.dtype)
+
+
+def _check_divisible(what: str, value: int, by: int, by_what: str):
+  if value % by:
+    raise ValueError(f"{what}={value} must be divisible by {by_what}={by}")
+
+
+def _check_rank3(x: jax.Array, layer: str, letters: str):
+  if x.ndim != 3:
+    raise ValueError(f"{layer} expects x: [{', '.join(letters)}], got shape {x.shape}")
+
+
+def _check_activation_shape(x: jax.Array, config: ParallelConfig, layer: str):
+  """Batch divisible by dp; sequence divisible by tp under SP."""
+  if config.mesh is None:
+    return
+  if config.mesh_axis("batch") is not None:
+    _check_divisible(f"{layer}: batch size", x.shape[0], config.dp_size, "dp size")
+  if config.sequence_parallel:
+    _check_divisible(
+        f"{layer}: sequence length (sequence_parallel=True)", x.shape[1], config.tp_size,
+        "tp size")
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
+def _copy_to_tp(x, axis_name, backend, algorithm):
+  """Megatron's ``f``: identity forward, ``all_reduce`` of the gradient backward.
+
+  ``x`` is replicated over ``axis_name``; the result is typed as varying over
+  it so it can meet a tp-sharded weight.
+  """
+  del backend, algorithm
+  return lax.pcast(x, axis_name, to="varying")
+
+
+def _copy_to_tp_fwd(x, axis_name, backend, algorithm):
+  return _copy_to_tp(x, axis_name, backend, algorithm), None
+
+
+def _copy_to_tp_bwd(axis_name, backend, algorithm, _, g):
+  return (all_reduce(g, axis_name, backend=backend, algorithm=algorithm),)
+
+
+_copy_to_tp.defvjp(_copy_to_tp_fwd, _copy_to_tp_bwd)
+
+
+# ----------------------------------------------------------------------------
+# Linear layers
+# ----------------------------------------------------------------------------
+
+
+class ColumnParallelLinear(nnx.Module):
+  """Column-parallel linear layer: ``y = x @ w + bias``, ``w`` sharded on its output.
+
+  Shapes are global (jit-level); ``d = in_features``, ``f = out_features``.
+
+  * Without SP: ``x: [b, s, d]`` replicated over tp (``b`` sharded over dp)
+    -> ``y: [b, s, f]`` sharded on ``f`` over tp. Forward: a local GEMM, no
+    communication. Backward: ``all_reduce`` of ``dx`` over tp (Megatron's
+    ``f`` operator).
+  * With SP: ``x: [b, s, d]`` sharded on ``s`` over tp -> ``y: [b, s, f]``
+    sharded on ``f`` over tp (full sequence), through
+    ``all_gather_matmul(x, w, tp, gather_dimension=1)``; its backward is a
+    ``matmul_reduce_scatter`` (Megatron-SP's ``g``).
+
+  Parameters: ``kernel: [d, f]`` (``kernel_axes``, default ``("embed",
+  "mlp")``: sharded on ``f`` over tp) and ``bias: [f]`` (sharded over tp).
+  dtypes: f32, bf16, f16; GEMMs accumulate in fp32.
+
+  Source: Megatron-LM (arXiv 1909.08053, section 3) and Megatron-SP
+  (arXiv 2205.05198, section 4.2.2).
+  """
+
+  def __init__(
+      self,
+      in_features: int,
+      out_features: int,
+      *,
+      config: ParallelConfig,
+      use_bias: bool = True,
+      dtype: Dtype | None = None,
+      param_dtype: Dtype = jnp.float32,
+      kernel_init: Initializer = _default_kernel_init,
+      bias_init: Initializer = nnx.initializers.zeros_init(),
+      kernel_axes: tuple[str, str] = ("embed", "mlp"),
+      rngs: nnx.Rngs,
+  ):
+    """Creates the layer.
+
+    Args:
+      in_features: ``d``, the input features (replicated).
+      out_features: ``f``, the output features; divisible by the tp size.
+      config: the mesh and layout.
+      use_bias: add a bias of shape ``[f]``.
+      dtype: compute dtype; None promotes the input and parameter dtypes.
+      param_dtype: parameter dtype.
+      kernel_init: initializer of ``kernel: [d, f]``.
+      bias_init: initializer of ``bias: [f]``.
+      kernel_axes: logical names of the kernel axes; the first must map to
+        no mesh axis, the second to ``config.tp_axis``.
+      rngs: random number streams for the initializers.
+
+    Raises:
+      ValueError: ``out_features`` is not divisible by the tp size, or
+        ``kernel_axes`` do not map to (None, tp).
+    """
+    _check_divisible("ColumnParallelLinear: out_features", out_features, config.tp_size,
+                     "tp size")
+    if config.mesh is not None and (
+        config.mesh_axis(kernel_axes[0]) is not None
+        or config.mesh_axis(kernel_axes[1]) != config.tp_axis):
+      raise ValueError(
+          f"ColumnParallelLinear: kernel_axes={kernel_axes} must map to (None, "
+          f"{config.tp_axis!r}), got ({config.mesh_axis(kernel_axes[0])!r}, "
+          f"{config.mesh_axis(kernel_axes[1])!r})")
+    self.in_features = in_features
+    self.out_features = out_features
+    self.config = config
+    self.use_bias = use_bias
+    self.dtype = dtype
+    self.param_dtype = param_dtype
+    self.kernel_axes = tuple(kernel_axes)
+    self.kernel = nnx.Param(
+        _param_init(kernel_init, config, self.kernel_axes)(
+            rngs.params(), (in_features, out_features), param_dtype))
+    self.bias = (
+        nnx.Param(
+            _param_init(bias_init, config, self.kernel_axes[1:])(
+                rngs.params(), (out_features,), param_dtype))
+        if use_bias else None)
+
+  def __call__(self, x_bsd: jax.Array) -> jax.Array:
+    """Applies the layer.
+
+    Args:
+      x_bsd: ``[b, s, d]``; sharded on ``s`` over tp with SP, else replicated
+        over tp; ``b`` sharded over dp.
+
+    Returns:
+      ``[b, s, f]`` sharded on ``f`` over tp (``b`` over dp), in the compute
+      dtype.
+
+    Raises:
+      ValueError: ``x_bsd`` is not rank 3, its last dimension is not ``d``,
+        ``b`` is not divisible by the dp size, or (SP) ``s`` not by the tp size.
+    """
+    _check_rank3(x_bsd, "ColumnParallelLinear", "bsd")
+    if x_bsd.shape[-1] != self.in_features:
+      raise ValueError(
+          f"ColumnParallelLinear: x has {x_bsd.shape[-1]} features, expected "
+          f"in_features={self.in_features}")
+    _check_activation_shape(x_bsd, self.config, "ColumnParallelLinear")
+    bias = self.bias[...] if self.bias is not None else None
+    x_bsd, w_df, bias = nnx_dtypes.promote_dtype((x_bsd, self.kernel[...], bias),
+                                                 dtype=self.dtype)
+    cfg = self.config
+
+    def local(x_bsd, w_df, *bias_f):
+      if cfg.mesh is None:
+        y_bsf = _matmul(x_bsd, w_df)
+      elif cfg.sequence_parallel:
+        y_bsf = all_gather_matmul(
+            x_bsd, w_df, cfg.tp_axis, gather_dimension=1, backend=cfg.backend,
+            algorithm=cfg.algorithm)
+      else:
+        x_bsd = _copy_to_tp(x_bsd, cfg.tp_axis, cfg.backend, cfg.all_reduce_algorithm)
+        y_bsf = _matmul(x_bsd, w_df)
+      if bias_f:
+        y_bsf = y_bsf + bias_f[0]
+      return y_bsf
+
+    out_axis = self.kernel_axes[1]
+    in_specs = (cfg.spec("batch", "seq", "embed"), cfg.spec(*self.kernel_axes))
+    args = (x_bsd, w_df)
+    if bias is not None:
+      in_specs += (cfg.spec(out_axis),)
+      args += (bias,)
+    return _shard_map(local, cfg, in_specs, cfg.spec("batch", None, out_axis))(*args)
+
+
+class RowParallelLinear(nnx.Module):
+  """Row-parallel linear layer: ``y = x @ w + bias``, ``w`` sharded on its input.
+
+  Shapes are global (jit-level); ``f = in_features``, ``d = out_features``.
+
+  * Without SP: ``x: [b, s, f]`` sharded on ``f`` over tp -> ``y: [b, s, d]``
+    replicated over tp, through ``matmul_all_reduce(x, w, tp)`` (Megatron's
+    ``g``); backward: a local GEMM for ``dx``.
+  * With SP: ``x: [b, s, f]`` sharded on ``f`` over tp -> ``y: [b, s, d]``
+    sharded on ``s`` over tp, through
+    ``matmul_reduce_scatter(x, w, tp, scatter_dimension=1)``; its backward is
+    an ``all_gather_matmul``.
+
+  The bias is added once, after the reduction. Parameters: ``kernel: [f, d]``
+  (``kernel_axes``, default ``("mlp", "embed")``: sharded on ``f`` over tp)
+  and ``bias: [d]`` (replicated). dtypes: f32, bf16, f16; GEMMs accumulate in
+  fp32.
+
+  Source: Megatron-LM (arXiv 1909.08053, section 3) and Megatron-SP
+  (arXiv 2205.05198, section 4.2.2).
+  """
+
+  def __init__(
+      self,
+      in_features: int,
+      out_features: int,
+      *,
+      config: ParallelConfig,
+      use_bias: bool = True,
+      dtype: Dtype | None = None,
+      param_dtype: Dtype = jnp.float32,
+      kernel_init: Initializer = _default_kernel_init,
+      bias_init: Initializer = nnx.initializers.zeros_init(),
+      kernel_axes: tuple[str, str] = ("mlp", "embed"),
+      rngs: nnx.Rngs,
+  ):
+    """Creates the layer.
+
+    Args:
+      in_features: ``f``, the input features; divisible by the tp size.
+      out_features: ``d``, the output features (replicated).
+      config: the mesh and layout.
+      use_bias: add a bias of shape ``[d]`` after the reduction.
+      dtype: compute dtype; None promotes the input and parameter dtypes.
+      param_dtype: parameter dtype.
+      kernel_init: initializer of ``kernel: [f, d]``.
+      bias_init: initializer of ``bias: [d]``.
+      kernel_axes: logical names of the kernel axes; the first must map to
+        ``config.tp_axis``, the second to no mesh axis.
+      rngs: random number streams for the initializers.
+
+    Raises:
+      ValueError: ``in_features`` is not divisible by the tp size, or
+        ``kernel_axes`` do not map to (tp, None).
+    """
+    _check_divisible("RowParallelLinear: in_features", in_features, config.tp_size, "tp size")
+    if config.mesh is not None and (
+        config.mesh_axis(kernel_axes[0]) != config.tp_axis
+        or config.mesh_axis(kernel_axes[1]) is not None):
+      raise ValueError(
+          f"RowParallelLinear: kernel_axes={kernel_axes} must map to ({config.tp_axis!r}, "
+          f"None), got ({config.mesh_axis(kernel_axes[0])!r}, "
+          f"{config.mesh_axis(kernel_axes[1])!r})")
+    self.in_features = in_features
+    self.out_features = out_features
+    self.config = config
+    self.use_bias = use_bias
+    self.dtype = dtype
+    self.param_dtype = param_dtype
+    self.kernel_axes = tuple(kernel_axes)
+    self.kernel = nnx.Param(
+        _param_init(kernel_init, config, self.kernel_axes)(
+            rngs.params(), (in_features, out_features), param_dtype))
+    self.bias = (
+        nnx.Param(
+            _param_init(bias_init, config, self.kernel_axes[1:])(
+                rngs.params(), (out_features,), param_dtype))
+        if use_bias else None)
+
+  def __call__(self, x_bsf: jax.Array) -> jax.Array:
+    """Applies the layer.
+
+    Args:
+      x_bsf: ``[b, s, f]`` sharded on ``f`` over tp (full sequence), ``b``
+        sharded over dp.
+
+    Returns:
+      ``[b, s, d]``: sharded on ``s`` over tp with SP, else replicated over
+      tp; ``b`` over dp; in the compute dtype.
+
+    Raises:
+      ValueError: ``x_bsf`` is not rank 3, its last dimension is not ``f``,
+        ``b`` is not divisible by the dp size, or (SP) ``s`` not by the tp size.
+    """
+    _check_rank3(x_bsf, "RowParallelLinear", "bsf")
+    if x_bsf.shape[-1] != self.in_features:
+      raise ValueError(
+          f"RowParallelLinear: x has {x_bsf.shape[-1]} features, expected "
+          f"in_features={self.in_features}")
+    _check_activation_shape(x_bsf, self.config, "RowParallelLinear")
+    bias = self.bias[...] if self.bias is not None else None
+    x_bsf, w_fd, bias = nnx_dtypes.promote_dtype((x_bsf, self.kernel[...], bias),
+                                                 dtype=self.dtype)
+    cfg = self.config
+
+    def local(x_bsf, w_fd, *bias_d):
+      if cfg.mesh is None:
+        y_bsd = _matmul(x_bsf, w_fd)
+      elif cfg.sequence_parallel:
+        y_bsd = matmul_reduce_scatter(
+            x_bsf, w_fd, cfg.tp_axis, scatter_dimension=1, backend=cfg.backend,
+            algorithm=cfg.algorithm)
+      else:
+        y_bsd = matmul_all_reduce(
+            x_bsf, w_fd, cfg.tp_axis, backend=cfg.backend, algorithm=cfg.algorithm)
+      if bias_d:
+        y_bsd = y_bsd + bias_d[0]
+      return y_bsd
+
+    in_axis = self.kernel_axes[0]
+    in_specs = (cfg.spec("batch", None, in_axis), cfg.spec(*self.kernel_axes))
+    args = (x_bsf, w_fd)
+    if bias is not None:
+      in_specs += (cfg.spec(self.kernel_axes[1]),)
+      args += (bias,)
+    return _shard_map(local, cfg, in_specs, cfg.spec("batch", "seq", "embed"))(*args)
+
+
+# ----------------------------------------------------------------------------
+# Norms
+# ----------------------------------------------------------------------------
+
+
+class RMSNorm(nnx.Module):
+  """RMS normalization over the features, on activations in their TP/SP layout.
+
+  ``x: [b, s, d]`` -> ``[b, s, d]``, laid out as the activations between
+  blocks: sharded on ``s`` over tp with SP, else replicated over tp. Per-token,
+  so it needs no communication; the gradient of ``scale: [d]`` (replicated) is
+  summed over dp (and tp under SP) by JAX. Statistics in fp32.
+  """
+
+  def __init__(
+      self,
+      num_features: int,
+      *,
+      config: ParallelConfig,
+      epsilon: float = 1e-6,
+      dtype: Dtype | None = None,
+      param_dtype: Dtype = jnp.float32,
+      rngs: nnx.Rngs,
+  ):
+    """Creates the norm.
+
+    Args:
+      num_features: ``d``.
+      config: the mesh and layout.
+      epsilon: added to the mean square.
+      dtype: compute dtype; None promotes the input and parameter dtypes.
+      param_dtype: parameter dtype.
+      rngs: unused (no random initializers); kept for a uniform signature.
+    """
+    del rngs
+    self.num_features = num_features
+    self.config = config
+    self.epsilon = epsilon
+    self.dtype = dtype
+    self.scale = nnx.Param(
+        _param_init(nnx.initializers.ones_init(), config, ("embed",))(
+            jax.random.key(0), (num_features,), param_dtype))
+
+  def __call__(self, x_bsd: jax.Array) -> jax.Array:
+    """Normalizes ``x_bsd: [b, s, d]``; returns ``[b, s, d]`` in the same layout."""
+    _check_rank3(x_bsd, "RMSNorm", "bsd")
+    _check_activation_shape(x_bsd, self.config, "RMSNorm")
+    x_bsd, scale_d = nnx_dtypes.promote_dtype((x_bsd, self.scale[...]), dtype=self.dtype)
+    eps = self.epsilon
+
+    def local(x_bsd, scale_d):
+      x32 = x_bsd.astype(jnp.float32)
+      ms = jnp.mean(jnp.square(x32), axis=-1, keepdims=True)
+      return (x32 * lax.rsqrt(ms + eps) * scale_d.astype(jnp.float32)).astype(x_bsd.dtype)
+
+    act = self.config.spec("batch", "seq", "embed")
+    return _shard_map(local, self.config, (act, self.config.spec("embed")), act)(x_bsd, scale_d)
+
+
+class LayerNorm(nnx.Module):
+  """Layer normalization over the features, on activations in their TP/SP layout.
+
+  As ``RMSNorm`` (layout, no communication, fp32 statistics), with mean
+  subtraction and a ``bias: [d]``.
+  """
+
+  def __init__(
+      self,
+      num_features: int,
+      *,
+      config: ParallelConfig,
+      epsilon: float = 1e-6,
+      dtype: Dtype | None = None,
+      param_dtype: Dtype = jnp.float32,
+      rngs: nnx.Rngs,
+  ):
+    """Creates the norm.
+
+    Args:
+      num_features: ``d``.
+      config: the mesh and layout.
+      epsilon: added to the variance.
+      dtype: compute dtype; None promotes the input and parameter dtypes.
+      param_dtype: parameter dtype.
+      rngs: unused (no random initializers); kept for a uniform signature.
+    """
+    del rngs
+    self.num_features = num_features
+    self.config = config
+    self.epsilon = epsilon
+    self.dtype = dtype
+    self.scale = nnx.Param(
+        _param_init(nnx.initializers.ones_init(), config, ("embed",))(
+            jax.random.key(0), (num_features,), param_dtype))
+    self.bias = nnx.Param(
+        _param_init(nnx.initializers.zeros_init(), config, ("embed",))(
+            jax.random.key(0), (num_features,), param_dtype))
+
+  def __call__(self, x_bsd: jax.Array) -> jax.Array:
+    """Normalizes ``x_bsd: [b, s, d]``; returns ``[b, s, d]`` in the same layout."""
+    _check_rank3(x_bsd, "LayerNorm", "bsd")
+    _check_activation_shape(x_bsd, self.config, "LayerNorm")
+    x_bsd, scale_d, bias_d = nnx_dtypes.promote_dtype(
+        (x_bsd, self.scale[...], self.bias[...]), dtype=self.dtype)
+    eps = self.epsilon
+
+    def local(x_bsd, scale_d, bias_d):
+      x32 = x_bsd.astype(jnp.float32)
+      mean = jnp.mean(x32, axis=-1, keepdims=True)
+      var = jnp.mean(jnp.square(x32 - mean), axis=-1, keepdims=True)
+      y = (x32 - mean) * lax.rsqrt(var + eps)
+      y = y * scale_d.astype(jnp.float32) + bias_d.astype(jnp.float32)
+      return y.astype(x_bsd.dtype)
+
+    act = self.config.spec("batch", "seq", "embed")
+    vec = self.config.spec("embed")
+    return _shard_map(local, self.config, (act, vec, vec), act)(x_bsd, scale_d, bias_d)
+
+
+# ----------------------------------------------------------------------------
+# MLP, attention, block
+# ----------------------------------------------------------------------------
+
+
+class ParallelMLP(nnx.Module):
+  """Megatron MLP: column-parallel -> activation -> row-parallel.
+
+  ``x: [b, s, d]`` -> ``[b, s, d]``, both in the layout between blocks
+  (sharded on ``s`` over tp with SP, else replicated over tp). The hidden
+  activation ``[b, s, f]`` is sharded on ``f`` over tp and the activation is
+  applied per shard. Collectives: without SP, one ``matmul_all_reduce``
+  forward and one ``all_reduce`` backward; with SP, ``all_gather_matmul`` and
+  ``matmul_reduce_scatter`` (and their transposes backward).
+
+  ``activation="gelu"``: ``up: [d, f]``, ``gelu(x @ up) @ down``.
+  ``activation="swiglu"``: ``up: [d, 2f]`` holding gate and up columns
+  interleaved per hidden unit (column ``2i`` is the gate and ``2i + 1`` the up
+  projection of unit ``i``), so each tp shard holds whole units and the layout
+  does not depend on the tp size; ``silu(gate) * up`` then ``down: [f, d]``.
+
+  Source: Megatron-LM (arXiv 1909.08053, section 3, figure 3a); SwiGLU from
+  Shazeer, "GLU Variants Improve Transformer" (arXiv 2002.05202).
+  """
+
+  def __init__(
+      self,
+      num_features: int,
+      mlp_features: int,
+      *,
+      config: ParallelConfig,
+      activation: str = "gelu",
+      use_bias: bool = True,
+      dtype: Dtype | None = None,
+      param_dtype: Dtype = jnp.float32,
+      kernel_init: Initializer = _default_kernel_init,
+      rngs: nnx.Rngs,
+  ):
+    """Creates the MLP.
+
+    Args:
+      num_features: ``d``.
+      mlp_features: ``f``, the hidden features; divisible by the tp size.
+      config: the mesh and layout.
+      activation: ``"gelu"`` or ``"swiglu"``.
+      use_bias: biases on both linear layers.
+      dtype: compute dtype; None promotes the input and parameter dtypes.
+      param_dtype: parameter dtype.
+      kernel_init: initializer of both kernels.
+      rngs: random number streams for the initializers.
+
+    Raises:
+      ValueError: unknown ``activation``, or ``mlp_features`` not divisible by
+        the tp size.
+    """
+    if activation not in _ACTIVATIONS:
+      raise ValueError(f"activation must be one of {_ACTIVATIONS}, got {activation!r}")
+    _check_divisible("ParallelMLP: mlp_features", mlp_features, config.tp_size, "tp size")
+    self.config = config
+    self.activation = activation
+    width = 2 * mlp_features if activation == "swiglu" else mlp_features
+    common = dict(config=config, use_bias=use_bias, dtype=dtype, param_dtype=param_dtype,
+                  kernel_init=kernel_init, rngs=rngs)
+    self.up = ColumnParallelLinear(num_features, width, kernel_axes=("embed", "mlp"), **common)
+    self.down = RowParallelLinear(mlp_features, num_features, kernel_axes=("mlp", "embed"),
+                                  **common)
+
+  def __call__(self, x_bsd: jax.Array) -> jax.Array:
+    """Applies the MLP to ``x_bsd: [b, s, d]``; returns ``[b, s, d]`` in the same layout."""
+    h_bsf = self.up(x_bsd)
+    if self.activation == "gelu":
+      act = lambda h: jax.nn.gelu(h)
+    else:
+      def act(h):
+        h = h.reshape(*h.shape[:-1], h.shape[-1] // 2, 2)
+        return jax.nn.silu(h[..., 0]) * h[..., 1]
+    hidden = self.config.spec("batch", None, "mlp")
+    h_bsf = _shard_map(act, self.config, (hidden,), hidden)(h_bsf)
+    return self.down(h_bsf)
+
+
+def _causal_attention(qkv_bshk3: jax.Array) -> jax.Array:
+  """Causal softmax attention of ``[b, s, h, 3, k]`` (q, k, v) -> ``[b, s, h * k]``.
+
+  Logits and softmax in fp32; the output in the input dtype.
+  """
+  q, k, v = (qkv_bshk3[..., i, :] for i in range(3))
+  head_dim = q.shape[-1]
+  logits_bhst = jnp.einsum("bshk,bthk->bhst", q, k, preferred_element_type=jnp.float32)
+  logits_bhst = logits_bhst / math.sqrt(head_dim)
+  s = q.shape[1]
+  causal_st = jnp.tril(jnp.ones((s, s), dtype=bool))
+  logits_bhst = jnp.where(causal_st, logits_bhst, jnp.finfo(jnp.float32).min)
+  probs_bhst = jax.nn.softmax(logits_bhst, axis=-1)
+  out_bshk = jnp.einsum("bhst,bthk->bshk", probs_bhst, v.astype(jnp.float32))
+  return out_bshk.reshape(*out_bshk.shape[:2], -1).astype(qkv_bshk3.dtype)
+
+
+class ParallelAttention(nnx.Module):
+  """Causal multi-head self-attention, heads sharded over tp.
+
+  ``x: [b, s, d]`` -> ``[b, s, d]``, both in the layout between blocks
+  (sharded on ``s`` over tp with SP, else replicated over tp).
+
+  * ``qkv``: a ``ColumnParallelLinear`` ``[d, h * 3 * k]`` whose columns are
+    laid out head-major (``[h, 3, k]``: per head its q, k and v), so each tp
+    shard holds ``h / tp`` whole heads (Megatron's fused QKV layout).
+  * The attention core (causal softmax, fp32 logits) runs locally on each
+    head shard, over the full sequence.
+  * ``out``: a ``RowParallelLinear`` ``[h * k, d]``.
+
+  Collectives: as ``ParallelMLP`` (without SP, ``matmul_all_reduce``
+  forward and ``all_reduce`` backward; with SP, ``all_gather_matmul`` and
+  ``matmul_reduce_scatter``).
+
+  Source: Megatron-LM (arXiv 1909.08053, section 3, figure 3b).
+  """
+
+  def __init__(
+      self,
+      num_features: int,
+      num_heads: int,
+      *,
+      config: ParallelConfig,
+      head_features: int | None = None,
+      use_bias: bool = True,
+      dtype: Dtype | None = None,
+      param_dtype: Dtype = jnp.float32,
+      kernel_init: Initializer = _default_kernel_init,
+      rngs: nnx.Rngs,
+  ):
+    """Creates the attention layer.
+
+    Args:
+      num_features: ``d``.
+      num_heads: ``h``; divisible by the tp size.
+      config: the mesh and layout.
+      head_features: ``k``; None means ``d // h``.
+      use_bias: biases on the qkv and output projections.
+      dtype: compute dtype; None promotes the input and parameter dtypes.
+      param_dtype: parameter dtype.
+      kernel_init: initializer of both kernels.
+      rngs: random number streams for the initializers.
+
+    Raises:
+      ValueError: ``num_heads`` not divisible by the tp size, or
+        ``head_features`` is None and ``d`` not divisible by ``h``.
+    """
+    _check_divisible("ParallelAttention: num_heads", num_heads, config.tp_size, "tp size")
+    if head_features is None:
+      _check_divisible("ParallelAttention: num_features", num_features, num_heads, "num_heads")
+      head_features = num_features // num_heads
+    self.config = config
+    self.num_heads = num_heads
+    self.head_features = head_features
+    common = dict(config=config, use_bias=use_bias, dtype=dtype, param_dtype=param_dtype,
+                  kernel_init=kernel_init, rngs=rngs)
+    self.qkv = ColumnParallelLinear(
+        num_features, num_heads * 3 * head_features, kernel_axes=("embed", "heads"), **common)
+    self.out = RowParallelLinear(
+        num_heads * head_features, num_features, kernel_axes=("heads", "embed"), **common)
+
+  def __call__(self, x_bsd: jax.Array) -> jax.Array:
+    """Applies attention to ``x_bsd: [b, s, d]``; returns ``[b, s, d]`` in the same layout."""
+    qkv_bsn = self.qkv(x_bsd)  # n = h * 3 * k, sharded over tp
+    k = self.head_features
+
+    def core(qkv_bsn):
+      qkv_bshk3 = qkv_bsn.reshape(*qkv_bsn.shape[:2], -1, 3, k)
+      return _causal_attention(qkv_bshk3)
+
+    heads = self.config.spec("batch", None, "heads")
+    attn_bsn = _shard_map(core, self.config, (heads,), heads)(qkv_bsn)  # n = h * k
+    return self.out(attn_bsn)
+
+
+class TransformerBlock(nnx.Module):
+  """Pre-norm transformer block: ``x + attn(norm(x))``, then ``+ mlp(norm(.))``.
+
+  ``x: [b, s, d]`` -> ``[b, s, d]``. With SP, ``x``, the norms and the
+  residual adds are sharded on ``s`` over tp; without SP they are replicated
+  over tp. ``b`` is sharded over dp. Per block and direction, the collectives
+  are those of ``ParallelAttention`` plus those of ``ParallelMLP``.
+
+  Source: Megatron-LM (arXiv 1909.08053) and Megatron-SP (arXiv 2205.05198,
+  figure 5).
+  """
+
+  def __init__(
+      self,
+      num_features: int,
+      num_heads: int,
+      mlp_features: int,
+      *,
+      config: ParallelConfig,
+      head_features: int | None = None,
+      activation: str = "gelu",
+      norm: str = "rms",
+      use_bias: bool = False,
+      epsilon: float = 1e-6,
+      dtype: Dtype | None = None,
+      param_dtype: Dtype = jnp.float32,
+      kernel_init: Initializer = _default_kernel_init,
+      rngs: nnx.Rngs,
+  ):
+    """Creates the block.
+
+    Args:
+      num_features: ``d``.
+      num_heads: ``h``; divisible by the tp size.
+      mlp_features: ``f``; divisible by the tp size.
+      config: the mesh and layout.
+      head_features: ``k``; None means ``d // h``.
+      activation: ``"gelu"`` or ``"swiglu"``.
+      norm: ``"rms"`` (RMSNorm) or ``"layer"`` (LayerNorm).
+      use_bias: biases on the linear layers.
+      epsilon: the norms' epsilon.
+      dtype: compute dtype; None promotes the input and parameter dtypes.
+      param_dtype: parameter dtype.
+      kernel_init: initializer of every kernel.
+      rngs: random number streams for the initializers.
+
+    Raises:
+      ValueError: unknown ``norm`` or ``activation``, or sizes not divisible
+        as the sub-layers require.
+    """
+    if norm not in _NORMS:
+      raise ValueError(f"norm must be one of {_NORMS}, got {norm!r}")
+    self.config = config
+    norm_cls = RMSNorm if norm == "rms" else LayerNorm
+    norm_kw = dict(config=config, epsilon=epsilon, dtype=dtype, param_dtype=param_dtype,
+                   rngs=rngs)
+    common = dict(config=config, use_bias=use_bias, dtype=dtype, param_dtype=param_dtype,
+                  kernel_init=kernel_init, rngs=rngs)
+    self.attn_norm = norm_cls(num_features, **norm_kw)
+    self.attn = ParallelAttention(num_features, num_heads, head_features=head_features,
+                                  **common)
+    self.mlp_norm = norm_cls(num_features, **norm_kw)
+    self.mlp = ParallelMLP(num_features, mlp_features, activation=activation, **common)
+
+  def __call__(self, x_bsd: jax.Array) -> jax.Array:
+    """Applies the block to ``x_bsd: [b, s, d]``; returns ``[b, s, d]`` in the same layout."""
+    x_bsd = x_bsd + self.attn(self.attn_norm(x_bsd))
+    return x_bsd + self.mlp(self.mlp_norm(x_bsd))

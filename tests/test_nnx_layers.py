@@ -1,0 +1,313 @@
+"""NNX tensor/sequence-parallel layers against the same modules run unsharded.
+
+Each test builds a layer on a (dp, tp) mesh of simulated host devices and the
+same layer with ``mesh=None`` (plain ``jnp`` ops on one device), loads the same
+fresh random parameter values into both, and compares every element of the
+forward output and of the gradients of ``sum(out * r)`` (``r`` random) with
+respect to every parameter and to the input.
+"""
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from jaxoverlap.nnx import (
+    ColumnParallelLinear,
+    LayerNorm,
+    ParallelAttention,
+    ParallelConfig,
+    ParallelMLP,
+    RMSNorm,
+    RowParallelLinear,
+    TransformerBlock,
+)
+
+AUTO = jax.sharding.AxisType.Auto
+B, S, D, H, F = 4, 8, 32, 4, 64
+_seed = itertools.count(1000)
+
+
+def _key():
+  """A fresh key for every draw (each test and call gets new values)."""
+  return jax.random.key(next(_seed))
+
+
+def _mesh(dp, tp):
+  return jax.make_mesh((dp, tp), ("dp", "tp"), axis_types=(AUTO, AUTO),
+                       devices=jax.devices()[:dp * tp])
+
+
+def _tol(dtype):
+  eps = float(jnp.finfo(dtype).eps)
+  return dict(rtol=max(eps ** (2 / 3), 2e-5), atol=max(eps ** (2 / 3), 2e-5))
+
+
+def _params(model):
+  return nnx.state(model, nnx.Param)
+
+
+def _random_params(model, key):
+  """Fresh random values (numpy) for every parameter of ``model``, as a pure dict."""
+  pure = nnx.to_pure_dict(_params(model))
+  leaves, treedef = jax.tree.flatten(pure)
+  out = []
+  for i, a in enumerate(leaves):
+    scale = 1.0 / np.sqrt(a.shape[0]) if a.ndim == 2 else 0.5
+    v = scale * jax.random.normal(jax.random.fold_in(key, i), a.shape, jnp.float32)
+    out.append(np.asarray(v.astype(a.dtype)))
+  return jax.tree.unflatten(treedef, out)
+
+
+def _load(model, pure):
+  """Puts the values of ``pure`` into ``model``'s parameters, keeping their shardings."""
+  state = _params(model)
+  shardings = jax.tree.map(lambda a: a.sharding, nnx.to_pure_dict(state))
+  nnx.replace_by_pure_dict(state, jax.tree.map(jax.device_put, pure, shardings))
+  nnx.update(model, state)
+
+
+def _make_pair(build, config):
+  """The sharded module (created under nnx.jit) and its unsharded twin, same values."""
+  sharded = nnx.jit(lambda: build(config))()
+  ref = build(ParallelConfig(mesh=None))
+  pure = _random_params(sharded, _key())
+  _load(sharded, pure)
+  _load(ref, pure)
+  return sharded, ref
+
+
+def _forward_and_grads(model, x, r):
+  graphdef, state = nnx.split(model)
+
+  def loss(state, x):
+    y = nnx.merge(graphdef, state)(x)
+    return jnp.sum(y.astype(jnp.float32) * r), y
+
+  (_, y), (g_state, g_x) = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(
+      state, x)
+  return y, nnx.to_pure_dict(g_state), g_x
+
+
+def _assert_tree_close(got, want, tol, what):
+  got_leaves = jax.tree_util.tree_flatten_with_path(got)[0]
+  want_leaves = jax.tree.leaves(want)
+  assert len(got_leaves) == len(want_leaves)
+  for (path, g), w in zip(got_leaves, want_leaves):
+    np.testing.assert_allclose(
+        np.asarray(g, np.float32), np.asarray(w, np.float32), **tol,
+        err_msg=f"{what} {jax.tree_util.keystr(path)}")
+
+
+def _check_against_reference(build, config, x_shape, dtype=jnp.float32, tol=None):
+  sharded, ref = _make_pair(build, config)
+  x = jax.random.normal(_key(), x_shape, jnp.float32).astype(dtype)
+  # Outliers: a few large entries per call.
+  x = x.at[0, 0, 0].set(8.0).at[-1, -1, -1].set(-8.0)
+  y_ref = ref(x)
+  r = jax.random.normal(_key(), y_ref.shape, jnp.float32)
+  y, g_params, g_x = _forward_and_grads(sharded, x, r)
+  y_want, g_params_want, g_x_want = _forward_and_grads(ref, x, r)
+  tol = tol or _tol(dtype)
+  assert y.shape == y_want.shape and y.dtype == y_want.dtype
+  _assert_tree_close(y, y_want, tol, "output")
+  _assert_tree_close(g_x, g_x_want, tol, "grad x")
+  _assert_tree_close(g_params, g_params_want, tol, "grad")
+  return y
+
+
+MESHES = {"dp2-tp2": (2, 2), "dp2-tp4": (2, 4), "dp1-tp4": (1, 4)}
+
+
+# ----------------------------------------------------------------------------
+# TransformerBlock
+# ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("algorithm", ["collective", "ppermute"])
+@pytest.mark.parametrize("sp", [False, True], ids=["nosp", "sp"])
+@pytest.mark.parametrize("mesh_id", ["dp2-tp2", "dp2-tp4"])
+def test_transformer_block_matches_unsharded(mesh_id, sp, algorithm):
+  mesh = _mesh(*MESHES[mesh_id])
+  config = ParallelConfig(mesh=mesh, sequence_parallel=sp, backend="xla", algorithm=algorithm,
+                          all_reduce_algorithm=algorithm)
+  # Cover both activations and both norms across the parametrization.
+  activation, norm = ("gelu", "layer") if mesh_id == "dp2-tp2" else ("swiglu", "rms")
+  build = lambda c: TransformerBlock(D, H, F, config=c, activation=activation, norm=norm,
+                                     use_bias=True, rngs=nnx.Rngs(0))
+  y = _check_against_reference(build, config, (B, S, D))
+  spec = P("dp", "tp") if sp else P("dp")
+  assert y.sharding.is_equivalent_to(NamedSharding(mesh, spec), y.ndim), y.sharding
+
+
+def test_transformer_block_bf16():
+  mesh = _mesh(2, 2)
+  config = ParallelConfig(mesh=mesh, sequence_parallel=True, backend="xla",
+                          algorithm="ppermute")
+  build = lambda c: TransformerBlock(D, H, F, config=c, dtype=jnp.bfloat16, use_bias=True,
+                                     rngs=nnx.Rngs(0))
+  # bf16 compute: sharded and unsharded differ by the order of fp32 sums and
+  # by where bf16 rounding happens, so compare at a bf16 tolerance.
+  _check_against_reference(build, config, (B, S, D), dtype=jnp.bfloat16,
+                           tol=dict(rtol=5e-2, atol=5e-2))
+
+
+# ----------------------------------------------------------------------------
+# Single layers
+# ----------------------------------------------------------------------------
+
+LAYERS = {
+    "column": (lambda c: ColumnParallelLinear(D, F, config=c, rngs=nnx.Rngs(0)), D),
+    "row": (lambda c: RowParallelLinear(F, D, config=c, rngs=nnx.Rngs(0)), F),
+    "mlp-gelu": (lambda c: ParallelMLP(D, F, config=c, activation="gelu", rngs=nnx.Rngs(0)),
+                 D),
+    "mlp-swiglu": (lambda c: ParallelMLP(D, F, config=c, activation="swiglu",
+                                         rngs=nnx.Rngs(0)), D),
+    "attention": (lambda c: ParallelAttention(D, H, config=c, rngs=nnx.Rngs(0)), D),
+}
+
+
+@pytest.mark.parametrize("sp", [False, True], ids=["nosp", "sp"])
+@pytest.mark.parametrize("layer", list(LAYERS))
+def test_layer_matches_unsharded(layer, sp):
+  build, in_features = LAYERS[layer]
+  # Alternate meshes and algorithms across layers to cover both cheaply.
+  mesh_id = "dp1-tp4" if layer in ("column", "mlp-swiglu", "attention") else "dp2-tp2"
+  algorithm = "collective" if sp else "ppermute"
+  mesh = _mesh(*MESHES[mesh_id])
+  config = ParallelConfig(mesh=mesh, sequence_parallel=sp, backend="xla", algorithm=algorithm,
+                          all_reduce_algorithm=algorithm)
+  y = _check_against_reference(build, config, (B, S, in_features))
+  # Column output: features sharded over tp (full sequence); others: the
+  # layout between blocks.
+  if layer == "column":
+    spec = P("dp", None, "tp")
+  else:
+    spec = P("dp", "tp") if sp else P("dp")
+  assert y.sharding.is_equivalent_to(NamedSharding(mesh, spec), y.ndim), y.sharding
+
+
+@pytest.mark.parametrize("norm_cls", [RMSNorm, LayerNorm], ids=["rms", "layer"])
+def test_norm_matches_unsharded_sp(norm_cls):
+  config = ParallelConfig(mesh=_mesh(2, 4), sequence_parallel=True, backend="xla")
+  build = lambda c: norm_cls(D, config=c, rngs=nnx.Rngs(0))
+  _check_against_reference(build, config, (B, S, D))
+
+
+def test_rank_encoded_row_parallel():
+  """Readable case: input shard of tp rank i is all (i + 1); w all ones.
+
+  Without SP every output element is sum over f of x = sum_i (i + 1) * f / tp.
+  """
+  tp = 4
+  config = ParallelConfig(mesh=_mesh(1, tp), backend="xla", algorithm="ppermute")
+  layer = nnx.jit(lambda: RowParallelLinear(
+      F, D, config=config, use_bias=False, kernel_init=nnx.initializers.ones_init(),
+      rngs=nnx.Rngs(0)))()
+  x = jnp.repeat(jnp.arange(1, tp + 1, dtype=jnp.float32), F // tp)
+  x = jnp.broadcast_to(x, (B, S, F))
+  y = nnx.jit(lambda m, x: m(x))(layer, x)
+  np.testing.assert_array_equal(np.asarray(y), np.full((B, S, D), (F // tp) * 10.0))
+
+
+# ----------------------------------------------------------------------------
+# Sharded init and metadata
+# ----------------------------------------------------------------------------
+
+
+def test_sharded_init_places_params_as_annotated():
+  mesh = _mesh(2, 4)
+  config = ParallelConfig(mesh=mesh, sequence_parallel=True)
+  block = nnx.jit(lambda: TransformerBlock(D, H, F, config=config, activation="swiglu",
+                                           use_bias=True, rngs=nnx.Rngs(0)))()
+  state = _params(block)
+  specs = nnx.to_pure_dict(nnx.get_partition_spec(state))
+  values = nnx.to_pure_dict(state)
+  want = {
+      ("attn", "qkv", "kernel"): P(None, "tp"),
+      ("attn", "qkv", "bias"): P("tp"),
+      ("attn", "out", "kernel"): P("tp", None),
+      ("attn", "out", "bias"): P(None),
+      ("mlp", "up", "kernel"): P(None, "tp"),
+      ("mlp", "up", "bias"): P("tp"),
+      ("mlp", "down", "kernel"): P("tp", None),
+      ("mlp", "down", "bias"): P(None),
+      ("attn_norm", "scale"): P(None),
+      ("mlp_norm", "scale"): P(None),
+  }
+  got = {tuple(k.key for k in path): spec
+         for path, spec in jax.tree_util.tree_flatten_with_path(
+             specs, is_leaf=lambda s: isinstance(s, P))[0]}
+  assert got == want
+  for path, spec in want.items():
+    v = values
+    for k in path:
+      v = v[k]
+    assert isinstance(v.sharding, NamedSharding), (path, v.sharding)
+    assert v.sharding.mesh == mesh
+    assert v.sharding.is_equivalent_to(NamedSharding(mesh, spec), v.ndim), (path, v.sharding)
+  # Shard shapes: the column kernel holds f / tp columns, the row kernel f / tp rows.
+  assert values["mlp"]["up"]["kernel"].addressable_shards[0].data.shape == (D, 2 * F // 4)
+  assert values["mlp"]["down"]["kernel"].addressable_shards[0].data.shape == (F // 4, D)
+  assert values["attn"]["qkv"]["kernel"].addressable_shards[0].data.shape == (D, 3 * D // 4)
+
+
+def test_unsharded_params_have_no_sharding_metadata():
+  block = TransformerBlock(D, H, F, config=ParallelConfig(mesh=None), rngs=nnx.Rngs(0))
+  for _, var in nnx.iter_graph(block):
+    if isinstance(var, nnx.Param):
+      assert not var.get_metadata().get("out_sharding")
+
+
+def test_same_seed_gives_same_values_sharded_and_unsharded():
+  config = ParallelConfig(mesh=_mesh(2, 2), sequence_parallel=True)
+  build = lambda c: ParallelMLP(D, F, config=c, rngs=nnx.Rngs(7))
+  sharded = nnx.jit(lambda: build(config))()
+  ref = build(ParallelConfig())
+  _assert_tree_close(nnx.to_pure_dict(_params(sharded)), nnx.to_pure_dict(_params(ref)),
+                     dict(rtol=0, atol=0), "init")
+
+
+# ----------------------------------------------------------------------------
+# Errors
+# ----------------------------------------------------------------------------
+
+
+def test_config_rejects_explicit_mesh():
+  mesh = jax.make_mesh((2, 2), ("dp", "tp"), axis_types=(jax.sharding.AxisType.Explicit,) * 2,
+                       devices=jax.devices()[:4])
+  with pytest.raises(ValueError, match="AxisType.Auto"):
+    ParallelConfig(mesh=mesh)
+
+
+def test_config_rejects_missing_axes_and_bad_rules():
+  mesh = _mesh(2, 2)
+  with pytest.raises(ValueError, match="tp_axis='model' is not an axis"):
+    ParallelConfig(mesh=mesh, tp_axis="model")
+  with pytest.raises(ValueError, match="dp_axis='data' is not an axis"):
+    ParallelConfig(mesh=mesh, dp_axis="data")
+  with pytest.raises(ValueError, match="logical axis 'mlp' must map to 'tp'"):
+    ParallelConfig(mesh=mesh, logical_axis_rules=(("mlp", None),))
+  with pytest.raises(ValueError, match="logical axis 'seq' must map to 'tp'"):
+    ParallelConfig(mesh=mesh, sequence_parallel=True, logical_axis_rules=(("seq", None),))
+  config = ParallelConfig(mesh=mesh, logical_axis_rules=(("batch", None), ("vocab", None)))
+  assert config.spec("batch", "seq", "embed") == P(None, None, None)
+
+
+def test_layers_reject_bad_sizes():
+  config = ParallelConfig(mesh=_mesh(1, 4), sequence_parallel=True)
+  with pytest.raises(ValueError, match="num_heads=2 must be divisible by tp size=4"):
+    ParallelAttention(D, 2, config=config, rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match="out_features=6 must be divisible by tp size=4"):
+    ColumnParallelLinear(D, 6, config=config, rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match="activation must be one of"):
+    ParallelMLP(D, F, config=config, activation="relu", rngs=nnx.Rngs(0))
+  layer = ColumnParallelLinear(D, F, config=config, rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match=r"sequence length \(sequence_parallel=True\)=6 must"):
+    layer(jnp.zeros((B, 6, D)))
+  with pytest.raises(ValueError, match="expects x: \\[b, s, d\\]"):
+    layer(jnp.zeros((B, D)))
