@@ -1,0 +1,264 @@
+"""Measures every all-reduce algorithm against lax.psum and saves the tuning table.
+
+Run it inside every process of the job, one process per GPU:
+
+  python -m jaxoverlap.launch --nproc 8 -- -m jaxoverlap.tune
+  srun --ntasks-per-node 8 python -m jaxoverlap.tune --out /shared/all_reduce-tuning.json
+
+For each size (``--sizes``, per-rank bytes) every impl is first checked
+against a float32 psum of the same inputs, on two different inputs in a row
+and on every element of every rank; one that fails (or cannot run) is recorded
+under ``"rejected"`` and not timed, so a wrong but fast configuration never
+wins. The rest are timed with ``tuning.time_chain_us`` (BRIEF section 5: a
+chain of ``--chain`` ops in one jit minus the same chain without them, median
+of ``--reps``). Rank 0's timings become the table; it goes to ``--out``
+(default ``$JAXOVERLAP_TUNING_FILE`` or
+``~/.cache/jaxoverlap/all_reduce-tuning.json``), written by rank 0 and by the
+first process of every other host, so that node-local caches agree and every
+process chooses the same algorithm. ``--net_alpha_us`` / ``--net_beta_gbps``
+are stored in the table's ``"params"`` for the cost model (used at sizes and
+topologies the table lacks).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from absl import app, flags
+
+from jaxoverlap import tuning
+
+flags.DEFINE_string("out", "", "tuning table path (default: tuning.default_tuning_path())")
+flags.DEFINE_list("sizes", [f"{4 << i}K" for i in range(8)] + [f"{1 << i}M" for i in range(9)],
+                  "per-rank message sizes, bytes (K/M/G suffixes)")
+flags.DEFINE_list("impls", ["all"],
+                  "impls to measure, e.g. jaxoverlap:one_shot_ll,xla:psum; 'all': every "
+                  "algorithm/protocol valid for the topology, and xla:psum")
+flags.DEFINE_string("dtype", "bfloat16", "element type")
+flags.DEFINE_integer("chain", 50, "ops per jit'd chain up to 8 MiB")
+flags.DEFINE_integer("chain_large", 10, "ops per jit'd chain above 8 MiB")
+flags.DEFINE_integer("reps", 30, "timed runs per chain (median)")
+flags.DEFINE_integer("warmup", 3, "untimed runs per chain")
+flags.DEFINE_integer("ranks_per_node", 0,
+                     "GPUs per node (0: from jaxoverlap.runtime_info(), else all on one node)")
+flags.DEFINE_string("machine", "", "machine name for the table (default: '<world>x <device kind>')")
+flags.DEFINE_float("net_alpha_us", None, "network latency per message, us, saved into 'params'")
+flags.DEFINE_float("net_beta_gbps", None, "network bandwidth per GPU, GB/s, saved into 'params'")
+FLAGS = flags.FLAGS
+
+_AXIS = "x"
+
+
+def parse_bytes(text: str) -> int:
+  """``"4K"`` -> 4096 (K, M, G are powers of 1024)."""
+  s = text.strip().upper()
+  mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(s[-1:], 1)
+  return int(s[:-1] if s[-1:] in "KMG" else s) * mult
+
+
+def default_impls(num_nodes: int, cuda_algorithms) -> list[str]:
+  """xla:psum, then every CUDA algorithm name valid for the topology.
+
+  Args:
+    num_nodes: nodes of the group.
+    cuda_algorithms: the names ``all_reduce(backend="cuda")`` takes, e.g.
+      ``("auto", "one_shot", "one_shot_ll", "one_shot_simple", "two_shot")``; a
+      bare name is skipped when it has protocol variants (they cover it).
+  """
+  parsed = [(n, tuning.parse_impl("jaxoverlap:" + n)) for n in cuda_algorithms]
+  with_protocol = {p[0] for _, p in parsed if p and p[1]}
+  return ["xla:psum"] + [
+      "jaxoverlap:" + n for n, p in parsed
+      if p and (num_nodes > 1) == (p[0] == "hierarchical")
+      and (p[1] is not None or p[0] not in with_protocol)]
+
+
+def _op(impl: str):
+  """The per-shard function of an impl."""
+  import jax
+
+  import jaxoverlap
+
+  if impl == "xla:psum":
+    return lambda y: jax.lax.psum(y, _AXIS)
+  parsed = tuning.parse_impl(impl)
+  if parsed is None or parsed[0] == tuning.PSUM:
+    raise ValueError(f"unknown impl {impl!r}")
+  name = impl.split(":", 1)[1]  # e.g. one_shot_ll: protocols are part of the name
+  return lambda y: jaxoverlap.all_reduce(y, _AXIS, backend="cuda", algorithm=name)
+
+
+class _Bench:
+  """``measure`` and ``check`` for ``tuning.run_tuning`` on the real devices."""
+
+  def __init__(self, dtype, rank: int):
+    import jax
+
+    self.jax = jax
+    self.mesh = jax.make_mesh((jax.device_count(),), (_AXIS,),
+                              axis_types=(jax.sharding.AxisType.Auto,))
+    self.dtype, self.rank = dtype, rank
+    self.num_ranks = jax.device_count()
+    self.num_local = jax.local_device_count()
+    self._x, self._empty_s = {}, {}
+
+  def _array(self, nbytes: int, seed, outliers: bool):
+    import numpy as np
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    n = nbytes // self.dtype.itemsize
+    rng = np.random.default_rng(seed)
+    local = rng.standard_normal(n * self.num_local).astype(np.float32)
+    if outliers and local.size:
+      idx = rng.integers(0, local.size, max(1, local.size // 1000))
+      local[idx] *= 100.0
+    local = (local if outliers else local * 1e-3).astype(self.dtype)
+    return self.jax.make_array_from_process_local_data(
+        NamedSharding(self.mesh, P(_AXIS)), local, (n * self.num_ranks,))
+
+  def measure(self, impl: str, nbytes: int) -> float:
+    if nbytes not in self._x:
+      self._x = {nbytes: self._array(nbytes, [self.rank, nbytes], outliers=False)}
+      self._empty_s = {}
+    x = self._x[nbytes]
+    length = FLAGS.chain if nbytes <= (8 << 20) else FLAGS.chain_large
+    kw = dict(mesh=self.mesh, axis_name=_AXIS, length=length, reps=FLAGS.reps,
+              warmup=FLAGS.warmup)
+    if nbytes not in self._empty_s:
+      self._empty_s[nbytes] = tuning.chain_time_s(None, x, **kw)
+    return tuning.time_chain_us(_op(impl), x, empty_s=self._empty_s[nbytes], **kw)
+
+  def check(self, impl: str, nbytes: int) -> str | None:
+    """None when ``impl`` equals a float32 psum on every element of every rank."""
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.experimental import multihost_utils
+    from jax.sharding import PartitionSpec as P
+
+    if impl == "xla:psum":
+      return None
+    jax = self.jax
+    reason = None
+    try:
+      op = _op(impl)
+
+      def pair(y):
+        y32 = y.astype(jnp.float32)
+        got = jax.lax.pcast(op(y), _AXIS, to="varying")
+        want = jax.lax.pcast(jax.lax.psum(y32, _AXIS), _AXIS, to="varying")
+        scale = jax.lax.pcast(jax.lax.psum(jnp.abs(y32), _AXIS), _AXIS, to="varying")
+        return got, want, scale
+
+      fn = jax.jit(jax.shard_map(pair, mesh=self.mesh, in_specs=P(_AXIS),
+                                 out_specs=(P(_AXIS),) * 3))
+      eps = float(jnp.finfo(self.dtype).eps)
+      for step in range(2):  # two inputs in a row: stale buffers or epochs show up
+        outs = fn(self._array(nbytes, [self.rank, nbytes, step, 1], outliers=True))
+        for got, want, scale in zip(*(o.addressable_shards for o in outs)):
+          g, w, s = (np.asarray(a.data, np.float32) for a in (got, want, scale))
+          # A sum accumulated in fp32 and rounded once is within half an ulp of
+          # the dtype, plus fp32 reordering error; eps * sum|x| bounds both.
+          bad = ~(np.abs(g - w) <= (eps + self.num_ranks * 2.0**-24) * s)
+          if bad.any():
+            i = int(np.argmax(bad))
+            reason = (f"wrong result on device {got.device} (input {step}): {bad.sum()} of "
+                      f"{bad.size} elements differ from psum, first at {i}: {g[i]} vs {w[i]}")
+            break
+        if reason:
+          break
+    except Exception as e:  # pylint: disable=broad-except  # recorded, never silent
+      reason = f"{type(e).__name__}: {e}".splitlines()[0][:300]
+    # Every process must reject the same configurations.
+    ok = multihost_utils.process_allgather(np.array([reason is None]))
+    if reason is None and not np.all(ok):
+      reason = "failed its correctness check on another process"
+    return reason
+
+
+def _broadcast_json(obj, rank: int):
+  """Rank 0's JSON-able ``obj`` on every process."""
+  import numpy as np
+  from jax.experimental import multihost_utils
+
+  data = np.frombuffer(json.dumps(obj).encode(), np.uint8) if rank == 0 else None
+  n = int(multihost_utils.broadcast_one_to_all(np.int32(0 if data is None else data.size)))
+  buf = data if data is not None else np.zeros(n, np.uint8)
+  return json.loads(np.asarray(multihost_utils.broadcast_one_to_all(buf)).tobytes().decode())
+
+
+def _versions() -> dict:
+  import importlib.metadata as md
+
+  out = {}
+  for name, dist in (("jax", "jax"), ("jaxlib", "jaxlib"), ("nvshmem", "nvidia-nvshmem-cu13"),
+                     ("nccl", "nvidia-nccl-cu13")):
+    try:
+      out[name] = md.version(dist)
+    except md.PackageNotFoundError:
+      out[name] = None
+  return out
+
+
+def main(argv):
+  del argv
+  from jaxoverlap import launch
+
+  info = launch.initialize_from_env()
+  import jax
+  import jax.numpy as jnp
+
+  import jaxoverlap
+
+  rank = info["process_id"]
+  rt = jaxoverlap.runtime_info()
+  world = jax.device_count()
+  ranks_per_node = FLAGS.ranks_per_node or rt.get("ranks_per_node") or world
+  if world % ranks_per_node:
+    raise app.UsageError(f"--ranks_per_node={ranks_per_node} does not divide {world} ranks")
+  num_nodes = world // ranks_per_node
+  params = {k: v for k, v in (("net_alpha_us", FLAGS.net_alpha_us),
+                              ("net_beta_gbps", FLAGS.net_beta_gbps)) if v is not None}
+  tuning.DEFAULT_PARAMS.replace(**params)  # bad values fail before measuring
+  from jaxoverlap import _checks
+
+  impls = (default_impls(num_nodes, _checks.CUDA_ALGORITHMS["all_reduce"])
+           if FLAGS.impls == ["all"] else FLAGS.impls)
+  if "xla:psum" not in impls:
+    impls = ["xla:psum"] + impls  # the table needs the handover's times
+  sizes = [parse_bytes(s) for s in FLAGS.sizes]
+  dtype = jnp.dtype(FLAGS.dtype)
+  log = (lambda s: print(s, flush=True)) if rank == 0 else (lambda s: None)
+  log(f"tuning all_reduce: {world} ranks = {num_nodes} nodes x {ranks_per_node}, "
+      f"{dtype.name}, impls {impls}")
+
+  bench = _Bench(dtype, rank)
+  records, rejected = tuning.run_tuning(
+      bench.measure, bench.check, impls, sizes, dtype=dtype.name,
+      ranks_per_node=ranks_per_node, world=world, log=log)
+  for r in rejected:
+    log(f"rejected {r['impl']} at {r['bytes']} B: {r['reason']}")
+
+  result = None
+  if rank == 0:
+    result = tuning.make_result(
+        records, machine=FLAGS.machine or f"{world}x {jax.devices()[0].device_kind}",
+        command="python -m jaxoverlap.tune " + " ".join(sys.argv[1:]),
+        method=f"median of {FLAGS.reps} runs of a chain of ops in one jit ({FLAGS.chain} ops up "
+               f"to 8 MiB, {FLAGS.chain_large} above), minus the same chain without them, "
+               "divided by the chain length; rank 0's timings",
+        versions=_versions(), params=params, rejected=rejected)
+  if jax.process_count() > 1:
+    result = _broadcast_json(result, rank)
+  hosts = rt.get("hosts") or [None] * jax.process_count()
+  if rank == 0 or hosts[rank] not in hosts[:rank]:  # first process of its host
+    path = tuning.save_result(result, FLAGS.out or None)
+    print(f"wrote {path} (process {rank})", flush=True)
+  if rank == 0:
+    policy = tuning.Policy.from_result(result, FLAGS.out or None)
+    for row in policy.table(ranks_per_node, num_nodes, sizes=sizes, itemsize=dtype.itemsize):
+      print(f"{row['bytes']:>10} B  {row['impl']:<28} {row['source']}", flush=True)
+
+
+if __name__ == "__main__":
+  app.run(main)

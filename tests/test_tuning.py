@@ -1,0 +1,357 @@
+"""Cost model, tuning table, policy and the tuner's loop (no timing, no GPU)."""
+
+import json
+import math
+
+import numpy as np
+import pytest
+
+from jaxoverlap import tune, tuning
+
+P = tuning.DEFAULT_PARAMS
+KERNELS = [(a, p) for a in tuning.ALGORITHMS for p in tuning.PROTOCOLS]
+
+
+def _valid(alg, num_nodes):
+  return (num_nodes > 1) == (alg == "hierarchical")
+
+
+@pytest.fixture(autouse=True)
+def _clean_env(monkeypatch, tmp_path):
+  for key in tuning.PARAM_KEYS:
+    monkeypatch.delenv("JAXOVERLAP_" + key.upper(), raising=False)
+  monkeypatch.setenv("JAXOVERLAP_TUNING_FILE", str(tmp_path / "none.json"))
+
+
+def _records(times, *, rpn=2, world=2, dtype="bfloat16"):
+  """times: {impl: {bytes: us}} -> BRIEF section 7 records."""
+  return [{"op": "all_reduce", "impl": impl, "dtype": dtype, "bytes": b, "shape": [b // 2],
+           "world": world, "ranks_per_node": rpn, "time_us": t}
+          for impl, by_size in times.items() for b, t in by_size.items()]
+
+
+# ------------------------------------------------------------------ cost model
+
+
+@pytest.mark.parametrize("rpn,nodes", [(2, 1), (8, 1), (8, 2), (4, 3), (1, 4)],
+                         ids=lambda v: str(v))
+def test_cost_model_monotone_in_size(rpn, nodes):
+  sizes = [0] + [1 << i for i in range(10, 29)]
+  for alg, proto in KERNELS + [("psum", None)]:
+    if alg != "psum" and not _valid(alg, nodes):
+      continue
+    t = [tuning.predict_us(alg, proto, s, 2, rpn, nodes, P) for s in sizes]
+    assert all(a < b for a, b in zip(t, t[1:])), (alg, proto, t)
+    assert all(math.isfinite(x) and x > 0 for x in t)
+
+
+def test_one_shot_beats_two_shot_small_loses_large_8_gpus():
+  def best(alg, nbytes):
+    return min(tuning.predict_us(alg, p, nbytes, 2, 8, 1, P) for p in tuning.PROTOCOLS)
+
+  assert best("one_shot", 8 << 10) < best("two_shot", 8 << 10)
+  assert best("one_shot", 64 << 20) > best("two_shot", 64 << 20)
+
+
+def test_protocols_ll_for_small_simple_for_large():
+  for alg in ("one_shot", "two_shot"):
+    ll, simple = (tuning.predict_us(alg, p, 8 << 10, 2, 8, 1, P) for p in ("ll", "simple"))
+    assert ll < simple
+    ll, simple = (tuning.predict_us(alg, p, 64 << 20, 2, 8, 1, P) for p in ("ll", "simple"))
+    assert simple < ll
+
+
+def test_hierarchical_grows_with_log2_nodes():
+  t = {n: tuning.predict_us("hierarchical", "simple", 1 << 20, 2, 8, n, P)
+       for n in (2, 4, 8, 16)}
+  steps = [t[4] - t[2], t[8] - t[4], t[16] - t[8]]
+  assert steps[0] > 0 and np.allclose(steps, steps[0])  # linear in log2 N
+  # Non-power-of-two node counts pay a fold-in and a fold-out step.
+  assert t[2] < t[4] < tuning.predict_us("hierarchical", "simple", 1 << 20, 2, 8, 3, P)
+
+
+def test_hierarchical_sends_fp32_partials():
+  bf16 = tuning.predict_us("hierarchical", "simple", 1 << 20, 2, 8, 2, P)
+  f32 = tuning.predict_us("hierarchical", "simple", 1 << 20, 4, 8, 2, P)
+  assert bf16 > f32  # a bf16 message sends twice its bytes across nodes
+
+
+def test_model_matches_brief_measurements_within_2x():
+  # BRIEF section 5, 2x H200: PyTorch symm-mem one-shot/two-shot, JAX psum (us).
+  measured = {("one_shot", 8 << 10): 6.7, ("one_shot", 1 << 20): 13.3,
+              ("two_shot", 8 << 10): 6.5, ("two_shot", 4 << 20): 20.1,
+              ("two_shot", 64 << 20): 212, ("psum", 8 << 10): 13.7, ("psum", 64 << 20): 301}
+  for (alg, nbytes), us in measured.items():
+    protos = (None,) if alg == "psum" else tuning.PROTOCOLS
+    model = min(tuning.predict_us(alg, p, nbytes, 2, 2, 1, P) for p in protos)
+    assert us / 2 < model < us * 2, (alg, nbytes, model, us)
+
+
+@pytest.mark.parametrize("alg,proto,nodes,match", [
+    ("one_shot", "ll", 2, "within one node"),
+    ("two_shot", "simple", 4, "within one node"),
+    ("hierarchical", "ll", 1, "num_nodes > 1"),
+    ("three_shot", "ll", 1, "algorithm must be"),
+    ("one_shot", "ll128", 1, "protocol must be"),
+    ("psum", "ll", 1, "protocol=None"),
+])
+def test_predict_rejects_invalid(alg, proto, nodes, match):
+  with pytest.raises(ValueError, match=match):
+    tuning.predict_us(alg, proto, 4096, 2, 8, nodes, P)
+
+
+def test_env_overrides_change_predictions(monkeypatch):
+  base = tuning.predict_us("hierarchical", "ll", 64 << 10, 2, 8, 4)
+  monkeypatch.setenv("JAXOVERLAP_NET_ALPHA_US", "10")
+  slower = tuning.predict_us("hierarchical", "ll", 64 << 10, 2, 8, 4)
+  assert slower == pytest.approx(base + 2 * (10 - P.network.alpha_us))
+  monkeypatch.setenv("JAXOVERLAP_NET_BETA_GBPS", "400")
+  assert tuning.predict_us("hierarchical", "ll", 64 << 10, 2, 8, 4) < slower
+  assert tuning.params_from_env().network == tuning.LinkParams(10.0, 400.0)
+  monkeypatch.setenv("JAXOVERLAP_NET_BETA_GBPS", "fast")
+  with pytest.raises(ValueError, match="JAXOVERLAP_NET_BETA_GBPS='fast' is not a number"):
+    tuning.params_from_env()
+  monkeypatch.setenv("JAXOVERLAP_NET_BETA_GBPS", "-1")
+  with pytest.raises(ValueError, match="net_beta_gbps must be a positive number"):
+    tuning.params_from_env()
+
+
+def test_params_flat_round_trip():
+  assert P.replace(**P.as_flat()) == P
+  assert P.replace(net_alpha_us=None) == P
+  with pytest.raises(ValueError, match="unknown cost-model parameter 'net_gamma'"):
+    P.replace(net_gamma=1.0)
+
+
+# ------------------------------------------------------------------ policy
+
+
+TABLE = {  # 2 GPUs, one node; one_shot wins small, psum wins large.
+    "xla:psum": {8192: 14.0, 262144: 18.0, 4194304: 40.0},
+    "jaxoverlap:one_shot_ll": {8192: 6.0, 262144: 9.0, 4194304: 60.0},
+    "jaxoverlap:two_shot_simple": {8192: 8.0, 262144: 8.5, 4194304: 45.0},
+}
+
+
+def test_policy_picks_measured_fastest_and_psum():
+  policy = tuning.Policy(_records(TABLE), P, path="t.json")
+  c = policy.choose(8192, 2, 2, 1)
+  assert (c.algorithm, c.protocol, c.time_us) == ("one_shot", "ll", 6.0)
+  assert c.source == "measured (t.json, at 8192 bytes)"
+  assert policy.choose(262144, 2, 2, 1)[:2] == ("two_shot", "simple")
+  c = policy.choose(4194304, 2, 2, 1)
+  assert (c.algorithm, c.protocol) == ("psum", None) and c.source.startswith("measured")
+
+
+def test_policy_psum_wins_ties():
+  table = {"xla:psum": {8192: 10.0}, "jaxoverlap:one_shot_ll": {8192: 10.0}}
+  assert tuning.Policy(_records(table), P).choose(8192, 2, 2, 1).algorithm == "psum"
+
+
+def test_policy_interpolates_log_log():
+  policy = tuning.Policy(_records(TABLE), P, path="t.json")
+  c = policy.choose(32768, 2, 2, 1)  # 8K..256K: one_shot 6 -> 9, two_shot 8 -> 8.5
+  f = math.log(32768 / 8192) / math.log(262144 / 8192)
+  assert c.time_us == pytest.approx(6.0 * (9.0 / 6.0) ** f)
+  assert (c.algorithm, c.source) == ("one_shot", "measured (t.json, between 8192 and 262144 bytes)")
+  # The crossing of one_shot and two_shot between the measured points.
+  sizes = [8192 << i for i in range(6)]
+  algs = [policy.choose(s, 2, 2, 1).algorithm for s in sizes]
+  assert algs[0] == "one_shot" and algs[-1] == "two_shot"
+  assert algs == sorted(algs, key=["one_shot", "two_shot"].index)
+  # Below the smallest measured size: the smallest's time.
+  assert policy.choose(1024, 2, 2, 1).time_us == 6.0
+
+
+def test_policy_impl_not_measured_at_size_does_not_compete():
+  table = {"xla:psum": {8192: 14.0, 1 << 20: 24.0}, "jaxoverlap:one_shot_ll": {8192: 6.0}}
+  policy = tuning.Policy(_records(table), P)
+  assert policy.choose(8192, 2, 2, 1).algorithm == "one_shot"
+  assert policy.choose(65536, 2, 2, 1).algorithm == "psum"  # one_shot rejected above 8K
+
+
+def test_policy_falls_back_to_cost_model():
+  policy = tuning.Policy(_records(TABLE), P, path="t.json")
+  c = policy.choose(8192, 2, 8, 1)  # unmeasured topology
+  assert c.source == "cost model (no measurements for 8 ranks/node x 1 nodes in t.json)"
+  assert c.algorithm == "one_shot"
+  assert c.time_us == pytest.approx(tuning.predict_us("one_shot", c.protocol, 8192, 2, 8, 1, P))
+  c = policy.choose(64 << 20, 2, 2, 1)  # above the measured sizes
+  assert c.source.startswith("cost model (67108864 bytes is above the largest size measured")
+  no_psum = tuning.Policy(_records({"jaxoverlap:one_shot_ll": {8192: 1.0}}), P)
+  assert "no xla:psum measurement" in no_psum.choose(8192, 2, 2, 1).source
+
+
+def test_policy_cost_model_across_nodes():
+  policy = tuning.Policy((), P)
+  small = policy.choose(16 << 10, 2, 8, 4)
+  assert (small.algorithm, small.source.startswith("cost model")) == ("hierarchical", True)
+  for nodes in (2, 3, 4, 16):
+    for nbytes in (1 << i for i in range(10, 29, 2)):
+      assert policy.choose(nbytes, 2, 8, nodes).algorithm in ("hierarchical", "psum")
+      assert policy.choose(nbytes, 2, 8, 1).algorithm in ("one_shot", "two_shot", "psum")
+
+
+def test_policy_never_one_shot_across_nodes_even_if_measured():
+  table = {"xla:psum": {8192: 30.0}, "jaxoverlap:one_shot_ll": {8192: 1.0},
+           "jaxoverlap:two_shot_ll": {8192: 1.0}, "jaxoverlap:hierarchical_ll": {8192: 12.0}}
+  c = tuning.Policy(_records(table, rpn=4, world=8), P).choose(8192, 2, 4, 2)
+  assert (c.algorithm, c.protocol) == ("hierarchical", "ll")
+  table = {"xla:psum": {8192: 30.0}, "jaxoverlap:hierarchical_ll": {8192: 1.0}}
+  assert tuning.Policy(_records(table), P).choose(8192, 2, 2, 1).algorithm == "psum"
+
+
+def test_policy_respects_available_algorithms():
+  policy = tuning.Policy((), P, algorithms=("one_shot",), protocols=("simple",))
+  for nbytes in (4096, 1 << 20, 256 << 20):
+    assert policy.choose(nbytes, 2, 8, 1)[:2] in (("one_shot", "simple"), ("psum", None))
+  assert policy.choose(256 << 20, 2, 8, 1).algorithm == "psum"
+  assert tuning.Policy((), P, algorithms=()).choose(4096, 2, 8, 1).algorithm == "psum"
+
+
+def test_policy_table_rows():
+  rows = tuning.Policy(_records(TABLE), P, path="t.json").table(2, 1, sizes=[8192, 4194304])
+  assert [r["impl"] for r in rows] == ["jaxoverlap:one_shot_ll", "xla:psum"]
+  assert set(rows[0]) == {"bytes", "impl", "algorithm", "protocol", "time_us", "psum_us",
+                          "source"}
+
+
+def test_policy_choose_rejects_bad_topology():
+  with pytest.raises(ValueError, match="ranks_per_node >= 1"):
+    tuning.Policy((), P).choose(4096, 2, 0, 1)
+
+
+# ------------------------------------------------------------------ table file
+
+
+def _result(records, **kw):
+  return tuning.make_result(records, machine="test", command="pytest", method="fake", **kw)
+
+
+def test_save_load_round_trip(tmp_path, monkeypatch):
+  path = str(tmp_path / "deep" / "dir" / "tuning.json")
+  result = _result(_records(TABLE), params={"net_alpha_us": 7.0})
+  assert tuning.save_result(result, path) == path
+  assert tuning.load_result(path) == result
+  monkeypatch.setenv("JAXOVERLAP_TUNING_FILE", path)
+  policy = tuning.Policy.load()
+  assert policy.params.network.alpha_us == 7.0  # the file's params ...
+  assert policy.choose(8192, 2, 2, 1).source == f"measured ({path}, at 8192 bytes)"
+  monkeypatch.setenv("JAXOVERLAP_NET_ALPHA_US", "9")  # ... lose to the environment
+  assert tuning.Policy.load().params.network.alpha_us == 9.0
+
+
+def test_from_result_none_is_cost_model():
+  c = tuning.Policy.from_result(None, "shared.json").choose(8192, 2, 8, 1)
+  assert c.source == "cost model (no tuning file at shared.json)"
+
+
+def test_load_missing_and_malformed(tmp_path):
+  missing = str(tmp_path / "nope.json")
+  assert tuning.load_result(missing) is None
+  c = tuning.Policy.load(missing).choose(8192, 2, 2, 1)
+  assert c.source == f"cost model (no tuning file at {missing})"
+  bad = tmp_path / "bad.json"
+  bad.write_text("{")
+  with pytest.raises(ValueError, match="is not valid JSON"):
+    tuning.Policy.load(str(bad))
+  bad.write_text(json.dumps(_result([{"op": "all_reduce", "impl": "xla:psum"}])))
+  with pytest.raises(ValueError, match=r"records\[0\] lacks 'bytes'"):
+    tuning.load_result(str(bad))
+
+
+def test_default_path(monkeypatch):
+  monkeypatch.delenv("JAXOVERLAP_TUNING_FILE")
+  assert tuning.default_tuning_path().endswith(".cache/jaxoverlap/all_reduce-tuning.json")
+
+
+@pytest.mark.parametrize("impl,parsed", [
+    ("xla:psum", ("psum", None)), ("jaxoverlap:one_shot", ("one_shot", None)),
+    ("jaxoverlap:two_shot_simple", ("two_shot", "simple")),
+    ("jaxoverlap:hierarchical_ll", ("hierarchical", "ll")),
+    ("jaxoverlap:auto", None), ("xla:ppermute", None)])
+def test_impl_names(impl, parsed):
+  assert tuning.parse_impl(impl) == parsed
+  if parsed:
+    assert tuning.impl_name(*parsed) == impl
+
+
+# ------------------------------------------------------------------ tuner
+
+
+def test_tuner_loop_with_fake_measure(tmp_path):
+  cuda = ("auto", "one_shot", "one_shot_ll", "one_shot_simple", "two_shot", "hierarchical",
+          "hierarchical_ll", "hierarchical_simple")
+  assert tune.default_impls(2, cuda) == [
+      "xla:psum", "jaxoverlap:hierarchical_ll", "jaxoverlap:hierarchical_simple"]
+  impls = tune.default_impls(1, cuda)
+  assert impls == ["xla:psum", "jaxoverlap:one_shot_ll", "jaxoverlap:one_shot_simple",
+                   "jaxoverlap:two_shot"]
+  fake = {"xla:psum": 15.0, "jaxoverlap:one_shot_ll": 5.0, "jaxoverlap:one_shot_simple": 7.0,
+          "jaxoverlap:two_shot": 8.0}
+  measured = []
+
+  def measure(impl, nbytes):
+    measured.append((impl, nbytes))
+    return fake[impl] * (1 + nbytes / 1e6)
+
+  def check(impl, nbytes):  # one_shot_ll is fast but wrong at 64 KB
+    return "wrong result" if (impl, nbytes) == ("jaxoverlap:one_shot_ll", 65536) else None
+
+  sizes = [4096, 65536, 1 << 20]
+  records, rejected = tuning.run_tuning(measure, check, impls, sizes, dtype="bfloat16",
+                                        ranks_per_node=8, world=8)
+  assert ("jaxoverlap:one_shot_ll", 65536) not in measured  # never timed
+  assert rejected == [{"impl": "jaxoverlap:one_shot_ll", "bytes": 65536,
+                       "reason": "wrong result"}]
+  assert len(records) == len(impls) * len(sizes) - 1
+  path = tuning.save_result(_result(records, rejected=rejected), str(tmp_path / "t.json"))
+  result = json.loads(open(path).read())
+  tuning.validate_result(result)
+  rec = result["records"][0]
+  assert rec == {"op": "all_reduce", "impl": "xla:psum", "dtype": "bfloat16", "bytes": 4096,
+                 "shape": [2048], "world": 8, "ranks_per_node": 8, "time_us": 15.06}
+  for key in ("benchmark", "machine", "command", "method", "date", "versions", "params"):
+    assert key in result
+  policy = tuning.Policy.load(path)
+  assert policy.choose(4096, 2, 8, 1)[:2] == ("one_shot", "ll")
+  # At 64 KB one_shot_ll was rejected: the next fastest correct impl wins.
+  assert policy.choose(65536, 2, 8, 1)[:2] == ("one_shot", "simple")
+
+
+@pytest.fixture(scope="module")
+def bench():
+  import jax.numpy as jnp
+
+  return tune._Bench(jnp.dtype(jnp.bfloat16), rank=0)
+
+
+@pytest.mark.parametrize("variant,ok", [("exact", True), ("scaled", False),
+                                        ("last_element", False), ("raises", False)])
+def test_tuner_check_rejects_wrong_kernel(bench, monkeypatch, variant, ok):
+  """The real correctness check, with a stand-in kernel built from lax.psum on CPU."""
+  import jax
+
+  def op(y):
+    out = jax.lax.psum(y, tune._AXIS)
+    if variant == "scaled":
+      return out * 1.02
+    if variant == "last_element":  # e.g. a tail not divisible by the rank count
+      return out.at[-1].add(1.0)
+    if variant == "raises":
+      raise ValueError("all_reduce: algorithm 'two_shot' is not available in this build")
+    return out
+
+  monkeypatch.setattr(tune, "_op", lambda impl: op)
+  reason = bench.check("jaxoverlap:two_shot_ll", 4096 + 2 * 3)  # not a multiple of 8 ranks
+  assert (reason is None) == ok, reason
+  if variant == "last_element":
+    assert reason.startswith("wrong result on device") and "first at 2050" in reason, reason
+  if variant == "raises":
+    assert reason == ("ValueError: all_reduce: algorithm 'two_shot' is not available in this "
+                      "build")
+
+
+def test_parse_bytes():
+  assert [tune.parse_bytes(s) for s in ("4K", "256M", "1G", "100")] == [
+      4096, 256 << 20, 1 << 30, 100]
