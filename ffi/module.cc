@@ -13,6 +13,8 @@
 #include "jaxoverlap/runtime.h"
 #include "xla/ffi/api/ffi.h"
 
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxoverlapLaunchFloor);
+
 namespace nb = nanobind;
 
 namespace jaxoverlap {
@@ -37,6 +39,7 @@ NB_MODULE(_jaxoverlap_cuda, m) {
   m.def("registrations", []() {
     nb::dict d;
     d["jaxoverlap_all_reduce"] = EncapsulateFfiHandler(JaxoverlapAllReduce);
+    d["jaxoverlap_launch_floor"] = EncapsulateFfiHandler(JaxoverlapLaunchFloor);
     return d;
   });
 
@@ -49,12 +52,13 @@ NB_MODULE(_jaxoverlap_cuda, m) {
   m.def(
       "initialize",
       [](nb::bytes unique_id, int rank, int num_ranks, int device, size_t heap_bytes,
-         uint64_t timeout_ns) {
+         uint64_t timeout_ns, int ranks_per_node) {
         std::string id(static_cast<const char*>(unique_id.data()), unique_id.size());
-        ThrowIfError(Initialize(id, rank, num_ranks, device, heap_bytes, timeout_ns));
+        ThrowIfError(
+            Initialize(id, rank, num_ranks, device, heap_bytes, timeout_ns, ranks_per_node));
       },
       nb::arg("unique_id"), nb::arg("rank"), nb::arg("num_ranks"), nb::arg("device"),
-      nb::arg("heap_bytes"), nb::arg("timeout_ns"));
+      nb::arg("heap_bytes"), nb::arg("timeout_ns"), nb::arg("ranks_per_node"));
 
   m.def("finalize", &Finalize);
   m.def("set_timeout_ns", &SetTimeout, nb::arg("timeout_ns"));
@@ -68,8 +72,12 @@ NB_MODULE(_jaxoverlap_cuda, m) {
     d["device"] = s.device;
     d["heap_bytes"] = s.heap_bytes;
     d["slot_bytes"] = s.slot_bytes;
+    d["ll_slot_bytes"] = s.ll_slot_bytes;
+    d["ranks_per_node"] = s.ranks_per_node;
+    d["force_nvshmem_put"] = s.force_put;
     d["timeout_ns"] = s.timeout_ns;
     d["max_group_size"] = kMaxGroupSize;
+    d["max_nodes"] = kMaxNodes;
     return d;
   });
 

@@ -8,6 +8,7 @@
 #include <nvshmem.h>
 #include <nvshmemx.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -44,7 +45,7 @@ ffi::Error GetUniqueId(std::string* out) {
 }
 
 ffi::Error Initialize(const std::string& unique_id, int rank, int num_ranks, int device,
-                      size_t heap_bytes, uint64_t timeout_ns) {
+                      size_t heap_bytes, uint64_t timeout_ns, int ranks_per_node) {
   if (g_state.initialized) {
     return Fail(ffi::ErrorCode::kFailedPrecondition,
                 "jaxoverlap runtime is already initialised in this process (PE " +
@@ -60,6 +61,34 @@ ffi::Error Initialize(const std::string& unique_id, int rank, int num_ranks, int
                                                       " is outside [0, " +
                                                       std::to_string(num_ranks) + ")");
   }
+  if (num_ranks > kMaxPes) {
+    return Fail(ffi::ErrorCode::kInvalidArgument,
+                std::to_string(num_ranks) + " PEs exceed the " + std::to_string(kMaxPes) +
+                    " this heap layout supports");
+  }
+  if (ranks_per_node < 1 || num_ranks % ranks_per_node != 0) {
+    return Fail(ffi::ErrorCode::kInvalidArgument,
+                "ranks_per_node " + std::to_string(ranks_per_node) + " does not divide " +
+                    std::to_string(num_ranks) + " PEs");
+  }
+  // Deterministic layout (runtime.h): flags, LL8 cells, scratch, payload slots.
+  auto round_up = [](size_t v) { return (v + 255) / 256 * 256; };
+  const size_t per_pe_slots = static_cast<size_t>(kNumParities) * kNumPhases * num_ranks;
+  const size_t flag_bytes = round_up(sizeof(uint64_t) * per_pe_slots * kMaxBlocks);
+  size_t ll_slot_bytes = heap_bytes / (4 * per_pe_slots) / (64 * 1024) * (64 * 1024);
+  ll_slot_bytes = std::min(kMaxLlSlotBytes, std::max(kMinLlSlotBytes, ll_slot_bytes));
+  const size_t ll_bytes = per_pe_slots * ll_slot_bytes;
+  const size_t fixed = flag_bytes + ll_bytes + 2 * ll_slot_bytes;
+  // acc (2 x S) and the payload slots (per_pe_slots x S) share the rest.
+  const size_t min_slot = 64 * 1024;
+  if (heap_bytes < fixed + (per_pe_slots + 2) * min_slot) {
+    return Fail(ffi::ErrorCode::kInvalidArgument,
+                "symmetric heap of " + std::to_string(heap_bytes) + " bytes is too small for " +
+                    std::to_string(num_ranks) + " PEs; it needs at least " +
+                    std::to_string(fixed + (per_pe_slots + 2) * min_slot) + " bytes");
+  }
+  const size_t slot_bytes = (heap_bytes - fixed) / (per_pe_slots + 2) / 256 * 256;
+
   DebugStep("cudaSetDevice");
   JAXOVERLAP_CUDA_RETURN_IF_ERROR(cudaSetDevice(device));
 
@@ -92,19 +121,6 @@ ffi::Error Initialize(const std::string& unique_id, int rank, int num_ranks, int
                     ", expected " + std::to_string(rank) + " of " + std::to_string(num_ranks));
   }
 
-  // Deterministic layout: signals first, then the data slots.
-  const size_t signal_bytes =
-      sizeof(uint64_t) * static_cast<size_t>(kNumParities) * num_pes * kMaxBlocks;
-  const size_t header = (signal_bytes + 255) / 256 * 256;
-  if (heap_bytes < header + static_cast<size_t>(kNumParities) * num_pes * 4096) {
-    return Fail(ffi::ErrorCode::kInvalidArgument,
-                "symmetric heap of " + std::to_string(heap_bytes) + " bytes is too small for " +
-                    std::to_string(num_pes) + " PEs; it needs at least " +
-                    std::to_string(header + static_cast<size_t>(kNumParities) * num_pes * 4096));
-  }
-  size_t slot_bytes = (heap_bytes - header) / (static_cast<size_t>(kNumParities) * num_pes);
-  slot_bytes = slot_bytes / 256 * 256;
-
   DebugStep("nvshmem_malloc");
   void* heap = nvshmem_malloc(heap_bytes);
   if (heap == nullptr) {
@@ -114,13 +130,27 @@ ffi::Error Initialize(const std::string& unique_id, int rank, int num_ranks, int
                     "or GPU memory left beside XLA's preallocation; lower "
                     "XLA_PYTHON_CLIENT_MEM_FRACTION or the jaxoverlap heap size)");
   }
-  JAXOVERLAP_CUDA_RETURN_IF_ERROR(cudaMemset(heap, 0, header));
+  // Flags and LL8 cells start at zero; epochs start at 1, so nothing stale matches.
+  JAXOVERLAP_CUDA_RETURN_IF_ERROR(cudaMemset(heap, 0, flag_bytes + ll_bytes));
 
   DebugStep("device buffers");
   g_state.heap = static_cast<char*>(heap);
-  g_state.signals = reinterpret_cast<uint64_t*>(g_state.heap);
-  g_state.data = g_state.heap + header;
+  g_state.flags = reinterpret_cast<uint64_t*>(g_state.heap);
+  g_state.ll = g_state.heap + flag_bytes;
+  char* scratch = g_state.ll + ll_bytes;
+  g_state.stage[0] = scratch;
+  g_state.stage[1] = scratch + ll_slot_bytes;
+  g_state.acc[0] = scratch + 2 * ll_slot_bytes;
+  g_state.ll_slot_bytes = ll_slot_bytes;
+  g_state.acc[1] = g_state.acc[0] + slot_bytes;
+  g_state.data = g_state.acc[1] + slot_bytes;
   g_state.slot_bytes = slot_bytes;
+  g_state.acc_bytes = slot_bytes;
+  g_state.ranks_per_node = ranks_per_node;
+  // Tests on one host use this to take the network path (NVSHMEM puts) across
+  // emulated nodes, as on a real cluster where peers are not load/store-reachable.
+  const char* force_put = std::getenv("JAXOVERLAP_FORCE_NVSHMEM_PUT");
+  g_state.force_put = force_put != nullptr && std::string(force_put) == "1";
   JAXOVERLAP_CUDA_RETURN_IF_ERROR(
       cudaMalloc(&g_state.pair_epochs, sizeof(uint64_t) * num_pes));
   JAXOVERLAP_CUDA_RETURN_IF_ERROR(cudaMemset(g_state.pair_epochs, 0, sizeof(uint64_t) * num_pes));

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import signal
 import socket
 import subprocess
@@ -108,14 +109,25 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument("--port", type=int, default=0, help="coordinator port (default: a free one)")
   parser.add_argument("--timeout_s", type=float, default=0,
                       help="kill all processes after this many seconds (0: no limit)")
-  parser.add_argument("script", help="Python script, or -m module")
+  parser.add_argument("--wrapper", default="",
+                      help="command put in front of python in every process, e.g. "
+                           "'compute-sanitizer --tool memcheck'")
+  parser.add_argument("-m", dest="module", default=None,
+                      help="run a module (like python -m) instead of a script")
+  parser.add_argument("script", nargs="?", help="Python script (omit with -m)")
   parser.add_argument("args", nargs=argparse.REMAINDER)
   a = parser.parse_args(argv)
+  if a.module is None and a.script is None:
+    parser.error("give a script or -m module")
   if a.nproc < 1:
     parser.error(f"--nproc must be >= 1, got {a.nproc}")
 
   port = a.port or free_port()
-  cmd = [sys.executable] + (["-m", a.args[0]] + a.args[1:] if a.script == "-m" else [a.script] + a.args)
+  if a.module is not None:
+    target = ["-m", a.module] + ([a.script] if a.script else []) + a.args
+  else:
+    target = [a.script] + a.args
+  cmd = shlex.split(a.wrapper) + [sys.executable] + target
   procs, pumps = [], []
   for rank in range(a.nproc):
     env = dict(os.environ)

@@ -55,6 +55,11 @@ _lock = threading.Lock()
 _initialized = False
 _generation = 0
 _info: dict[str, Any] = {}
+# Rank 0's all-reduce tuning table (JSON text, "" for none), shared at
+# initialize() so that every rank's "auto" makes the same choice.
+_tuning_text = ""
+_tuning_path = ""
+_policy = None
 
 
 def is_initialized() -> bool:
@@ -212,9 +217,11 @@ def initialize(
     logger.info("jaxoverlap: NVSHMEM PE %d of %d on GPU %d, heap %d bytes", rank, num_ranks,
                 ordinal, heap_bytes)
     try:
-      ext.initialize(uid, rank, num_ranks, ordinal, heap_bytes, int(timeout_s * 1e9))
+      ext.initialize(uid, rank, num_ranks, ordinal, heap_bytes, int(timeout_s * 1e9),
+                     ranks_per_node)
     except RuntimeError as e:
       raise RuntimeError(f"jaxoverlap.initialize (PE {rank} of {num_ranks}): {e}") from None
+    _share_tuning_table(rank, num_ranks)
     _generation += 1
     _initialized = True
     _info = {
@@ -231,6 +238,43 @@ def initialize(
     }
     atexit.register(finalize)
     return runtime_info()
+
+
+def _share_tuning_table(rank: int, num_ranks: int) -> None:
+  global _tuning_text, _tuning_path, _policy
+  from jaxoverlap import tuning
+
+  path = tuning.default_tuning_path()
+  text = ""
+  if rank == 0:
+    if not os.path.exists(path):
+      # No table of the user's own: the one measured on this GPU model, if
+      # the package ships one (python -m jaxoverlap.tune makes one's own).
+      import jax
+
+      kind = jax.local_devices()[0].device_kind.replace(" ", "_")
+      path = os.path.join(os.path.dirname(__file__), "tuning_tables", f"all_reduce-{kind}.json")
+    if os.path.exists(path):
+      with open(path) as f:
+        text = f.read()
+  if num_ranks > 1:
+    got = _exchange(f"jaxoverlap/{_generation}/tuning", (path + "\n" + text).encode()
+                    if rank == 0 else None, rank, timeout_s=120.0).decode()
+    path, _, text = got.partition("\n")
+  _tuning_text, _tuning_path, _policy = text, path, None
+
+
+def tuning_policy():
+  """The all-reduce policy of this job: rank 0's tuning table, else the cost model."""
+  global _policy
+  if _policy is None:
+    import json
+
+    from jaxoverlap import tuning
+
+    result = json.loads(_tuning_text) if _tuning_text else None
+    _policy = tuning.Policy.from_result(result, path=_tuning_path or tuning.default_tuning_path())
+  return _policy
 
 
 def finalize() -> None:
@@ -271,6 +315,11 @@ def runtime_info() -> dict[str, Any]:
     native = ext.info()
     info["slot_bytes"] = native["slot_bytes"]
     info["max_group_size"] = native["max_group_size"]
+    info["ll_slot_bytes"] = native["ll_slot_bytes"]
+    # Across nodes: direct NVLink stores where a peer is load/store-reachable,
+    # NVSHMEM puts otherwise (always, with JAXOVERLAP_FORCE_NVSHMEM_PUT=1).
+    info["inter_node_transport"] = ("nvshmem put" if native["force_nvshmem_put"]
+                                    else "direct store if reachable, else nvshmem put")
     info["device_error"] = ext.device_error()
   info["backends"] = {
       op: (backend.cuda_unavailable_reason(op) or "cuda") for op in backend.OPS
@@ -283,28 +332,32 @@ def pe_of_device(device) -> int:
   return int(device.process_index)
 
 
-def groups_along_axis(mesh, axis_name: str) -> list[list[int]]:
+def groups_along_axis(mesh, axis_name) -> list[list[int]]:
   """PE groups of a collective over ``axis_name`` of ``mesh``, each in rank order.
 
   Args:
     mesh: a concrete ``jax.sharding.Mesh``.
-    axis_name: one of ``mesh.axis_names``.
+    axis_name: one of ``mesh.axis_names``, or a tuple of them (ranks ordered
+      with the last axis fastest, as ``lax.axis_index`` does).
 
   Returns:
-    One list per group (``mesh.size // mesh.shape[axis_name]`` of them), each
-    ``mesh.shape[axis_name]`` PEs long, ordered by position along the axis.
+    One list per group, each as long as the product of the axes' sizes,
+    ordered by position along the axes.
 
   Raises:
-    ValueError: two devices of one group live in the same process (the CUDA
-      backend needs one GPU per process).
+    ValueError: an axis is not in the mesh, or two devices of one group live
+      in the same process (the CUDA backend needs one GPU per process).
   """
   import numpy as np
 
   names = list(mesh.axis_names)
-  if axis_name not in names:
-    raise ValueError(f"axis {axis_name!r} is not in the mesh axes {tuple(names)}")
-  devices = np.moveaxis(np.asarray(mesh.devices), names.index(axis_name), -1)
-  size = devices.shape[-1]
+  axes = axis_name if isinstance(axis_name, tuple) else (axis_name,)
+  for a in axes:
+    if a not in names:
+      raise ValueError(f"axis {a!r} is not in the mesh axes {tuple(names)}")
+  src = [names.index(a) for a in axes]
+  devices = np.moveaxis(np.asarray(mesh.devices), src, list(range(-len(axes), 0)))
+  size = int(np.prod([mesh.shape[a] for a in axes]))
   groups = []
   for row in devices.reshape(-1, size):
     pes = [pe_of_device(d) for d in row]

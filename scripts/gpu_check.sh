@@ -1,38 +1,95 @@
 #!/usr/bin/env bash
-# One call on the GPU machine: build the package from this tree, run the
-# multi-process GPU checks and the benchmarks; logs and JSON go under $OUT.
-#   bash scripts/gpu_check.sh [check|bench|all]
-# Uses the machine's preinstalled packages (nothing is downloaded).
+# One call on the GPU machine: build the package from this tree, then run the
+# multi-process GPU checks and/or the benchmarks; logs and JSON go to $OUT.
+#   bash scripts/gpu_check.sh [check|bench|sanitize|all]
+# Uses the machine's preinstalled packages (nothing is downloaded). Needs 2
+# GPUs for NCCL-based references (psum); with 1 GPU the checks run as 2
+# processes on it (--share_gpu) and skip what needs NCCL.
 set -uo pipefail
 export NVSHMEM_DISABLE_NVLS=1 NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/jaxoverlap-out}
 mkdir -p "$OUT"
 PY=${PYTHON:-python3}
 WHAT=${1:-all}
+if [ $# -gt 1 ]; then  # several steps in one call: gpu_check.sh rest sanitize quickbench
+  rc=0; for w in "$@"; do SKIP_BUILD=${SKIP_BUILD:-} bash "$0" "$w" || rc=1; SKIP_BUILD=1; done; exit $rc
+fi
 status=0
+FILTER='GRPC|WatchTasks|coordination_service|Connection refused|CANCELLED|Source Location|grpc_util|^\[rank .\] $|^\[rank .\] [WI][0-9]{4}'
 
 nvidia-smi -L | tee "$OUT/gpus.txt"
 NGPU=$(nvidia-smi -L | wc -l)
-echo "== build ($NGPU GPUs)"
-start=$(date +%s)
-SKBUILD_CMAKE_DEFINE="CMAKE_CUDA_ARCHITECTURES=90" \
-  $PY -m pip install --no-build-isolation --no-deps -e . >"$OUT/build.log" 2>&1 \
-  || { tail -40 "$OUT/build.log"; echo "BUILD FAILED"; exit 1; }
-echo "built in $(( $(date +%s) - start )) s"
-$PY -c "from jaxoverlap import _ffi; _ffi.load(); print('extension loaded, targets registered')" || exit 1
+if [ -z "${SKIP_BUILD:-}" ]; then
+  echo "== build ($NGPU GPUs)"
+  start=$(date +%s)
+  SKBUILD_CMAKE_DEFINE="CMAKE_CUDA_ARCHITECTURES=90" \
+    $PY -m pip install --no-build-isolation --no-deps -e . >"$OUT/build.log" 2>&1 \
+    || { tail -40 "$OUT/build.log"; echo "BUILD FAILED"; exit 1; }
+  echo "built in $(( $(date +%s) - start )) s"
+fi
+if [ "$NGPU" -ge 2 ]; then LAUNCH="--nproc 2"; else LAUNCH="--nproc 2 --share_gpu"; export JAXOVERLAP_NO_NCCL=1; fi
 
-if [ "$NGPU" -ge 2 ]; then LAUNCH="--nproc 2"; else LAUNCH="--nproc 2 --share_gpu"; fi
+run() {  # run <log name> <timeout s> <env...> -- <launcher args...>
+  local name=$1 limit=$2; shift 2
+  echo "== $name"
+  timeout "$limit" env "$@" 2>&1 | tee "$OUT/$name.log" | grep -vE "$FILTER" | tail -25
+  local rc=${PIPESTATUS[0]}
+  [ "$rc" -eq 0 ] || { echo "!! $name exited with $rc"; status=1; }
+}
 
 if [ "$WHAT" = check ] || [ "$WHAT" = all ]; then
-  echo "== multi-process checks ($LAUNCH)"
-  timeout 300 $PY -m jaxoverlap.launch $LAUNCH --timeout_s 280 tests/multiprocess/check_all_reduce.py \
-    2>&1 | tee "$OUT/check_all_reduce.log" | grep -vE "^\[rank [0-9]+\] (W|I)[0-9]{4}" | tail -30
-  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+  run check_1x2 280 $PY -m jaxoverlap.launch $LAUNCH --timeout_s 270 tests/multiprocess/check_all_reduce.py
+  run check_2x1 150 JAXOVERLAP_RANKS_PER_NODE=1 $PY -m jaxoverlap.launch $LAUNCH --timeout_s 140 \
+    tests/multiprocess/check_all_reduce.py sweep stress late
+  run errors_heap 45 $PY -m jaxoverlap.launch $LAUNCH --timeout_s 40 tests/multiprocess/check_errors.py heap
+  run errors_timeout 60 $PY -m jaxoverlap.launch $LAUNCH --timeout_s 50 tests/multiprocess/check_errors.py timeout
+fi
+
+if [ "$WHAT" = sanitize ] || [ "$WHAT" = all ]; then
+  for tool in ${SANITIZE_TOOLS:-memcheck racecheck}; do
+    run "sanitize_$tool" 150 $PY -m jaxoverlap.launch $LAUNCH --timeout_s 140 \
+      --wrapper "compute-sanitizer --tool $tool --kernel-name kns=jaxoverlap --report-api-errors no --error-exitcode 3" \
+      tests/multiprocess/check_all_reduce.py quick
+    grep -E "ERROR SUMMARY|RACECHECK SUMMARY|Invalid|Race" "$OUT/sanitize_$tool.log" | sort | uniq -c | head
+  done
+fi
+
+if [ "$WHAT" = verify ]; then  # short re-check after a kernel change
+  run verify_1x2 200 $PY -m jaxoverlap.launch $LAUNCH --timeout_s 190 tests/multiprocess/check_all_reduce.py \
+    quick stress grads axes late
+  run verify_2x1 150 JAXOVERLAP_RANKS_PER_NODE=1 $PY -m jaxoverlap.launch $LAUNCH --timeout_s 140 \
+    tests/multiprocess/check_all_reduce.py quick stress
+  run verify_2x1_put 150 JAXOVERLAP_RANKS_PER_NODE=1 JAXOVERLAP_FORCE_NVSHMEM_PUT=1 $PY -m jaxoverlap.launch \
+    $LAUNCH --timeout_s 140 tests/multiprocess/check_all_reduce.py quick stress
+fi
+
+if [ "$WHAT" = rest ]; then  # the sections a failed run did not reach
+  run check_1x2_rest 120 $PY -m jaxoverlap.launch $LAUNCH --timeout_s 110 tests/multiprocess/check_all_reduce.py grads axes late
+  run errors_timeout 60 $PY -m jaxoverlap.launch $LAUNCH --timeout_s 50 tests/multiprocess/check_errors.py timeout
+fi
+
+if [ "$WHAT" = quickbench ]; then
+  run quickbench_1x2 120 $PY -m jaxoverlap.launch --nproc 2 --timeout_s 110 benchmarks/all_reduce.py \
+    --out "$OUT/quick" --sizes 8K,64K,256K,512K,1M,2M,4M --reps 20
+fi
+
+if [ "$WHAT" = verify2 ]; then  # the 2-"node" paths only
+  run verify_2x1 150 JAXOVERLAP_RANKS_PER_NODE=1 $PY -m jaxoverlap.launch $LAUNCH --timeout_s 140 \
+    tests/multiprocess/check_all_reduce.py quick stress
+  run verify_2x1_put 150 JAXOVERLAP_RANKS_PER_NODE=1 JAXOVERLAP_FORCE_NVSHMEM_PUT=1 $PY -m jaxoverlap.launch \
+    $LAUNCH --timeout_s 140 tests/multiprocess/check_all_reduce.py quick stress
+fi
+
+if [ "$WHAT" = bench2 ] && [ "$NGPU" -ge 2 ]; then
+  run bench_2x1 280 JAXOVERLAP_RANKS_PER_NODE=1 $PY -m jaxoverlap.launch --nproc 2 --timeout_s 270 \
+    benchmarks/all_reduce.py --out "$OUT"
+  run bench_2x1_put 280 JAXOVERLAP_RANKS_PER_NODE=1 JAXOVERLAP_FORCE_NVSHMEM_PUT=1 $PY -m jaxoverlap.launch \
+    --nproc 2 --timeout_s 270 benchmarks/all_reduce.py --out "$OUT/put" --sizes 8K,64K,256K,1M,4M
 fi
 
 if { [ "$WHAT" = bench ] || [ "$WHAT" = all ]; } && [ "$NGPU" -ge 2 ]; then
-  echo "== all_reduce benchmark"
-  timeout 240 $PY -m jaxoverlap.launch --nproc 2 --timeout_s 230 benchmarks/all_reduce.py \
-    --out "$OUT" 2>&1 | tee "$OUT/bench_all_reduce.log" | grep -E "rank 0\] +[0-9]+ B|wrote|Error|error" | tail -20
+  run bench_1x2 280 $PY -m jaxoverlap.launch --nproc 2 --timeout_s 270 benchmarks/all_reduce.py --out "$OUT"
+  run bench_2x1 280 JAXOVERLAP_RANKS_PER_NODE=1 $PY -m jaxoverlap.launch --nproc 2 --timeout_s 270 \
+    benchmarks/all_reduce.py --out "$OUT"
 fi
 exit $status

@@ -19,47 +19,9 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-// Finds the group holding this PE. `groups` is [num_groups * group_size] PEs,
-// each group in rank order (like an HLO replica_groups attribute).
-ffi::Error FindGroup(ffi::Span<const int64_t> groups, int64_t group_size, int my_pe, Group* g) {
-  if (group_size < 1 || group_size > kMaxGroupSize) {
-    return ffi::Error::InvalidArgument("all_reduce: group size " + std::to_string(group_size) +
-                                       " is not supported (1.." +
-                                       std::to_string(kMaxGroupSize) + ")");
-  }
-  if (groups.size() % group_size != 0) {
-    return ffi::Error::InvalidArgument("all_reduce: groups attribute has " +
-                                       std::to_string(groups.size()) +
-                                       " entries, not a multiple of group size " +
-                                       std::to_string(group_size));
-  }
-  const int num_pes = State().num_pes;
-  for (size_t start = 0; start < groups.size(); start += group_size) {
-    for (int64_t r = 0; r < group_size; ++r) {
-      if (groups[start + r] != my_pe) continue;
-      g->rank = static_cast<int>(r);
-      g->num_ranks = static_cast<int>(group_size);
-      for (int64_t q = 0; q < group_size; ++q) {
-        const int64_t pe = groups[start + q];
-        if (pe < 0 || pe >= num_pes) {
-          return ffi::Error::InvalidArgument("all_reduce: group names PE " + std::to_string(pe) +
-                                             " but NVSHMEM has " + std::to_string(num_pes) +
-                                             " PEs");
-        }
-        g->pes[q] = static_cast<int>(pe);
-      }
-      return ffi::Error::Success();
-    }
-  }
-  return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
-                    "all_reduce: PE " + std::to_string(my_pe) +
-                        " is in none of the groups of this call; the mesh's devices and the "
-                        "NVSHMEM PEs disagree (one process per GPU, PE = jax.process_index())");
-}
-
 ffi::Error AllReduceExecute(cudaStream_t stream, ffi::AnyBuffer x,
                             ffi::Result<ffi::AnyBuffer> out, ffi::Span<const int64_t> groups,
-                            int64_t group_size, int64_t algorithm) {
+                            int64_t group_size, int64_t algorithm, int64_t protocol) {
   const RuntimeState& s = State();
   if (!s.initialized) {
     return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
@@ -83,15 +45,17 @@ ffi::Error AllReduceExecute(cudaStream_t stream, ffi::AnyBuffer x,
   if (x.element_type() != out->element_type() || x.element_count() != out->element_count()) {
     return ffi::Error::InvalidArgument("all_reduce: output type/shape differs from the input");
   }
-  Group g;
-  JAXOVERLAP_RETURN_IF_ERROR(FindGroup(groups, group_size, s.my_pe, &g));
-  switch (static_cast<Algorithm>(algorithm)) {
-    case Algorithm::kOneShot:
-      return OneShot(stream, x.element_type(), x.untyped_data(), out->untyped_data(),
-                     x.element_count(), g);
+  if (algorithm < 1 || algorithm > 3 || protocol < 0 || protocol > 2) {
+    return ffi::Error::InvalidArgument("all_reduce: unknown algorithm id " +
+                                       std::to_string(algorithm) + " or protocol id " +
+                                       std::to_string(protocol));
   }
-  return ffi::Error::InvalidArgument("all_reduce: unknown algorithm id " +
-                                     std::to_string(algorithm));
+  Topology topo;
+  JAXOVERLAP_RETURN_IF_ERROR(MakeTopology(groups.begin(), groups.size(), group_size, s.my_pe,
+                                          s.num_pes, s.ranks_per_node, &topo));
+  return AllReduce(stream, static_cast<Algorithm>(algorithm), static_cast<Protocol>(protocol),
+                   x.element_type(), x.untyped_data(), out->untyped_data(), x.element_count(),
+                   topo);
 }
 
 }  // namespace
@@ -106,5 +70,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Ret<xla::ffi::AnyBuffer>()   // out: same shape and dtype as x
         .Attr<xla::ffi::Span<const int64_t>>("groups")  // [num_groups * group_size] PEs
         .Attr<int64_t>("group_size")  // ranks per group (the shard_map axis size)
-        .Attr<int64_t>("algorithm"),  // Algorithm enum value
+        .Attr<int64_t>("algorithm")   // Algorithm enum value (all_reduce.h)
+        .Attr<int64_t>("protocol"),   // Protocol enum value (all_reduce.h)
     {xla::ffi::Traits::kCmdBufferCompatible});

@@ -43,9 +43,27 @@ __device__ __forceinline__ uint64_t LoadAcquireSys(const uint64_t* addr) {
   return v;
 }
 
-// Waits until *flag >= expected. On timeout records who did not arrive in
-// `error` (first timeout wins), prints it and traps: a hang becomes an error
-// that names rank, peer and step.
+// Records who did not arrive in `error` (the first timeout wins), prints it
+// and traps: a hang becomes an error that names rank, peer and step.
+__device__ __noinline__ void ReportTimeoutAndTrap(DeviceError* error, int rank, int peer_pe,
+                                                  int step, uint64_t expected, uint64_t seen) {
+  if (atomicCAS(&error->code, 0, 1) == 0) {
+    error->rank = rank;
+    error->peer_pe = peer_pe;
+    error->step = step;
+    error->block = blockIdx.x;
+    error->epoch = expected;
+    error->seen = seen;
+    __threadfence_system();
+  }
+  printf("jaxoverlap: device wait timed out: rank %d waited for peer PE %d at step %d "
+         "(block %d, epoch %llu, seen %llu)\n",
+         rank, peer_pe, step, static_cast<int>(blockIdx.x),
+         static_cast<unsigned long long>(expected), static_cast<unsigned long long>(seen));
+  __trap();
+}
+
+// Waits until *flag >= expected, or reports and traps after timeout_ns.
 __device__ __forceinline__ void WaitFlagOrTrap(const uint64_t* flag, uint64_t expected,
                                                uint64_t timeout_ns, DeviceError* error, int rank,
                                                int peer_pe, int step) {
@@ -54,20 +72,7 @@ __device__ __forceinline__ void WaitFlagOrTrap(const uint64_t* flag, uint64_t ex
   uint64_t seen;
   while ((seen = LoadAcquireSys(flag)) < expected) {
     if (GlobalTimerNs() - start > timeout_ns) {
-      if (atomicCAS(&error->code, 0, 1) == 0) {
-        error->rank = rank;
-        error->peer_pe = peer_pe;
-        error->step = step;
-        error->block = blockIdx.x;
-        error->epoch = expected;
-        error->seen = seen;
-        __threadfence_system();
-      }
-      printf("jaxoverlap: device wait timed out: rank %d waited for peer PE %d at step %d "
-             "(block %d, epoch %llu, seen %llu)\n",
-             rank, peer_pe, step, static_cast<int>(blockIdx.x),
-             static_cast<unsigned long long>(expected), static_cast<unsigned long long>(seen));
-      __trap();
+      ReportTimeoutAndTrap(error, rank, peer_pe, step, expected, seen);
     }
   }
 }

@@ -4,12 +4,16 @@
 // allocated once at start-up and sub-allocated deterministically (every PE
 // computes the same layout, so offsets agree without communication).
 //
-// Heap layout (all symmetric, offsets identical on every PE):
-//   signals  [kNumParities][num_pes][kMaxBlocks] uint64   completion flags
-//   data     [kNumParities][num_pes][slot_bytes]          one slot per sender
-// Slots and signals are indexed by the *sender's* PE and by the parity of the
-// per-pair epoch, so a sender can be one call ahead of a receiver without
-// overwriting data the receiver still reads (see all_reduce/one_shot.cu).
+// Heap layout (all symmetric; every PE computes the same offsets):
+//   flags    [kNumParities][kNumPhases][num_pes][kMaxBlocks] uint64  "simple" completion flags
+//   ll       [kNumParities][kNumPhases][num_pes][ll_slot_bytes]     LL8 cells (4 B data + 4 B flag)
+//   data     [kNumParities][kNumPhases][num_pes][slot_bytes]        "simple" payloads
+//   scratch  acc[2][acc_bytes] (fp32 partial sums), stage[2][ll_slot_bytes] (LL8 packing)
+// Receive slots are indexed by the *sender's* PE, the algorithm phase and the
+// parity of the per-pair epoch, so a sender can be one call ahead of a
+// receiver without overwriting data the receiver still reads (all_reduce.cu
+// gives the argument). LL8 and simple payloads never share memory, so a stale
+// payload can never be mistaken for a flag.
 #ifndef JAXOVERLAP_RUNTIME_H_
 #define JAXOVERLAP_RUNTIME_H_
 
@@ -23,9 +27,15 @@ namespace jaxoverlap {
 
 namespace ffi = xla::ffi;
 
-inline constexpr int kMaxBlocks = 32;     // blocks of one collective kernel
-inline constexpr int kNumParities = 2;    // double buffering by epoch parity
-inline constexpr int kMaxGroupSize = 8;   // ranks of one intra-node group
+inline constexpr int kMaxBlocks = 128;      // blocks of one collective kernel
+inline constexpr int kNumParities = 2;      // double buffering by epoch parity
+inline constexpr int kNumPhases = 3;        // reduce-scatter, inter-node, all-gather
+inline constexpr int kMaxGroupSize = 8;     // ranks of one node in one group
+inline constexpr int kMaxNodes = 64;        // nodes of one group
+inline constexpr int kMaxPes = 512;         // PEs of the job (heap layout is per PE)
+// LL8 cells per (parity, phase, sender): heap / (4 * slots), within these bounds.
+inline constexpr size_t kMinLlSlotBytes = 256 * 1024;
+inline constexpr size_t kMaxLlSlotBytes = 2 * 1024 * 1024;
 
 // What a timed-out device wait leaves behind, in mapped pinned host memory so
 // that the host can read it even after the kernel trapped.
@@ -47,10 +57,17 @@ struct RuntimeState {
   int device = -1;
   size_t heap_bytes = 0;
   size_t slot_bytes = 0;
+  size_t ll_slot_bytes = 0;
   uint64_t timeout_ns = 0;
+  int ranks_per_node = 0;
+  bool force_put = false;  // JAXOVERLAP_FORCE_NVSHMEM_PUT=1: no direct stores across nodes
+  size_t acc_bytes = 0;
   char* heap = nullptr;              // symmetric, nvshmem_malloc'ed once
-  uint64_t* signals = nullptr;       // symmetric, inside heap
+  uint64_t* flags = nullptr;         // symmetric, inside heap
+  char* ll = nullptr;                // symmetric, inside heap
   char* data = nullptr;              // symmetric, inside heap
+  char* acc[2] = {nullptr, nullptr};    // this PE's fp32 accumulators (inside heap)
+  char* stage[2] = {nullptr, nullptr};  // this PE's LL8 packing buffers (inside heap)
   uint64_t* pair_epochs = nullptr;   // device memory [num_pes]: calls made with each peer
   unsigned int* done_counter = nullptr;  // device memory: blocks finished in the current call
   DeviceError* error_host = nullptr;     // mapped pinned memory
@@ -59,7 +76,7 @@ struct RuntimeState {
 
 // Brings NVSHMEM up with a unique id made by PE 0 and exchanged by the caller.
 ffi::Error Initialize(const std::string& unique_id, int rank, int num_ranks, int device,
-                      size_t heap_bytes, uint64_t timeout_ns);
+                      size_t heap_bytes, uint64_t timeout_ns, int ranks_per_node);
 // A fresh NVSHMEM unique id (128 bytes), made on the process that will be PE 0.
 ffi::Error GetUniqueId(std::string* out);
 // Frees the heap and finalises NVSHMEM; a no-op when not initialised.

@@ -1,0 +1,928 @@
+// Copyright 2026 The jaxoverlap Authors. SPDX-License-Identifier: Apache-2.0
+//
+// All-reduce kernels over NVSHMEM: one-shot and two-shot within a node, and
+// the hierarchical NVRAR algorithm across nodes.
+//
+// Source: NVRAR, "Understanding and Improving Communication Performance in
+// Multi-node LLM Inference", arXiv 2511.09557, sec. 4 (intra-node
+// reduce-scatter, inter-node recursive doubling among same-local-rank GPUs
+// with one-sided puts and sequence-numbered completion, intra-node
+// all-gather; LL and simple protocols). The code is written here from the
+// paper's description; the LL8 line layout follows the idea of NCCL's LL
+// protocol (two 4-byte words, each with its own 4-byte flag).
+//
+// Completion and reuse, for every algorithm: each ordered pair of PEs keeps a
+// call counter, the epoch, in device memory on both sides (pair_epochs),
+// advanced once per call in which the pair exchanges data. Payloads land in a
+// slot of the receiver indexed by (epoch parity, phase, sender PE); "simple"
+// payloads are followed by a flag set to the epoch, LL8 payloads carry the
+// epoch in every 8-byte cell. In every algorithm both members of a pair wait
+// for each other within a call, so a sender can start call e+2 only after the
+// receiver has started call e+1, that is after the receiver's call-e kernel
+// (the one reading parity e%2) ended. Two parities therefore suffice: no
+// acknowledgement message, no reset, and the same device work on every call
+// (so the handler is CUDA-graph safe).
+//
+// Every block owns the same sub-range of the data in every phase, so blocks
+// never wait for each other; the last block to finish advances the epochs.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+#include <nvshmem.h>
+#include <nvshmemx.h>
+
+#include <algorithm>
+#include <string>
+
+#include "jaxoverlap/all_reduce.h"
+#include "jaxoverlap/check.h"
+#include "jaxoverlap/device_utils.cuh"
+#include "jaxoverlap/runtime.h"
+
+namespace jaxoverlap::all_reduce {
+
+namespace {
+
+constexpr int kThreads = 512;
+constexpr int kMaxBump = kMaxGroupSize + 8;  // local peers + log2(kMaxNodes) partners + fold
+// Payload per block: small enough that mid-size messages spread over many
+// SMs (one LL8 line per thread at 4 KiB), measured on 2x H200 (NOTES.md).
+constexpr size_t kSimpleBytesPerBlock = 16 * 1024;
+constexpr size_t kLLBytesPerBlock = 4 * 1024;
+
+// Phases index the receive slots; see runtime.h.
+constexpr int kPhaseReduceScatter = 0;
+constexpr int kPhaseInterNode = 1;
+constexpr int kPhaseAllGather = 2;
+
+struct HeapView {
+  uint64_t* flags;
+  char* ll;
+  char* data;
+  float* acc[2];
+  uint4* stage[2];
+  size_t slot_bytes;
+  size_t ll_slot_bytes;
+  int num_pes;
+};
+
+struct Params {
+  const void* in;
+  void* out;
+  size_t n;          // elements in this launch
+  size_t per_block;  // elements (one-shot) or shard elements (RS/AG) per block; vector multiple
+  size_t shard;      // RS/AG: elements per local shard (vector multiple)
+  Topology topo;
+  int my_pe;
+  HeapView heap;
+  uint64_t* pair_epochs;
+  unsigned int* done_counter;
+  DeviceError* error;
+  uint64_t timeout_ns;
+  bool force_put;  // inter-node steps use NVSHMEM puts even to load/store-reachable peers
+  int bump[kMaxBump];  // peers whose pair epoch this call advances
+  int num_bump;
+};
+
+// ---------------------------------------------------------------- helpers
+
+__device__ __forceinline__ uint64_t* FlagAt(const HeapView& h, uint64_t epoch, int phase,
+                                            int sender, int block) {
+  const size_t parity = epoch & 1;
+  return h.flags + ((parity * kNumPhases + phase) * h.num_pes + sender) * kMaxBlocks + block;
+}
+
+__device__ __forceinline__ char* DataAt(const HeapView& h, uint64_t epoch, int phase, int sender) {
+  const size_t parity = epoch & 1;
+  return h.data + ((parity * kNumPhases + phase) * h.num_pes + sender) * h.slot_bytes;
+}
+
+__device__ __forceinline__ uint4* LlAt(const HeapView& h, uint64_t epoch, int phase, int sender) {
+  const size_t parity = epoch & 1;
+  return reinterpret_cast<uint4*>(h.ll +
+                                  ((parity * kNumPhases + phase) * h.num_pes + sender) * h.ll_slot_bytes);
+}
+
+template <typename P>
+__device__ __forceinline__ P* PeerPtr(P* symmetric, int pe) {
+  return static_cast<P*>(nvshmem_ptr(symmetric, pe));
+}
+
+__device__ __forceinline__ uint64_t EpochWith(const Params& p, int pe) {
+  return p.pair_epochs[pe] + 1;
+}
+
+__device__ __forceinline__ void StoreRelease(uint64_t* addr, uint64_t v) {
+  asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(addr), "l"(v) : "memory");
+}
+
+// After every thread of the block wrote its payload to `pe`: make the writes
+// visible system-wide, then raise the flag (thread 0 only).
+__device__ __forceinline__ void SignalPeer(uint64_t* local_flag_symmetric, int pe, uint64_t epoch) {
+  __threadfence_system();
+  StoreRelease(PeerPtr(local_flag_symmetric, pe), epoch);
+}
+
+__device__ __forceinline__ void StoreLL(uint4* dst, uint2 data, uint32_t flag) {
+  asm volatile("st.volatile.global.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(dst), "r"(data.x),
+               "r"(flag), "r"(data.y), "r"(flag)
+               : "memory");
+}
+
+// Polls one LL8 line until both cells carry `flag`; traps after the timeout.
+__device__ __forceinline__ uint2 LoadLL(const uint4* src, uint32_t flag, const Params& p,
+                                        int peer_pe, int step) {
+  uint32_t a, b, c, d;
+  uint64_t start = 0;
+  for (int spins = 0;; ++spins) {
+    asm volatile("ld.volatile.global.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(a), "=r"(b), "=r"(c), "=r"(d)
+                 : "l"(src)
+                 : "memory");
+    if (b == flag && d == flag) return make_uint2(a, c);
+    if ((spins & 1023) == 0) {
+      const uint64_t now = GlobalTimerNs();
+      if (start == 0) {
+        start = now;
+      } else if (now - start > p.timeout_ns) {
+        ReportTimeoutAndTrap(p.error, p.topo.rank, peer_pe, step, flag, b != flag ? b : d);
+      }
+    }
+  }
+}
+
+// Word <-> fp32 conversion: one 32-bit word holds 1 float or 2 halves.
+template <typename T>
+struct Words;
+template <>
+struct Words<float> {
+  static constexpr int kPerWord = 1;
+  __device__ static void ToFloat(uint32_t w, float* f) { f[0] = __uint_as_float(w); }
+  __device__ static uint32_t FromFloat(const float* f) { return __float_as_uint(f[0]); }
+};
+template <>
+struct Words<__nv_bfloat16> {
+  static constexpr int kPerWord = 2;
+  __device__ static void ToFloat(uint32_t w, float* f) {
+    f[0] = __bfloat162float(__ushort_as_bfloat16(static_cast<unsigned short>(w & 0xffff)));
+    f[1] = __bfloat162float(__ushort_as_bfloat16(static_cast<unsigned short>(w >> 16)));
+  }
+  __device__ static uint32_t FromFloat(const float* f) {
+    return static_cast<uint32_t>(__bfloat16_as_ushort(__float2bfloat16_rn(f[0]))) |
+           (static_cast<uint32_t>(__bfloat16_as_ushort(__float2bfloat16_rn(f[1]))) << 16);
+  }
+};
+template <>
+struct Words<__half> {
+  static constexpr int kPerWord = 2;
+  __device__ static void ToFloat(uint32_t w, float* f) {
+    f[0] = __half2float(__ushort_as_half(static_cast<unsigned short>(w & 0xffff)));
+    f[1] = __half2float(__ushort_as_half(static_cast<unsigned short>(w >> 16)));
+  }
+  __device__ static uint32_t FromFloat(const float* f) {
+    return static_cast<uint32_t>(__half_as_ushort(__float2half_rn(f[0]))) |
+           (static_cast<uint32_t>(__half_as_ushort(__float2half_rn(f[1]))) << 16);
+  }
+};
+
+// 16-byte vectors of T.
+template <typename T>
+struct Vec16 {
+  static constexpr int kElems = 16 / sizeof(T);
+  static constexpr int kPerWord = Words<T>::kPerWord;
+  __device__ static void Add(uint4 v, float* acc) {
+    float f[kElems];
+    Words<T>::ToFloat(v.x, f);
+    Words<T>::ToFloat(v.y, f + kPerWord);
+    Words<T>::ToFloat(v.z, f + 2 * kPerWord);
+    Words<T>::ToFloat(v.w, f + 3 * kPerWord);
+#pragma unroll
+    for (int i = 0; i < kElems; ++i) acc[i] += f[i];
+  }
+  __device__ static uint4 Pack(const float* f) {
+    return make_uint4(Words<T>::FromFloat(f), Words<T>::FromFloat(f + kPerWord),
+                      Words<T>::FromFloat(f + 2 * kPerWord), Words<T>::FromFloat(f + 3 * kPerWord));
+  }
+};
+
+// 8 bytes of T starting at element `first` (< n); elements past n read as 0.
+template <typename T>
+__device__ __forceinline__ uint2 LoadLine(const T* x, size_t first, size_t n) {
+  constexpr size_t kElems = 8 / sizeof(T);
+  if (first + kElems <= n) return *reinterpret_cast<const uint2*>(x + first);
+  T tmp[kElems];
+#pragma unroll
+  for (size_t i = 0; i < kElems; ++i) tmp[i] = first + i < n ? x[first + i] : T(0.0f);
+  return *reinterpret_cast<const uint2*>(tmp);
+}
+
+template <typename T>
+__device__ __forceinline__ void StoreLine(T* y, size_t first, size_t n, uint2 v) {
+  constexpr size_t kElems = 8 / sizeof(T);
+  if (first + kElems <= n) {
+    *reinterpret_cast<uint2*>(y + first) = v;
+    return;
+  }
+  const T* tmp = reinterpret_cast<const T*>(&v);
+  for (size_t i = 0; first + i < n; ++i) y[first + i] = tmp[i];
+}
+
+// The last block to finish advances the pair epochs of this call.
+__device__ __forceinline__ void Finish(const Params& p, bool quiet) {
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    if (quiet) nvshmem_quiet();
+    // No fence needed: every block read pair_epochs before its work, long
+    // before its atomicAdd, and the last block writes them only after all adds.
+    const unsigned int finished = atomicAdd(p.done_counter, 1u);
+    if (finished == gridDim.x - 1) {
+      for (int i = 0; i < p.num_bump; ++i) p.pair_epochs[p.bump[i]] += 1;
+      *p.done_counter = 0;
+      __threadfence();
+    }
+  }
+}
+
+// ---------------------------------------------------------------- one-shot
+
+// One-shot, LL8 protocol: every thread pushes 8-byte lines of its input to
+// every peer as LL8 cells (direct NVLink stores), then polls its own slots for
+// the peers' lines and sums all ranks in rank order.
+template <typename T>
+__global__ void __launch_bounds__(kThreads) OneShotLLKernel(Params p) {
+  constexpr size_t kLineElems = 8 / sizeof(T);
+  const Topology& t = p.topo;
+  const HeapView& h = p.heap;
+  const T* in = static_cast<const T*>(p.in);
+  T* out = static_cast<T*>(p.out);
+  const size_t lines = (p.n + kLineElems - 1) / kLineElems;
+  const size_t per_block = p.per_block / kLineElems;  // lines
+  const size_t lb = min(lines, blockIdx.x * per_block);
+  const size_t le = min(lines, lb + per_block);
+
+  uint64_t epoch[kMaxGroupSize];
+  uint4* remote[kMaxGroupSize];
+  const uint4* local[kMaxGroupSize];
+#pragma unroll
+  for (int r = 0; r < kMaxGroupSize; ++r) {
+    if (r < t.local_size && r != t.local_rank) {
+      const int pe = t.local_pes[r];
+      epoch[r] = EpochWith(p, pe);
+      remote[r] = PeerPtr(LlAt(h, epoch[r], kPhaseReduceScatter, p.my_pe), pe);
+      local[r] = LlAt(h, epoch[r], kPhaseReduceScatter, pe);
+    }
+  }
+  // All sends first, so that the NVLink latency is paid once per thread,
+  // not once per line.
+  for (size_t l = lb + threadIdx.x; l < le; l += blockDim.x) {
+    const uint2 mine = LoadLine(in, l * kLineElems, p.n);
+#pragma unroll
+    for (int r = 0; r < kMaxGroupSize; ++r) {
+      if (r < t.local_size && r != t.local_rank) {
+        StoreLL(remote[r] + l, mine, static_cast<uint32_t>(epoch[r]));
+      }
+    }
+  }
+  for (size_t l = lb + threadIdx.x; l < le; l += blockDim.x) {
+    const uint2 mine = LoadLine(in, l * kLineElems, p.n);
+    float acc[kLineElems];
+#pragma unroll
+    for (int i = 0; i < kLineElems; ++i) acc[i] = 0.0f;
+#pragma unroll
+    for (int r = 0; r < kMaxGroupSize; ++r) {
+      if (r >= t.local_size) break;
+      const uint2 v = r == t.local_rank
+                          ? mine
+                          : LoadLL(local[r] + l, static_cast<uint32_t>(epoch[r]), p,
+                                   t.local_pes[r], /*step=*/0);
+      float f[kLineElems];
+      Words<T>::ToFloat(v.x, f);
+      Words<T>::ToFloat(v.y, f + Words<T>::kPerWord);
+#pragma unroll
+      for (int i = 0; i < kLineElems; ++i) acc[i] += f[i];
+    }
+    const uint2 res = make_uint2(Words<T>::FromFloat(acc), Words<T>::FromFloat(acc + Words<T>::kPerWord));
+    StoreLine(out, l * kLineElems, p.n, res);
+  }
+  Finish(p, /*quiet=*/false);
+}
+
+// One-shot, simple protocol: one 16-byte load of the input, one direct store
+// per peer, one flag per (block, peer); then the rank-order sum.
+template <typename T>
+__global__ void __launch_bounds__(kThreads) OneShotSimpleKernel(Params p) {
+  constexpr int kVec = Vec16<T>::kElems;
+  const Topology& t = p.topo;
+  const HeapView& h = p.heap;
+  const T* in = static_cast<const T*>(p.in);
+  T* out = static_cast<T*>(p.out);
+  const size_t begin = min(p.n, blockIdx.x * p.per_block);
+  const size_t end = min(p.n, begin + p.per_block);
+  const size_t vb = begin / kVec, ve = end / kVec;  // begin is a vector multiple
+
+  uint64_t epoch[kMaxGroupSize];
+  char* remote[kMaxGroupSize];
+#pragma unroll
+  for (int r = 0; r < kMaxGroupSize; ++r) {
+    if (r < t.local_size && r != t.local_rank) {
+      epoch[r] = EpochWith(p, t.local_pes[r]);
+      remote[r] = PeerPtr(DataAt(h, epoch[r], kPhaseReduceScatter, p.my_pe), t.local_pes[r]);
+    }
+  }
+  for (size_t v = vb + threadIdx.x; v < ve; v += blockDim.x) {
+    const uint4 x = reinterpret_cast<const uint4*>(in)[v];
+#pragma unroll
+    for (int r = 0; r < kMaxGroupSize; ++r) {
+      if (r < t.local_size && r != t.local_rank) reinterpret_cast<uint4*>(remote[r])[v] = x;
+    }
+  }
+  for (size_t i = ve * kVec + threadIdx.x; i < end; i += blockDim.x) {
+    const T x = in[i];
+#pragma unroll
+    for (int r = 0; r < kMaxGroupSize; ++r) {
+      if (r < t.local_size && r != t.local_rank) reinterpret_cast<T*>(remote[r])[i] = x;
+    }
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    for (int r = 0; r < t.local_size; ++r) {
+      if (r != t.local_rank) {
+        SignalPeer(FlagAt(h, epoch[r], kPhaseReduceScatter, p.my_pe, blockIdx.x), t.local_pes[r],
+                   epoch[r]);
+      }
+    }
+  }
+  if (threadIdx.x < t.local_size && threadIdx.x != t.local_rank) {
+    const int r = threadIdx.x;
+    const uint64_t e = EpochWith(p, t.local_pes[r]);
+    WaitFlagOrTrap(FlagAt(h, e, kPhaseReduceScatter, t.local_pes[r], blockIdx.x), e, p.timeout_ns,
+                   p.error, t.rank, t.local_pes[r], /*step=*/0);
+  }
+  __syncthreads();
+
+  const T* src[kMaxGroupSize];
+#pragma unroll
+  for (int r = 0; r < kMaxGroupSize; ++r) {
+    if (r < t.local_size) {
+      src[r] = r == t.local_rank
+                   ? in
+                   : reinterpret_cast<const T*>(DataAt(h, epoch[r], kPhaseReduceScatter, t.local_pes[r]));
+    }
+  }
+  for (size_t v = vb + threadIdx.x; v < ve; v += blockDim.x) {
+    float acc[kVec];
+#pragma unroll
+    for (int i = 0; i < kVec; ++i) acc[i] = 0.0f;
+#pragma unroll
+    for (int r = 0; r < kMaxGroupSize; ++r) {
+      if (r < t.local_size) Vec16<T>::Add(reinterpret_cast<const uint4*>(src[r])[v], acc);
+    }
+    reinterpret_cast<uint4*>(out)[v] = Vec16<T>::Pack(acc);
+  }
+  for (size_t i = ve * kVec + threadIdx.x; i < end; i += blockDim.x) {
+    float acc = 0.0f;
+    for (int r = 0; r < t.local_size; ++r) acc += ToFloat(src[r][i]);
+    out[i] = FromFloat<T>(acc);
+  }
+  Finish(p, /*quiet=*/false);
+}
+
+// -------------------------------------------------- reduce-scatter/all-gather
+
+// Puts `count` fp32 values acc[off, off+count) into `pe`'s inter-node slot for
+// this sender. A peer this GPU can reach by load/store (NVLink, the same
+// node) gets direct stores from every thread; any other peer gets NVSHMEM
+// puts from the symmetric heap: LL8 lines packed in a staging buffer and one
+// bulk put, or a bulk put followed by the block's flag (put-with-signal).
+// Returns whether an NVSHMEM put was issued (then a quiet must precede reuse
+// of its source buffer).
+template <bool kLL>
+__device__ bool InterNodeSend(const Params& p, const float* acc, size_t off, size_t count, int pe,
+                              int stage_index) {
+  const HeapView& h = p.heap;
+  const uint64_t e = EpochWith(p, pe);
+  if constexpr (kLL) {
+    const uint32_t flag = static_cast<uint32_t>(e);
+    const size_t lb = off / 2, le = (off + count + 1) / 2;
+    uint4* direct = p.force_put ? nullptr : PeerPtr(LlAt(h, e, kPhaseInterNode, p.my_pe), pe);
+    if (direct != nullptr) {
+      for (size_t l = lb + threadIdx.x; l < le; l += blockDim.x) {
+        const size_t i = 2 * l;
+        const float v1 = i + 1 < off + count ? acc[i + 1] : 0.0f;
+        StoreLL(direct + l, make_uint2(__float_as_uint(acc[i]), __float_as_uint(v1)), flag);
+      }
+      return false;
+    }
+    uint4* stage = h.stage[stage_index];
+    for (size_t l = lb + threadIdx.x; l < le; l += blockDim.x) {
+      const size_t i = 2 * l;
+      const float v1 = i + 1 < off + count ? acc[i + 1] : 0.0f;
+      stage[l] = make_uint4(__float_as_uint(acc[i]), flag, __float_as_uint(v1), flag);
+    }
+    __syncthreads();
+    if (le > lb) {
+      nvshmemx_putmem_nbi_block(LlAt(h, e, kPhaseInterNode, p.my_pe) + lb, stage + lb,
+                                (le - lb) * sizeof(uint4), pe);
+    }
+    return true;
+  } else {
+    uint64_t* flag = FlagAt(h, e, kPhaseInterNode, p.my_pe, blockIdx.x);
+    char* dst = DataAt(h, e, kPhaseInterNode, p.my_pe) + off * sizeof(float);
+    float* direct = p.force_put ? nullptr : PeerPtr(reinterpret_cast<float*>(dst), pe);
+    if (direct != nullptr) {
+      const size_t vecs = count / 4;  // off is a multiple of 4 floats (16 B)
+      for (size_t v = threadIdx.x; v < vecs; v += blockDim.x) {
+        reinterpret_cast<uint4*>(direct)[v] = reinterpret_cast<const uint4*>(acc + off)[v];
+      }
+      for (size_t i = vecs * 4 + threadIdx.x; i < count; i += blockDim.x) direct[i] = acc[off + i];
+      __syncthreads();
+      if (threadIdx.x == 0) SignalPeer(flag, pe, e);
+      return false;
+    }
+    if (count > 0) {
+      nvshmemx_putmem_signal_nbi_block(dst, acc + off, count * sizeof(float), flag, e,
+                                       NVSHMEM_SIGNAL_SET, pe);
+    } else if (threadIdx.x == 0) {
+      nvshmemx_signal_op(flag, e, NVSHMEM_SIGNAL_SET, pe);
+    }
+    return true;
+  }
+}
+
+// Waits for `pe`'s values for [off, off+count) and returns this PE's receive
+// slot for that sender (index it with the same offsets as acc).
+template <bool kLL>
+__device__ const float* InterNodeRecv(const Params& p, size_t off, size_t count, int pe, int step) {
+  const HeapView& h = p.heap;
+  const uint64_t e = EpochWith(p, pe);
+  float* slot = reinterpret_cast<float*>(DataAt(h, e, kPhaseInterNode, pe));
+  if constexpr (kLL) {
+    // Decoded values go to this sender's simple slot, used as scratch here.
+    const uint32_t flag = static_cast<uint32_t>(e);
+    const uint4* cells = LlAt(h, e, kPhaseInterNode, pe);
+    const size_t lb = off / 2, le = (off + count + 1) / 2;
+    for (size_t l = lb + threadIdx.x; l < le; l += blockDim.x) {
+      const uint2 v = LoadLL(cells + l, flag, p, pe, step);
+      slot[2 * l] = __uint_as_float(v.x);
+      slot[2 * l + 1] = __uint_as_float(v.y);
+    }
+  } else if (threadIdx.x == 0) {
+    WaitFlagOrTrap(FlagAt(h, e, kPhaseInterNode, pe, blockIdx.x), e, p.timeout_ns, p.error,
+                   p.topo.rank, pe, step);
+  }
+  __syncthreads();
+  return slot;
+}
+
+// Reduce-scatter within the node, recursive doubling across nodes (with the
+// MPICH fold for a node count that is not a power of two), all-gather within
+// the node. With one node this is the two-shot algorithm. Partial sums cross
+// nodes in fp32.
+template <typename T, bool kLL>
+__global__ void __launch_bounds__(kThreads) ReduceScatterAllGatherKernel(Params p) {
+  constexpr int kVec = Vec16<T>::kElems;
+  const Topology& t = p.topo;
+  const HeapView& h = p.heap;
+  const T* in = static_cast<const T*>(p.in);
+  T* out = static_cast<T*>(p.out);
+  const int G = t.local_size;
+
+  auto shard_len = [&](int q) -> size_t {
+    const size_t s = min(p.n, static_cast<size_t>(q) * p.shard);
+    return min(p.n, s + p.shard) - s;
+  };
+  const size_t my_len = shard_len(t.local_rank);
+  const size_t ob = min(my_len, blockIdx.x * p.per_block);  // this block's range in my shard
+  const size_t oe = min(my_len, ob + p.per_block);
+  float* acc[2] = {h.acc[0], h.acc[1]};
+
+  // Phase 0: reduce-scatter within the node into acc[0] (fp32).
+  uint64_t epoch[kMaxGroupSize];
+#pragma unroll
+  for (int r = 0; r < kMaxGroupSize; ++r) {
+    if (r < G && r != t.local_rank) epoch[r] = EpochWith(p, t.local_pes[r]);
+  }
+  if (G > 1) {
+#pragma unroll
+    for (int q = 0; q < kMaxGroupSize; ++q) {
+      if (q >= G || q == t.local_rank) continue;
+      const size_t len = shard_len(q);
+      const size_t qb = min(len, blockIdx.x * p.per_block), qe = min(len, qb + p.per_block);
+      const T* src = in + static_cast<size_t>(q) * p.shard;
+      T* dst = reinterpret_cast<T*>(
+          PeerPtr(DataAt(h, epoch[q], kPhaseReduceScatter, p.my_pe), t.local_pes[q]));
+      for (size_t v = qb / kVec + threadIdx.x; v < qe / kVec; v += blockDim.x) {
+        reinterpret_cast<uint4*>(dst)[v] = reinterpret_cast<const uint4*>(src)[v];
+      }
+      for (size_t i = (qe / kVec) * kVec + threadIdx.x; i < qe; i += blockDim.x) dst[i] = src[i];
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      for (int q = 0; q < G; ++q) {
+        if (q != t.local_rank) {
+          SignalPeer(FlagAt(h, epoch[q], kPhaseReduceScatter, p.my_pe, blockIdx.x), t.local_pes[q],
+                     epoch[q]);
+        }
+      }
+    }
+    if (threadIdx.x < G && threadIdx.x != t.local_rank) {
+      const int r = threadIdx.x;
+      const uint64_t e = EpochWith(p, t.local_pes[r]);
+      WaitFlagOrTrap(FlagAt(h, e, kPhaseReduceScatter, t.local_pes[r], blockIdx.x), e, p.timeout_ns,
+                     p.error, t.rank, t.local_pes[r], /*step=*/0);
+    }
+    __syncthreads();
+  }
+  {
+    const T* mine = in + static_cast<size_t>(t.local_rank) * p.shard;
+    const T* src[kMaxGroupSize];
+#pragma unroll
+    for (int r = 0; r < kMaxGroupSize; ++r) {
+      if (r < G) {
+        src[r] = r == t.local_rank ? mine
+                                   : reinterpret_cast<const T*>(
+                                         DataAt(h, epoch[r], kPhaseReduceScatter, t.local_pes[r]));
+      }
+    }
+    for (size_t v = ob / kVec + threadIdx.x; v < oe / kVec; v += blockDim.x) {
+      float a[kVec];
+#pragma unroll
+      for (int i = 0; i < kVec; ++i) a[i] = 0.0f;
+#pragma unroll
+      for (int r = 0; r < kMaxGroupSize; ++r) {
+        if (r < G) Vec16<T>::Add(reinterpret_cast<const uint4*>(src[r])[v], a);
+      }
+#pragma unroll
+      for (int i = 0; i < kVec; ++i) acc[0][v * kVec + i] = a[i];
+    }
+    for (size_t i = (oe / kVec) * kVec + threadIdx.x; i < oe; i += blockDim.x) {
+      float a = 0.0f;
+      for (int r = 0; r < G; ++r) a += ToFloat(src[r][i]);
+      acc[0][i] = a;
+    }
+    __syncthreads();
+  }
+
+  // Phase 1: recursive doubling among the nodes (same local rank), with the
+  // MPICH fold: node pow2 + i hands its partial sum to node i before the
+  // doubling and gets the result back after it (one-directional steps).
+  int cur = 0;
+  bool used_put = false;  // an NVSHMEM put (not a direct store) was issued
+  if (t.num_nodes > 1) {
+    int pow2 = 1;
+    while (pow2 * 2 <= t.num_nodes) pow2 *= 2;
+    int step = 1;  // step numbers in timeout reports (0: reduce-scatter, 99: all-gather)
+    int stage_index = 0;
+    // acc[cur ^ 1] = acc[cur] + recv, once the put that last read acc[cur ^ 1]
+    // (two steps ago) has completed.
+    auto add_into_next = [&](const float* recv, bool add) {
+      if (used_put && threadIdx.x == 0) nvshmem_quiet();
+      __syncthreads();
+      for (size_t i = ob + threadIdx.x; i < oe; i += blockDim.x) {
+        acc[cur ^ 1][i] = add ? acc[cur][i] + recv[i] : recv[i];
+      }
+      __syncthreads();
+      cur ^= 1;
+    };
+    if (t.node >= pow2) {
+      const int partner = t.node_pes[t.node - pow2];
+      used_put |= InterNodeSend<kLL>(p, acc[cur], ob, oe - ob, partner, stage_index);
+      add_into_next(InterNodeRecv<kLL>(p, ob, oe - ob, partner, step), /*add=*/false);
+    } else {
+      const bool has_extra = t.node + pow2 < t.num_nodes;
+      if (has_extra) {
+        add_into_next(InterNodeRecv<kLL>(p, ob, oe - ob, t.node_pes[t.node + pow2], step++), true);
+      }
+      for (int mask = 1; mask < pow2; mask <<= 1) {
+        const int partner = t.node_pes[t.node ^ mask];
+        used_put |= InterNodeSend<kLL>(p, acc[cur], ob, oe - ob, partner, stage_index);
+        stage_index ^= 1;
+        // fp32 addition commutes, so both partners hold identical bits.
+        add_into_next(InterNodeRecv<kLL>(p, ob, oe - ob, partner, step++), true);
+      }
+      if (has_extra) {
+        used_put |= InterNodeSend<kLL>(p, acc[cur], ob, oe - ob, t.node_pes[t.node + pow2],
+                                       stage_index);
+      }
+    }
+  }
+
+  // Phase 2: all-gather within the node, in T.
+  const size_t my_off = static_cast<size_t>(t.local_rank) * p.shard;
+  char* remote[kMaxGroupSize];
+#pragma unroll
+  for (int r = 0; r < kMaxGroupSize; ++r) {
+    if (r < G && r != t.local_rank) {
+      remote[r] = PeerPtr(DataAt(h, epoch[r], kPhaseAllGather, p.my_pe), t.local_pes[r]);
+    }
+  }
+  for (size_t v = ob / kVec + threadIdx.x; v < oe / kVec; v += blockDim.x) {
+    const uint4 x = Vec16<T>::Pack(acc[cur] + v * kVec);
+    reinterpret_cast<uint4*>(out + my_off)[v] = x;
+#pragma unroll
+    for (int r = 0; r < kMaxGroupSize; ++r) {
+      if (r < G && r != t.local_rank) reinterpret_cast<uint4*>(remote[r])[v] = x;
+    }
+  }
+  for (size_t i = (oe / kVec) * kVec + threadIdx.x; i < oe; i += blockDim.x) {
+    const T x = FromFloat<T>(acc[cur][i]);
+    out[my_off + i] = x;
+#pragma unroll
+    for (int r = 0; r < kMaxGroupSize; ++r) {
+      if (r < G && r != t.local_rank) reinterpret_cast<T*>(remote[r])[i] = x;
+    }
+  }
+  if (G > 1) {
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      for (int r = 0; r < G; ++r) {
+        if (r != t.local_rank) {
+          SignalPeer(FlagAt(h, epoch[r], kPhaseAllGather, p.my_pe, blockIdx.x), t.local_pes[r],
+                     epoch[r]);
+        }
+      }
+    }
+    if (threadIdx.x < G && threadIdx.x != t.local_rank) {
+      const int r = threadIdx.x;
+      const uint64_t e = EpochWith(p, t.local_pes[r]);
+      WaitFlagOrTrap(FlagAt(h, e, kPhaseAllGather, t.local_pes[r], blockIdx.x), e, p.timeout_ns,
+                     p.error, t.rank, t.local_pes[r], /*step=*/99);
+    }
+    __syncthreads();
+#pragma unroll
+    for (int r = 0; r < kMaxGroupSize; ++r) {
+      if (r >= G || r == t.local_rank) continue;
+      const size_t len = shard_len(r);
+      const size_t rb = min(len, blockIdx.x * p.per_block), re = min(len, rb + p.per_block);
+      const T* src = reinterpret_cast<const T*>(DataAt(h, epoch[r], kPhaseAllGather, t.local_pes[r]));
+      T* dst = out + static_cast<size_t>(r) * p.shard;
+      for (size_t v = rb / kVec + threadIdx.x; v < re / kVec; v += blockDim.x) {
+        reinterpret_cast<uint4*>(dst)[v] = reinterpret_cast<const uint4*>(src)[v];
+      }
+      for (size_t i = (re / kVec) * kVec + threadIdx.x; i < re; i += blockDim.x) dst[i] = src[i];
+    }
+  }
+  Finish(p, /*quiet=*/used_put);
+}
+
+// ---------------------------------------------------------------- host side
+
+size_t ElementBytes(ffi::DataType dtype) {
+  switch (dtype) {
+    case ffi::DataType::F32:
+      return 4;
+    case ffi::DataType::BF16:
+    case ffi::DataType::F16:
+      return 2;
+    default:
+      return 0;
+  }
+}
+
+size_t CeilDiv(size_t a, size_t b) { return (a + b - 1) / b; }
+size_t RoundUp(size_t a, size_t b) { return CeilDiv(a, b) * b; }
+
+// Launch configuration of one call (one chunk), from the problem size only,
+// so that every rank of a group computes the same grid.
+struct LaunchConfig {
+  int blocks = 1;
+  size_t per_block = 0;  // elements
+  size_t shard = 0;      // elements (RS/AG)
+};
+
+LaunchConfig MakeLaunchConfig(Algorithm algorithm, Protocol protocol, size_t n, size_t elem,
+                              int local_size) {
+  const size_t vec = 16 / elem;
+  LaunchConfig c;
+  if (algorithm == Algorithm::kOneShot) {
+    const size_t per_block_bytes = protocol == Protocol::kLL ? kLLBytesPerBlock : kSimpleBytesPerBlock;
+    c.blocks = static_cast<int>(std::clamp<size_t>(CeilDiv(n * elem, per_block_bytes), 1, kMaxBlocks));
+    c.per_block = RoundUp(CeilDiv(n, c.blocks), vec);
+    return c;
+  }
+  c.shard = RoundUp(CeilDiv(n, local_size), vec);
+  const size_t per_block_bytes = protocol == Protocol::kLL ? kLLBytesPerBlock : kSimpleBytesPerBlock;
+  c.blocks = static_cast<int>(std::clamp<size_t>(CeilDiv(c.shard * elem, per_block_bytes), 1, kMaxBlocks));
+  c.per_block = RoundUp(CeilDiv(c.shard, c.blocks), vec);
+  return c;
+}
+
+// Largest number of elements one launch can carry, a multiple of
+// local_size * 16 bytes so that chunks keep shards vector-aligned.
+size_t ChunkCapacity(Algorithm algorithm, Protocol protocol, size_t elem, int local_size,
+                     const RuntimeState& s) {
+  const size_t unit = static_cast<size_t>(local_size) * (16 / elem);
+  size_t cap;
+  if (algorithm == Algorithm::kOneShot) {
+    cap = protocol == Protocol::kLL ? (s.ll_slot_bytes / 16) * (8 / elem) : s.slot_bytes / elem;
+  } else {
+    // Shard in T (RS/AG slots), in fp32 (acc, inter-node slots), in LL8 lines.
+    size_t shard = std::min(s.slot_bytes / elem, s.acc_bytes / sizeof(float));
+    if (protocol == Protocol::kLL) shard = std::min(shard, s.ll_slot_bytes / 8);
+    cap = shard * local_size;
+  }
+  return cap / unit * unit;
+}
+
+Protocol ResolveProtocol(Algorithm algorithm, Protocol protocol, size_t bytes, int local_size) {
+  if (protocol != Protocol::kAuto) return protocol;
+  // Measured on 2x H200 (benchmarks/results, NOTES.md): LL8 wins while the
+  // doubled wire bytes stay small.
+  if (algorithm == Algorithm::kOneShot) return bytes <= 64 * 1024 ? Protocol::kLL : Protocol::kSimple;
+  if (algorithm == Algorithm::kHierarchical) {
+    return bytes / local_size * 2 <= 64 * 1024 ? Protocol::kLL : Protocol::kSimple;
+  }
+  return Protocol::kSimple;
+}
+
+template <typename T>
+cudaError_t Launch(Algorithm algorithm, Protocol protocol, const LaunchConfig& c,
+                   const Params& p, cudaStream_t stream) {
+  if (algorithm == Algorithm::kOneShot) {
+    if (protocol == Protocol::kLL) {
+      OneShotLLKernel<T><<<c.blocks, kThreads, 0, stream>>>(p);
+    } else {
+      OneShotSimpleKernel<T><<<c.blocks, kThreads, 0, stream>>>(p);
+    }
+  } else if (protocol == Protocol::kLL) {
+    ReduceScatterAllGatherKernel<T, true><<<c.blocks, kThreads, 0, stream>>>(p);
+  } else {
+    ReduceScatterAllGatherKernel<T, false><<<c.blocks, kThreads, 0, stream>>>(p);
+  }
+  return cudaGetLastError();
+}
+
+}  // namespace
+
+ffi::Error MakeTopology(const int64_t* groups, size_t num_entries, int64_t group_size, int my_pe,
+                        int num_pes, int ranks_per_node, Topology* topo) {
+  if (group_size < 1 || num_entries % group_size != 0) {
+    return ffi::Error::InvalidArgument("all_reduce: groups attribute has " +
+                                       std::to_string(num_entries) +
+                                       " entries, not a multiple of group size " +
+                                       std::to_string(group_size));
+  }
+  const int64_t* g = nullptr;
+  for (size_t start = 0; start < num_entries && g == nullptr; start += group_size) {
+    for (int64_t r = 0; r < group_size; ++r) {
+      if (groups[start + r] == my_pe) g = groups + start;
+    }
+  }
+  if (g == nullptr) {
+    return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
+                      "all_reduce: PE " + std::to_string(my_pe) +
+                          " is in none of the groups of this call; the mesh's devices and the "
+                          "NVSHMEM PEs disagree (one process per GPU, PE = jax.process_index())");
+  }
+  Topology t;
+  t.num_ranks = static_cast<int>(group_size);
+  int nodes[kMaxNodes];
+  int num_nodes = 0;
+  for (int64_t r = 0; r < group_size; ++r) {
+    if (g[r] < 0 || g[r] >= num_pes) {
+      return ffi::Error::InvalidArgument("all_reduce: group names PE " + std::to_string(g[r]) +
+                                         " but NVSHMEM has " + std::to_string(num_pes) + " PEs");
+    }
+    if (g[r] == my_pe) t.rank = static_cast<int>(r);
+    const int node = static_cast<int>(g[r] / ranks_per_node);
+    if (std::find(nodes, nodes + num_nodes, node) == nodes + num_nodes) {
+      if (num_nodes == kMaxNodes) {
+        return ffi::Error::InvalidArgument("all_reduce: the group spans more than " +
+                                           std::to_string(kMaxNodes) + " nodes");
+      }
+      nodes[num_nodes++] = node;
+    }
+  }
+  std::sort(nodes, nodes + num_nodes);
+  const int my_node = my_pe / ranks_per_node;
+  // Members per node, in rank order.
+  int per_node[kMaxNodes] = {};
+  for (int k = 0; k < num_nodes; ++k) {
+    for (int64_t r = 0; r < group_size; ++r) {
+      if (g[r] / ranks_per_node == nodes[k]) ++per_node[k];
+    }
+    if (per_node[k] != per_node[0]) {
+      return ffi::Error::InvalidArgument(
+          "all_reduce: the group has " + std::to_string(per_node[0]) + " ranks on one node and " +
+          std::to_string(per_node[k]) + " on another; the hierarchical algorithms need the same "
+          "number on every node");
+    }
+  }
+  if (per_node[0] > kMaxGroupSize) {
+    return ffi::Error::InvalidArgument("all_reduce: " + std::to_string(per_node[0]) +
+                                       " ranks of one group on one node; at most " +
+                                       std::to_string(kMaxGroupSize) + " are supported");
+  }
+  t.local_size = per_node[0];
+  t.num_nodes = num_nodes;
+  for (int k = 0; k < num_nodes; ++k) {
+    if (nodes[k] == my_node) t.node = k;
+  }
+  int l = 0;
+  for (int64_t r = 0; r < group_size; ++r) {
+    if (g[r] / ranks_per_node == my_node) {
+      if (g[r] == my_pe) t.local_rank = l;
+      t.local_pes[l++] = static_cast<int>(g[r]);
+    }
+  }
+  for (int k = 0; k < num_nodes; ++k) {
+    int seen = 0;
+    for (int64_t r = 0; r < group_size; ++r) {
+      if (g[r] / ranks_per_node != nodes[k]) continue;
+      if (seen++ == t.local_rank) t.node_pes[k] = static_cast<int>(g[r]);
+    }
+  }
+  *topo = t;
+  return ffi::Error::Success();
+}
+
+ffi::Error AllReduce(cudaStream_t stream, Algorithm algorithm, Protocol protocol,
+                     ffi::DataType dtype, const void* in, void* out, size_t num_elements,
+                     const Topology& topo) {
+  const RuntimeState& s = State();
+  if (!s.initialized) {
+    return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
+                      "all_reduce: jaxoverlap.initialize() has not been called in this process");
+  }
+  const size_t elem = ElementBytes(dtype);
+  if (elem == 0) {
+    return ffi::Error::InvalidArgument("all_reduce: dtype must be float32, bfloat16 or float16");
+  }
+  if ((algorithm == Algorithm::kOneShot || algorithm == Algorithm::kTwoShot) && topo.num_nodes > 1) {
+    return ffi::Error::InvalidArgument(
+        std::string("all_reduce: ") + (algorithm == Algorithm::kOneShot ? "one_shot" : "two_shot") +
+        " needs the whole group on one node, but it spans " + std::to_string(topo.num_nodes) +
+        " nodes (ranks_per_node " + std::to_string(s.ranks_per_node) + "); use hierarchical");
+  }
+  if (algorithm == Algorithm::kTwoShot && protocol == Protocol::kLL) {
+    return ffi::Error::InvalidArgument("all_reduce: two_shot has only the simple protocol");
+  }
+  if (num_elements == 0) return ffi::Error::Success();
+
+  protocol = ResolveProtocol(algorithm, protocol, num_elements * elem, topo.local_size);
+  const size_t capacity = ChunkCapacity(algorithm, protocol, elem, topo.local_size, s);
+  if (capacity == 0) {
+    return ffi::Error(ffi::ErrorCode::kResourceExhausted,
+                      "all_reduce: the symmetric heap's slots are too small for one vector per "
+                      "rank; raise JAXOVERLAP_HEAP_BYTES");
+  }
+
+  Params p{};
+  p.topo = topo;
+  p.my_pe = s.my_pe;
+  p.heap.flags = s.flags;
+  p.heap.ll = s.ll;
+  p.heap.data = s.data;
+  p.heap.acc[0] = reinterpret_cast<float*>(s.acc[0]);
+  p.heap.acc[1] = reinterpret_cast<float*>(s.acc[1]);
+  p.heap.stage[0] = reinterpret_cast<uint4*>(s.stage[0]);
+  p.heap.stage[1] = reinterpret_cast<uint4*>(s.stage[1]);
+  p.heap.slot_bytes = s.slot_bytes;
+  p.heap.ll_slot_bytes = s.ll_slot_bytes;
+  p.heap.num_pes = s.num_pes;
+  p.pair_epochs = s.pair_epochs;
+  p.done_counter = s.done_counter;
+  p.error = s.error_device;
+  p.timeout_ns = s.timeout_ns;
+  p.force_put = s.force_put;
+  // Peers whose pair epoch this call advances: local peers, inter-node partners.
+  for (int r = 0; r < topo.local_size; ++r) {
+    if (r != topo.local_rank) p.bump[p.num_bump++] = topo.local_pes[r];
+  }
+  if (topo.num_nodes > 1) {
+    int pow2 = 1;
+    while (pow2 * 2 <= topo.num_nodes) pow2 *= 2;
+    if (topo.node >= pow2) {
+      p.bump[p.num_bump++] = topo.node_pes[topo.node - pow2];
+    } else {
+      if (topo.node + pow2 < topo.num_nodes) p.bump[p.num_bump++] = topo.node_pes[topo.node + pow2];
+      for (int mask = 1; mask < pow2; mask <<= 1) p.bump[p.num_bump++] = topo.node_pes[topo.node ^ mask];
+    }
+  }
+
+  for (size_t offset = 0; offset < num_elements; offset += capacity) {
+    const size_t n = std::min(capacity, num_elements - offset);
+    const LaunchConfig c = MakeLaunchConfig(algorithm, protocol, n, elem, topo.local_size);
+    p.in = static_cast<const char*>(in) + offset * elem;
+    p.out = static_cast<char*>(out) + offset * elem;
+    p.n = n;
+    p.per_block = c.per_block;
+    p.shard = c.shard;
+    cudaError_t err;
+    switch (dtype) {
+      case ffi::DataType::F32:
+        err = Launch<float>(algorithm, protocol, c, p, stream);
+        break;
+      case ffi::DataType::BF16:
+        err = Launch<__nv_bfloat16>(algorithm, protocol, c, p, stream);
+        break;
+      default:
+        err = Launch<__half>(algorithm, protocol, c, p, stream);
+        break;
+    }
+    if (err != cudaSuccess) return CudaError(err, "all_reduce kernel launch", __FILE__, __LINE__);
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace jaxoverlap::all_reduce
