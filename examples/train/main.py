@@ -1,0 +1,71 @@
+"""Trains a byte-level GPT on the Python standard library with jaxoverlap's TP layers.
+
+  python examples/train/main.py --workdir /tmp/run               # CPU, 8 host devices
+  python examples/train/main.py --workdir /tmp/run --config gpu_small --mesh 1,2
+
+Flags are launch values only; the model and optimization live in config.py.
+Re-running with the same --workdir resumes from its latest checkpoint.
+"""
+
+import dataclasses
+import os
+
+from absl import app
+from absl import flags
+from absl import logging
+
+import config as config_lib  # no jax import: XLA_FLAGS can still be set in main()
+
+_WORKDIR = flags.DEFINE_string("workdir", None, "Directory for checkpoints, metrics and plots.",
+                               required=True)
+_CONFIG = flags.DEFINE_enum("config", "default", list(config_lib.PRESETS),
+                            "Preset in config.py.")
+_MESH = flags.DEFINE_string("mesh", None, "dp,tp mesh shape, e.g. '4,2'; -1 takes the "
+                            "remaining devices. Default: the preset's.")
+flags.register_validator(
+    "mesh", lambda v: v is None or (len(v.split(",")) == 2 and all(
+        p.strip().lstrip("-").isdigit() for p in v.split(","))),
+    message="--mesh must be two integers 'dp,tp', e.g. '4,2' or '1,-1'")
+_STEPS = flags.DEFINE_integer("steps", None, "Override the preset's total steps.")
+_BACKEND = flags.DEFINE_enum("backend", None, ["auto", "xla", "cuda"],
+                             "jaxoverlap backend. Default: the preset's.")
+_ALGORITHM = flags.DEFINE_string("algorithm", None, "jaxoverlap algorithm. Default: the preset's.")
+_HOST_DEVICES = flags.DEFINE_integer(
+    "host_devices", 8, "Simulated CPU devices (XLA --xla_force_host_platform_device_count); "
+    "only the CPU platform uses them.")
+_DISTRIBUTED = flags.DEFINE_bool(
+    "distributed", False, "Multi-process run: jaxoverlap.launch.initialize_from_env() reads "
+    "the launcher's environment and initializes jax.distributed and jaxoverlap.")
+
+
+def main(argv):
+  del argv
+  logging.set_verbosity(logging.WARNING)  # orbax logs every checkpoint step at INFO
+  # Set before jax is imported: it only affects the CPU platform.
+  xla_flags = os.environ.get("XLA_FLAGS", "")
+  if "xla_force_host_platform_device_count" not in xla_flags:
+    os.environ["XLA_FLAGS"] = (
+        f"{xla_flags} --xla_force_host_platform_device_count={_HOST_DEVICES.value}").strip()
+
+  if _DISTRIBUTED.value:
+    from jaxoverlap import launch
+    launch.initialize_from_env()
+
+  import train  # imports jax
+
+  config = config_lib.get_config(_CONFIG.value)
+  overrides = {}
+  if _MESH.value is not None:
+    overrides["mesh"] = tuple(int(v) for v in _MESH.value.split(","))
+  if _STEPS.value is not None:
+    overrides["steps"] = _STEPS.value
+  if _BACKEND.value is not None:
+    overrides["backend"] = _BACKEND.value
+  if _ALGORITHM.value is not None:
+    overrides["algorithm"] = _ALGORITHM.value
+  config = dataclasses.replace(config, **overrides)
+  train.train_and_evaluate(config, _WORKDIR.value)
+
+
+if __name__ == "__main__":
+  app.run(main)

@@ -1,0 +1,320 @@
+"""Trains the byte-level GPT of ``model.py`` on the Python standard library.
+
+``train_and_evaluate(config, workdir)`` is the whole job: build a (dp x tp)
+mesh, initialize the model and AdamW state sharded under ``jit`` (parameters
+placed by their logical-axis metadata), resume from the latest checkpoint in
+``workdir`` if there is one, train with a progress bar, evaluate on fixed
+validation batches, checkpoint, and write ``metrics.json``, ``history.json``
+and ``loss.png`` to ``workdir``.
+
+The data order is a pure function of ``(seed, step)``, so a resumed run sees
+the same batches as an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import time
+from typing import Any
+
+import jax
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+import tqdm
+from flax import nnx
+
+import jaxoverlap
+from jaxoverlap import backend as jo_backend
+from jaxoverlap import nnx as jnnx
+
+import data as data_lib
+from config import Config
+from model import GPT
+
+METRICS_FILE = "metrics.json"
+HISTORY_FILE = "history.json"
+PLOT_FILE = "loss.png"
+CHECKPOINT_DIR = "checkpoints"
+
+
+def make_mesh(shape: tuple[int, int]) -> jax.sharding.Mesh:
+  """A (dp, tp) mesh of Auto axes over all devices; one -1 takes the rest.
+
+  Raises:
+    ValueError: the shape does not match the number of devices.
+  """
+  num_devices = jax.device_count()
+  dp, tp = shape
+  if dp == -1 and tp > 0 and num_devices % tp == 0:
+    dp = num_devices // tp
+  elif tp == -1 and dp > 0 and num_devices % dp == 0:
+    tp = num_devices // dp
+  if dp < 1 or tp < 1 or dp * tp != num_devices:
+    raise ValueError(
+        f"mesh (dp, tp)={tuple(shape)} does not fit the {num_devices} devices "
+        f"({jax.devices()[0].platform}); dp * tp must equal the device count")
+  return jax.make_mesh((dp, tp), ("dp", "tp"),
+                       axis_types=(jax.sharding.AxisType.Auto,) * 2)
+
+
+def make_optimizer(config: Config) -> optax.GradientTransformation:
+  """AdamW with linear warm-up, cosine decay and global-norm clipping."""
+  schedule = optax.warmup_cosine_decay_schedule(
+      init_value=0.0, peak_value=config.lr, warmup_steps=config.warmup,
+      decay_steps=max(config.steps, config.warmup + 1),
+      end_value=config.lr * config.min_lr_ratio)
+  # Decay matrices only, not norm scales, biases or embeddings.
+  decay_mask = lambda params: jax.tree.map(lambda p: p.ndim == 2, params)
+  return optax.chain(
+      optax.clip_by_global_norm(config.grad_clip),
+      optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=config.weight_decay,
+                  mask=decay_mask))
+
+
+def cross_entropy(logits_bsv: jax.Array, targets_bs: jax.Array) -> jax.Array:
+  """Mean next-byte cross-entropy in nats."""
+  return optax.softmax_cross_entropy_with_integer_labels(logits_bsv, targets_bs).mean()
+
+
+def _resolved_backends(config: Config) -> dict[str, Any]:
+  """Which implementation each jaxoverlap op runs with, and the runtime's reasons."""
+  resolved = {}
+  for op in jo_backend.OPS:
+    try:
+      resolved[op] = jo_backend.select_backend(op, config.backend)
+    except (RuntimeError, ValueError) as e:
+      resolved[op] = f"error: {e}"
+  return {"requested": config.backend, "algorithm": config.algorithm, "resolved": resolved,
+          "runtime": jaxoverlap.runtime_info()}
+
+
+def _to_global(batch: dict[str, np.ndarray], sharding) -> dict[str, jax.Array]:
+  """Places a host batch (identical on every process) as a global sharded array."""
+  return {k: jax.make_array_from_callback(v.shape, sharding, lambda idx, v=v: v[idx])
+          for k, v in batch.items()}
+
+
+def _save_plot(path: str, history: dict[str, list], unigram: float, title: str):
+  """Train/validation loss curves with the unigram baseline (Agg, no global state)."""
+  from matplotlib.backends.backend_agg import FigureCanvasAgg
+  from matplotlib.figure import Figure
+
+  fig = Figure(figsize=(7, 4.5))
+  FigureCanvasAgg(fig)
+  ax = fig.add_subplot()
+  if history["train"]:
+    steps, losses = zip(*history["train"])
+    ax.plot(steps, losses, label="train", alpha=0.8)
+  if history["val"]:
+    steps, losses = zip(*history["val"])
+    ax.plot(steps, losses, "o-", label="validation")
+  ax.axhline(unigram, color="gray", linestyle="--", label=f"unigram baseline ({unigram:.2f})")
+  ax.set_xlabel("step")
+  ax.set_ylabel("cross-entropy (nats/byte)")
+  ax.set_title(title)
+  ax.grid(alpha=0.3)
+  ax.legend()
+  fig.tight_layout()
+  fig.savefig(path, dpi=100)
+
+
+def _write_json(path: str, obj: Any):
+  tmp = path + ".tmp"
+  with open(tmp, "w") as f:
+    json.dump(obj, f, indent=2)
+  os.replace(tmp, path)
+
+
+def train_and_evaluate(config: Config, workdir: str) -> dict[str, Any]:
+  """Trains ``config``'s model, resuming from ``workdir`` if it holds a checkpoint.
+
+  Args:
+    config: the run's configuration.
+    workdir: output directory: checkpoints, ``metrics.json``,
+      ``history.json`` and ``loss.png``.
+
+  Returns:
+    The metrics written to ``metrics.json``: ``val_loss`` and ``unigram_loss``
+    (nats/byte), ``train_loss``, ``steps``, ``tokens_per_s``,
+    ``step_time_ms``, ``config``, ``backend``, ``mesh`` and more.
+  """
+  wall_start = time.perf_counter()
+  workdir = os.path.abspath(workdir)
+  is_main = jax.process_index() == 0
+  if is_main:
+    os.makedirs(workdir, exist_ok=True)
+
+  # Mesh, layout and data.
+  mesh = make_mesh(config.mesh)
+  parallel = jnnx.ParallelConfig(
+      mesh=mesh, dp_axis="dp", tp_axis="tp", sequence_parallel=config.sequence_parallel,
+      backend=config.backend, algorithm=config.algorithm)
+  batch_sharding = jax.sharding.NamedSharding(mesh, parallel.spec("batch", None))
+  corpus = data_lib.load_corpus(val_percent=config.val_percent)
+  unigram = data_lib.unigram_loss(corpus)
+  val_batches = [
+      _to_global(b, batch_sharding) for b in data_lib.validation_batches(
+          corpus, config.eval_batches, config.batch_size, config.seq_len)]
+  tokens_per_step = config.batch_size * config.seq_len
+
+  # Model and optimizer, initialized sharded under jit.
+  tx = make_optimizer(config)
+
+  def build():
+    model = GPT(config, parallel, rngs=nnx.Rngs(config.seed))
+    return model, nnx.Optimizer(model, tx, wrt=nnx.Param)
+
+  graphdef, abstract_state = nnx.split(nnx.eval_shape(build))
+  state_sharding = nnx.get_named_sharding(abstract_state, mesh)
+  state = jax.jit(lambda: nnx.split(build())[1], out_shardings=state_sharding)()
+  num_params = sum(
+      x.size for x in jax.tree.leaves(nnx.state(nnx.merge(graphdef, abstract_state)[0],
+                                                nnx.Param)))
+
+  @jax.jit
+  def eval_step(state, batch):
+    model, _ = nnx.merge(graphdef, state)
+    return cross_entropy(model(batch["inputs"]), batch["targets"])
+
+  def train_step(state, batch):
+    model, optimizer = nnx.merge(graphdef, state)
+    loss_fn = lambda model: cross_entropy(model(batch["inputs"]), batch["targets"])
+    loss, grads = nnx.value_and_grad(loss_fn)(model)
+    optimizer.update(model, grads)
+    return nnx.state((model, optimizer)), loss
+
+  train_step = jax.jit(train_step, donate_argnums=0, out_shardings=(state_sharding, None))
+
+  def evaluate(state) -> float:
+    return float(np.mean([jax.device_get(eval_step(state, b)) for b in val_batches]))
+
+  # Resume.
+  manager = ocp.CheckpointManager(
+      os.path.join(workdir, CHECKPOINT_DIR),
+      options=ocp.CheckpointManagerOptions(max_to_keep=2, create=True))
+  history: dict[str, list] = {"train": [], "val": []}
+  start_step = 0
+  latest = manager.latest_step()
+  if latest is not None:
+    state = manager.restore(latest, args=ocp.args.StandardRestore(state))
+    start_step = int(jax.device_get(nnx.merge(graphdef, state)[1].step[...]))
+    if start_step != latest:
+      raise RuntimeError(f"checkpoint {latest} holds optimizer step {start_step}")
+    history_path = os.path.join(workdir, HISTORY_FILE)
+    if os.path.exists(history_path):
+      with open(history_path) as f:
+        saved = json.load(f)
+      history = {k: [p for p in saved.get(k, []) if p[0] <= start_step] for k in history}
+
+  def checkpoint(step: int, state):
+    manager.save(step, args=ocp.args.StandardSave(state))
+    if is_main:
+      _write_json(os.path.join(workdir, HISTORY_FILE), history)
+
+  backends = _resolved_backends(config)
+  mesh_info = {"dp": int(mesh.shape["dp"]), "tp": int(mesh.shape["tp"]),
+               "devices": jax.device_count(), "platform": jax.devices()[0].platform,
+               "processes": jax.process_count()}
+  if is_main:
+    print(f"corpus: {len(corpus.train):,} train bytes ({corpus.num_train_files} files), "
+          f"{len(corpus.val):,} validation bytes ({corpus.num_val_files} files) from "
+          f"{corpus.root}; unigram baseline {unigram:.3f} nats/byte")
+    print(f"model: {num_params:,} parameters; mesh dp={mesh_info['dp']} x tp={mesh_info['tp']} "
+          f"on {mesh_info['devices']} {mesh_info['platform']} devices; "
+          f"sequence_parallel={config.sequence_parallel}; backends {backends['resolved']}")
+    if start_step:
+      print(f"resumed from {manager.directory} at step {start_step}")
+
+  if start_step == 0:
+    history["val"].append((0, evaluate(state)))
+
+  # Train.
+  bar = tqdm.tqdm(total=config.steps, initial=start_step, disable=not is_main,
+                  dynamic_ncols=True, desc="train")
+  pending: list[jax.Array] = []
+  train_loss = val_loss = math.nan
+  train_time = 0.0   # seconds of train steps after the first (compiling) one
+  timed_steps = 0
+  window_steps = 0
+  first_step_s = None
+  tick = time.perf_counter()
+  for step in range(start_step, config.steps):
+    batch = _to_global(
+        data_lib.train_batch(corpus, step, config.batch_size, config.seq_len, config.seed),
+        batch_sharding)
+    state, loss = train_step(state, batch)
+    pending.append(loss)
+    done = step + 1
+    if first_step_s is None:  # includes compilation: timed apart
+      loss.block_until_ready()
+      first_step_s = time.perf_counter() - tick
+      tick = time.perf_counter()
+    else:
+      window_steps += 1
+    boundary = (done % config.log_every == 0 or done % config.eval_every == 0
+                or done % config.ckpt_every == 0 or done == config.steps)
+    bar.update(1)
+    if not boundary:
+      continue
+    losses = [float(x) for x in jax.device_get(pending)]  # waits for the steps
+    train_time += time.perf_counter() - tick
+    timed_steps += window_steps
+    window_steps = 0
+    pending = []
+    train_loss = float(np.mean(losses))
+    history["train"].append((done, train_loss))
+    postfix = {"loss": f"{train_loss:.3f}"}
+    if train_time > 0 and timed_steps > 0:
+      postfix["tok/s"] = f"{timed_steps * tokens_per_step / train_time:,.0f}"
+    if done % config.eval_every == 0 or done == config.steps:
+      val_loss = evaluate(state)
+      history["val"].append((done, val_loss))
+    if not math.isnan(val_loss):
+      postfix["val"] = f"{val_loss:.3f}"
+    bar.set_postfix(postfix)
+    if done % config.ckpt_every == 0 or done == config.steps:
+      checkpoint(done, state)
+    tick = time.perf_counter()
+  bar.close()
+  manager.wait_until_finished()
+
+  if math.isnan(val_loss):  # nothing trained in this call (already at config.steps)
+    val_loss = evaluate(state)
+    if history["train"]:
+      train_loss = history["train"][-1][1]
+  if timed_steps and train_time > 0:
+    step_time_s = train_time / timed_steps
+  else:
+    step_time_s = first_step_s or math.nan
+  metrics = {
+      "val_loss": val_loss,
+      "unigram_loss": unigram,
+      "train_loss": train_loss,
+      "steps": int(jax.device_get(nnx.merge(graphdef, state)[1].step[...])),
+      "start_step": start_step,
+      "tokens_per_s": tokens_per_step / step_time_s,
+      "step_time_ms": step_time_s * 1e3,
+      "first_step_s": first_step_s,
+      "wall_s": time.perf_counter() - wall_start,
+      "num_params": int(num_params),
+      "tokens_per_step": tokens_per_step,
+      "config": dataclasses.asdict(config),
+      "backend": backends,
+      "mesh": mesh_info,
+      "corpus": {"root": corpus.root, "train_bytes": int(len(corpus.train)),
+                 "val_bytes": int(len(corpus.val)), "train_files": corpus.num_train_files,
+                 "val_files": corpus.num_val_files},
+  }
+  if is_main:
+    _write_json(os.path.join(workdir, METRICS_FILE), metrics)
+    _save_plot(os.path.join(workdir, PLOT_FILE), history, unigram,
+               f"byte-level GPT on the Python stdlib, dp={mesh_info['dp']} x tp={mesh_info['tp']}")
+    print(f"step {metrics['steps']}: val_loss {val_loss:.3f} vs unigram {unigram:.3f} "
+          f"nats/byte; {metrics['tokens_per_s']:,.0f} tokens/s "
+          f"({metrics['step_time_ms']:.1f} ms/step); wrote {workdir}")
+  manager.close()
+  return metrics
