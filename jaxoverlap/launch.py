@@ -106,6 +106,10 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument("--share_gpu", action="store_true",
                       help="all processes use GPU 0 (correctness checks on a 1-GPU machine; "
                            "never for timing)")
+  parser.add_argument("--num_gpus", type=int, default=0,
+                      help="GPUs to spread the processes over, rank %% num_gpus (default: one "
+                           "GPU per process); more processes than GPUs is for correctness "
+                           "checks only, never for timing")
   parser.add_argument("--port", type=int, default=0, help="coordinator port (default: a free one)")
   parser.add_argument("--timeout_s", type=float, default=0,
                       help="kill all processes after this many seconds (0: no limit)")
@@ -135,13 +139,14 @@ def main(argv: list[str] | None = None) -> int:
         _ENV_PREFIX + "COORDINATOR": f"127.0.0.1:{port}",
         _ENV_PREFIX + "NUM_PROCESSES": str(a.nproc),
         _ENV_PREFIX + "PROCESS_ID": str(rank),
-        _ENV_PREFIX + "LOCAL_DEVICE": "0" if a.share_gpu else str(rank),
+        _ENV_PREFIX + "LOCAL_DEVICE": ("0" if a.share_gpu else
+                                       str(rank % a.num_gpus) if a.num_gpus else str(rank)),
         "PYTHONUNBUFFERED": "1",
         "PYTHONFAULTHANDLER": "1",  # a crash prints the Python stack
     })
     env.setdefault("NVSHMEM_DISABLE_NVLS", "1")
     env.setdefault("NCCL_NVLS_ENABLE", "0")
-    if a.share_gpu:
+    if a.share_gpu or (a.num_gpus and a.num_gpus < a.nproc):
       env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", str(round(0.6 / a.nproc, 3)))
     p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                          start_new_session=True)

@@ -87,6 +87,26 @@ if [ "$WHAT" = bench2 ] && [ "$NGPU" -ge 2 ]; then
     --nproc 2 --timeout_s 270 benchmarks/all_reduce.py --out "$OUT/put" --sizes 8K,64K,256K,1M,4M
 fi
 
+if [ "$WHAT" = fold ]; then  # 3 "nodes" (not a power of two): 3 processes on 2 GPUs, no NCCL
+  run fold_3x1 150 JAXOVERLAP_RANKS_PER_NODE=1 JAXOVERLAP_NO_NCCL=1 $PY -m jaxoverlap.launch --nproc 3 \
+    --num_gpus "$NGPU" --timeout_s 140 tests/multiprocess/check_all_reduce.py quick late
+  run fold_3x1_put 120 JAXOVERLAP_RANKS_PER_NODE=1 JAXOVERLAP_NO_NCCL=1 JAXOVERLAP_FORCE_NVSHMEM_PUT=1 \
+    $PY -m jaxoverlap.launch --nproc 3 --num_gpus "$NGPU" --timeout_s 110 \
+    tests/multiprocess/check_all_reduce.py quick
+fi
+
+if [ "$WHAT" = tune ] && [ "$NGPU" -ge 2 ]; then
+  run tune 120 $PY -m jaxoverlap.launch --nproc 2 --timeout_s 110 \
+    -m jaxoverlap.tune --out "$OUT/tuning.json" --sizes 8K,256K --reps 10
+fi
+
+if [ "$WHAT" = autobench ] && [ "$NGPU" -ge 2 ]; then  # auto (with the shipped table) vs psum
+  run autobench_1x2 150 $PY -m jaxoverlap.launch --nproc 2 --timeout_s 140 benchmarks/all_reduce.py \
+    --out "$OUT/auto" --impls jaxoverlap:auto,xla:psum,floor:launch --reps 20
+  run autobench_2x1 150 JAXOVERLAP_RANKS_PER_NODE=1 $PY -m jaxoverlap.launch --nproc 2 --timeout_s 140 \
+    benchmarks/all_reduce.py --out "$OUT/auto" --impls jaxoverlap:auto,xla:psum,floor:launch --reps 20
+fi
+
 if { [ "$WHAT" = bench ] || [ "$WHAT" = all ]; } && [ "$NGPU" -ge 2 ]; then
   run bench_1x2 280 $PY -m jaxoverlap.launch --nproc 2 --timeout_s 270 benchmarks/all_reduce.py --out "$OUT"
   run bench_2x1 280 JAXOVERLAP_RANKS_PER_NODE=1 $PY -m jaxoverlap.launch --nproc 2 --timeout_s 270 \
