@@ -39,8 +39,9 @@ ALL_REDUCE_ALGORITHMS = (
 )
 
 # What the lowering chose for each all_reduce call site, newest last (for
-# runtime_info(): no silent choice).
+# runtime_info(): no silent choice); the last _MAX_DECISIONS are kept.
 decisions: list[dict] = []
+_MAX_DECISIONS = 1000
 
 
 def _split(algorithm: str) -> tuple[str, str]:
@@ -99,6 +100,7 @@ def _all_reduce_lowering(ctx, x, *, axis_name, algorithm):
       "ranks_per_node": local_size, "num_nodes": num_nodes,
       "algorithm": name, "protocol": protocol, "source": source,
   })
+  del decisions[:-_MAX_DECISIONS]
   logger.info("jaxoverlap: all_reduce of %d bytes over %r (%d nodes x %d ranks): %s/%s (%s)",
               nbytes, axis_name, num_nodes, local_size, name, protocol, source)
   if name == "psum":

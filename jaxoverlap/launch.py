@@ -158,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
   start = time.monotonic()
   code = 0
   try:
-    while any(p.poll() is None for p in procs):
+    while [p.poll() for p in procs].count(None):  # poll every process, every round
       failed = [p.returncode for p in procs if p.returncode not in (None, 0)]
       timed_out = a.timeout_s and time.monotonic() - start > a.timeout_s
       if failed or timed_out:

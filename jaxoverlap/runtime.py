@@ -300,9 +300,13 @@ def runtime_info() -> dict[str, Any]:
   Returns:
     A dict with ``initialized``, and once initialised: ``transport``, ``pe``,
     ``num_pes``, ``ranks_per_node``, ``num_nodes``, ``heap_bytes``,
-    ``slot_bytes`` (one-shot capacity per peer, bytes), ``timeout_s``,
-    ``device_error`` (None, or what a timed-out wait recorded), and
-    ``backends``: for each op, ``"cuda"`` or the reason it runs on ``"xla"``.
+    ``slot_bytes`` (simple-protocol capacity per sender, bytes),
+    ``ll_slot_bytes`` (LL8 cells per sender, bytes), ``inter_node_transport``,
+    ``timeout_s``, ``device_error`` (None, or what a timed-out wait recorded);
+    always ``backends``: for each op, ``"cuda"`` or the reason it runs on
+    ``"xla"``; and, once a cuda all_reduce was lowered,
+    ``all_reduce_decisions``: the last 20 choices (size, topology, algorithm,
+    protocol and the evidence).
   """
   from jaxoverlap import _ffi, backend
 
@@ -324,6 +328,11 @@ def runtime_info() -> dict[str, Any]:
   info["backends"] = {
       op: (backend.cuda_unavailable_reason(op) or "cuda") for op in backend.OPS
   }
+  import sys
+
+  cuda_mod = sys.modules.get("jaxoverlap._cuda")  # only if an op has used it
+  if cuda_mod is not None:
+    info["all_reduce_decisions"] = list(cuda_mod.decisions[-20:])
   return info
 
 

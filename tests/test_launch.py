@@ -1,0 +1,65 @@
+"""The launcher: N processes with jax.distributed wired, output prefixed, failures stop all."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _run_launcher(tmp_path, body: str, *args, timeout=120):
+  script = tmp_path / "child.py"
+  script.write_text(textwrap.dedent(body))
+  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=_ROOT + os.pathsep +
+             os.environ.get("PYTHONPATH", ""))
+  env.pop("XLA_FLAGS", None)  # one CPU device per process
+  return subprocess.run([sys.executable, "-m", "jaxoverlap.launch", *args, str(script)],
+                        env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def test_two_processes_join_one_distributed_job(tmp_path):
+  out = _run_launcher(tmp_path, """
+      from jaxoverlap import launch
+      info = launch.initialize_from_env(nvshmem=False)
+      import jax
+      print("joined", info["process_id"], info["num_processes"], jax.process_count(),
+            jax.process_index(), flush=True)
+      jax.distributed.shutdown()
+      """, "--nproc", "2", "--timeout_s", "100")
+  assert out.returncode == 0, out.stdout + out.stderr
+  assert "[rank 0] joined 0 2 2 0" in out.stdout
+  assert "[rank 1] joined 1 2 2 1" in out.stdout
+
+
+def test_a_failing_process_stops_the_others(tmp_path):
+  out = _run_launcher(tmp_path, """
+      import os, sys, time
+      if os.environ["JAXOVERLAP_PROCESS_ID"] == "1":
+          sys.exit(7)
+      time.sleep(60)
+      """, "--nproc", "2", "--timeout_s", "50")
+  assert out.returncode == 7
+  assert "a process exited with 7; stopping the others" in out.stderr
+
+
+def test_usage_errors():
+  out = subprocess.run([sys.executable, "-m", "jaxoverlap.launch", "--nproc", "2"],
+                       capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=_ROOT))
+  assert out.returncode == 2 and "give a script or -m module" in out.stderr
+  out = subprocess.run([sys.executable, "-m", "jaxoverlap.launch", "--nproc", "0", "x.py"],
+                       capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=_ROOT))
+  assert out.returncode == 2 and "--nproc must be >= 1" in out.stderr
+
+
+@pytest.mark.parametrize("num_gpus,expected", [(0, ["0", "1", "2"]), (2, ["0", "1", "0"])])
+def test_local_device_assignment(tmp_path, num_gpus, expected):
+  out = _run_launcher(tmp_path, """
+      import os
+      print("dev", os.environ["JAXOVERLAP_LOCAL_DEVICE"], flush=True)
+      """, "--nproc", "3", "--num_gpus", str(num_gpus))
+  assert out.returncode == 0, out.stderr
+  for rank, dev in enumerate(expected):
+    assert f"[rank {rank}] dev {dev}" in out.stdout
