@@ -121,26 +121,13 @@ def main(argv):
         method=("median of %d runs of a chain of ops in one jit (50 ops up to 8 MiB, 10 "
                 "above), minus the same chain without them, divided by the chain length"
                 % FLAGS.reps),
-        versions=_versions())
+        versions=tuning.package_versions())
     result["benchmark"] = "all_reduce"
     result["auto_choices"] = [list(a) for a in auto]
     path = os.path.join(FLAGS.out, f"all_reduce-{tag}-{nodes}x{rpn}.json")
     with open(path, "w") as f:
       json.dump(result, f, indent=1)
     print(f"wrote {path}", flush=True)
-
-
-def _versions() -> dict:
-  import importlib.metadata as md
-
-  out = {}
-  for name, dist in (("jax", "jax"), ("jaxlib", "jaxlib"), ("nvshmem", "nvidia-nvshmem-cu13"),
-                     ("nccl", "nvidia-nccl-cu13")):
-    try:
-      out[name] = md.version(dist)
-    except md.PackageNotFoundError:
-      out[name] = None
-  return out
 
 
 if __name__ == "__main__":

@@ -187,19 +187,6 @@ def _broadcast_json(obj, rank: int):
   return json.loads(np.asarray(multihost_utils.broadcast_one_to_all(buf)).tobytes().decode())
 
 
-def _versions() -> dict:
-  import importlib.metadata as md
-
-  out = {}
-  for name, dist in (("jax", "jax"), ("jaxlib", "jaxlib"), ("nvshmem", "nvidia-nvshmem-cu13"),
-                     ("nccl", "nvidia-nccl-cu13")):
-    try:
-      out[name] = md.version(dist)
-    except md.PackageNotFoundError:
-      out[name] = None
-  return out
-
-
 def main(argv):
   del argv
   from jaxoverlap import launch
@@ -247,7 +234,7 @@ def main(argv):
         method=f"median of {FLAGS.reps} runs of a chain of ops in one jit ({FLAGS.chain} ops up "
                f"to 8 MiB, {FLAGS.chain_large} above), minus the same chain without them, "
                "divided by the chain length; rank 0's timings",
-        versions=_versions(), params=params, rejected=rejected)
+        versions=tuning.package_versions(), params=params, rejected=rejected)
   if jax.process_count() > 1:
     result = _broadcast_json(result, rank)
   hosts = rt.get("hosts") or [None] * jax.process_count()

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import importlib.metadata
 import json
 import math
 import os
@@ -61,6 +62,7 @@ __all__ = [
     "impl_name",
     "parse_impl",
     "default_tuning_path",
+    "package_versions",
     "make_result",
     "validate_result",
     "load_result",
@@ -368,6 +370,26 @@ def default_tuning_path() -> str:
 
 _RECORD_KEYS = {"op": str, "impl": str, "bytes": int, "ranks_per_node": int, "world": int,
                 "time_us": (int, float)}
+
+
+_VERSIONED = (("jax", "jax"), ("jaxlib", "jaxlib"), ("nvshmem", "nvidia-nvshmem-cu13"),
+              ("nccl", "nvidia-nccl-cu13"))
+
+
+def package_versions() -> dict[str, str | None]:
+  """The installed versions of jax, jaxlib, nvidia-nvshmem-cu13 and nvidia-nccl-cu13.
+
+  Returns:
+    ``{"jax", "jaxlib", "nvshmem", "nccl"}`` -> version string, None where the
+    distribution is not installed; the ``versions`` of ``make_result``.
+  """
+  out = {}
+  for name, dist in _VERSIONED:
+    try:
+      out[name] = importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+      out[name] = None
+  return out
 
 
 def make_result(records: Sequence[Mapping[str, Any]], *, machine: str, command: str,

@@ -11,3 +11,14 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
       os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
   ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import zlib
+
+import numpy as np
+import pytest
+
+
+@pytest.fixture
+def rng(request):
+  """A generator seeded by the test's id: fresh inputs for every test."""
+  return np.random.default_rng(zlib.crc32(request.node.nodeid.encode()))

@@ -15,9 +15,6 @@ psum output and its cotangent) is one value shared by the ranks, so:
   * a replicated w gets the sum over ranks of the per-rank gradients.
 """
 
-import functools
-import zlib
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -26,47 +23,10 @@ from jax.sharding import PartitionSpec as P
 
 from jaxoverlap import collectives, overlap, reference
 
-AUTO = jax.sharding.AxisType.Auto
+from _helpers import assert_close, make_mesh, randn
+
 DTYPES = {"f32": jnp.float32, "bf16": jnp.bfloat16, "f16": jnp.float16}
 ALGORITHMS = ("collective", "ppermute")
-
-
-@functools.cache
-def make_mesh(shape, names):
-  num = int(np.prod(shape))
-  return jax.make_mesh(shape, names, axis_types=(AUTO,) * len(shape),
-                       devices=jax.devices()[:num])
-
-
-@pytest.fixture
-def rng(request):
-  """A generator seeded by the test's id: fresh inputs for every test."""
-  return np.random.default_rng(zlib.crc32(request.node.nodeid.encode()))
-
-
-def randn(rng, shape, dtype, outlier):
-  """Normal values with ~2% of them (at least one) scaled by ``outlier``."""
-  a = rng.standard_normal(shape).astype(np.float32)
-  if a.size:
-    idx = rng.choice(a.size, size=max(1, a.size // 50), replace=False)
-    a.flat[idx] *= outlier
-  arr = jnp.asarray(a).astype(dtype)
-  return arr, np.asarray(arr.astype(jnp.float32), np.float64)
-
-
-def assert_close(got, want, bound, dtype, what):
-  """|got - want| <= eps(dtype)**(2/3) * bound, element by element."""
-  got = np.asarray(jnp.asarray(got).astype(jnp.float32), np.float64)
-  assert got.shape == want.shape, f"{what}: shape {got.shape} != {want.shape}"
-  lim = float(jnp.finfo(dtype).eps) ** (2 / 3) * bound
-  err = np.abs(got - want)
-  bad = ~(err <= lim)  # NaN counts as bad
-  if bad.any():
-    i = np.unravel_index(np.argmax(np.where(bad, np.nan_to_num(err - lim, nan=np.inf), -1)),
-                         got.shape)
-    raise AssertionError(
-        f"{what}: {bad.sum()} of {bad.size} elements off; e.g. at {i}: got {got[i]}, "
-        f"want {want[i]}, allowed error {lim[i]:.3g}")
 
 
 def lead_dot(a, b):

@@ -154,6 +154,35 @@ _copy_to_tp.defvjp(_copy_to_tp_fwd, _copy_to_tp_bwd)
 # ----------------------------------------------------------------------------
 
 
+def _linear_inputs(layer: ColumnParallelLinear | RowParallelLinear, x: jax.Array,
+                   name: str, letters: str) -> tuple[jax.Array, jax.Array, jax.Array | None]:
+  """Checks a linear layer's input; returns ``(x, kernel, bias)`` in the compute dtype.
+
+  Args:
+    layer: the ColumnParallelLinear or RowParallelLinear being applied.
+    x: its rank-3 input, whose last dimension must be ``layer.in_features``.
+    name: the layer's name in error messages.
+    letters: the names of x's dimensions in error messages (e.g. "bsd").
+
+  Returns:
+    ``x``, the kernel and the bias (None without one), promoted to
+    ``layer.dtype`` (or to their common dtype when it is None).
+
+  Raises:
+    ValueError: ``x`` is not rank 3, its last dimension is not
+      ``layer.in_features``, or its shape does not fit the mesh
+      (``_check_activation_shape``).
+  """
+  _check_rank3(x, name, letters)
+  if x.shape[-1] != layer.in_features:
+    raise ValueError(
+        f"{name}: x has {x.shape[-1]} features, expected "
+        f"in_features={layer.in_features}")
+  _check_activation_shape(x, layer.config, name)
+  bias = layer.bias[...] if layer.bias is not None else None
+  return nnx_dtypes.promote_dtype((x, layer.kernel[...], bias), dtype=layer.dtype)
+
+
 class ColumnParallelLinear(nnx.Module):
   """Column-parallel linear layer: ``y = x @ w + bias``, ``w`` sharded on its output.
 
@@ -249,15 +278,7 @@ class ColumnParallelLinear(nnx.Module):
       ValueError: ``x_bsd`` is not rank 3, its last dimension is not ``d``,
         ``b`` is not divisible by the dp size, or (SP) ``s`` not by the tp size.
     """
-    _check_rank3(x_bsd, "ColumnParallelLinear", "bsd")
-    if x_bsd.shape[-1] != self.in_features:
-      raise ValueError(
-          f"ColumnParallelLinear: x has {x_bsd.shape[-1]} features, expected "
-          f"in_features={self.in_features}")
-    _check_activation_shape(x_bsd, self.config, "ColumnParallelLinear")
-    bias = self.bias[...] if self.bias is not None else None
-    x_bsd, w_df, bias = nnx_dtypes.promote_dtype((x_bsd, self.kernel[...], bias),
-                                                 dtype=self.dtype)
+    x_bsd, w_df, bias = _linear_inputs(self, x_bsd, "ColumnParallelLinear", "bsd")
     cfg = self.config
 
     def local(x_bsd, w_df, *bias_f):
@@ -377,15 +398,7 @@ class RowParallelLinear(nnx.Module):
       ValueError: ``x_bsf`` is not rank 3, its last dimension is not ``f``,
         ``b`` is not divisible by the dp size, or (SP) ``s`` not by the tp size.
     """
-    _check_rank3(x_bsf, "RowParallelLinear", "bsf")
-    if x_bsf.shape[-1] != self.in_features:
-      raise ValueError(
-          f"RowParallelLinear: x has {x_bsf.shape[-1]} features, expected "
-          f"in_features={self.in_features}")
-    _check_activation_shape(x_bsf, self.config, "RowParallelLinear")
-    bias = self.bias[...] if self.bias is not None else None
-    x_bsf, w_fd, bias = nnx_dtypes.promote_dtype((x_bsf, self.kernel[...], bias),
-                                                 dtype=self.dtype)
+    x_bsf, w_fd, bias = _linear_inputs(self, x_bsf, "RowParallelLinear", "bsf")
     cfg = self.config
 
     def local(x_bsf, w_fd, *bias_d):
