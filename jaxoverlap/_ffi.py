@@ -21,10 +21,16 @@ def _import():
   try:
     from jaxoverlap import _jaxoverlap_cuda as ext  # built by CMake when nvcc is found
   except ImportError as e:
-    _error = (
-        "the CUDA extension jaxoverlap._jaxoverlap_cuda is not built or cannot be loaded "
-        f"({e}); reinstall with nvcc on PATH (see README, 'Building')"
-    )
+    if "libnvshmem" in str(e):
+      _error = (
+          f"the CUDA extension is built but cannot load NVSHMEM's host library ({e}); "
+          "install it with pip install 'jaxoverlap[cuda]' or nvidia-nvshmem-cu13>=3.4")
+    elif "cannot import name" in str(e) or "No module named" in str(e):
+      _error = (
+          "the CUDA extension jaxoverlap._jaxoverlap_cuda is not built (the package was "
+          "installed without nvcc); reinstall with nvcc on PATH (see README, 'Building')")
+    else:
+      _error = f"the CUDA extension jaxoverlap._jaxoverlap_cuda cannot be loaded: {e}"
     return
   _ext = ext
 

@@ -86,7 +86,10 @@ def all_reduce(x, axis_name, *, backend="auto", algorithm="auto"):
     backend: ``"auto"``, ``"xla"`` or ``"cuda"`` (see ``jaxoverlap.backend``).
     algorithm: ``"auto"``; with backend "xla" also ``"collective"`` or
       ``"ppermute"``; with backend "cuda" also ``"one_shot"``, ``"two_shot"``
-      or ``"hierarchical"``.
+      or ``"hierarchical"``, the first and last with a protocol suffix
+      ``"_ll"`` or ``"_simple"`` (default: chosen by size). "auto" on cuda
+      asks the tuning policy (``jaxoverlap.tuning``), which may hand over to
+      ``lax.psum`` where NCCL is faster; the choice is logged.
 
   Returns:
     An array of x's shape and dtype: the sum over all ranks, the same on each.
@@ -103,8 +106,9 @@ def all_reduce(x, axis_name, *, backend="auto", algorithm="auto"):
     "collective" is ``lax.psum``. "ppermute" flattens ``x``, zero-pads it to a
     multiple of the number of ranks, reduce-scatters it around a ring of
     ``num_ranks - 1`` ``ppermute`` steps and all-gathers the reduced chunks.
-    The CUDA algorithms: "one_shot" (every rank reads every peer's buffer),
-    "two_shot" (reduce-scatter then all-gather) and "hierarchical" (NVRAR:
+    The CUDA algorithms: "one_shot" (every rank pushes its buffer to every
+    peer of its node, each sums all in rank order), "two_shot"
+    (reduce-scatter then all-gather within a node) and "hierarchical" (NVRAR:
     intra-node reduce-scatter, inter-node recursive doubling, intra-node
     all-gather). Backward: the identity (the transpose of ``psum``).
 

@@ -289,15 +289,16 @@ def train_and_evaluate(config: Config, workdir: str) -> dict[str, Any]:
   if timed_steps and train_time > 0:
     step_time_s = train_time / timed_steps
   else:
-    step_time_s = first_step_s or math.nan
+    step_time_s = first_step_s  # None when this call trained no step
   metrics = {
       "val_loss": val_loss,
       "unigram_loss": unigram,
       "train_loss": train_loss,
       "steps": int(jax.device_get(nnx.merge(graphdef, state)[1].step[...])),
       "start_step": start_step,
-      "tokens_per_s": tokens_per_step / step_time_s,
-      "step_time_ms": step_time_s * 1e3,
+      # None (JSON null) when this call trained no step (already at config.steps).
+      "tokens_per_s": tokens_per_step / step_time_s if step_time_s else None,
+      "step_time_ms": step_time_s * 1e3 if step_time_s else None,
       "first_step_s": first_step_s,
       "wall_s": time.perf_counter() - wall_start,
       "num_params": int(num_params),
@@ -313,8 +314,9 @@ def train_and_evaluate(config: Config, workdir: str) -> dict[str, Any]:
     _write_json(os.path.join(workdir, METRICS_FILE), metrics)
     _save_plot(os.path.join(workdir, PLOT_FILE), history, unigram,
                f"byte-level GPT on the Python stdlib, dp={mesh_info['dp']} x tp={mesh_info['tp']}")
+    speed = (f"{metrics['tokens_per_s']:,.0f} tokens/s ({metrics['step_time_ms']:.1f} ms/step)"
+             if step_time_s else f"no step left to train (already at step {metrics['steps']})")
     print(f"step {metrics['steps']}: val_loss {val_loss:.3f} vs unigram {unigram:.3f} "
-          f"nats/byte; {metrics['tokens_per_s']:,.0f} tokens/s "
-          f"({metrics['step_time_ms']:.1f} ms/step); wrote {workdir}")
+          f"nats/byte; {speed}; wrote {workdir}")
   manager.close()
   return metrics
