@@ -183,6 +183,26 @@ def _linear_inputs(layer: ColumnParallelLinear | RowParallelLinear, x: jax.Array
   return nnx_dtypes.promote_dtype((x, layer.kernel[...], bias), dtype=layer.dtype)
 
 
+def _init_linear(layer, in_features, out_features, *, config, use_bias, dtype, param_dtype,
+                 kernel_axes, kernel_init, bias_init, rngs):
+  """Sets the attributes and creates the parameters shared by the TP linear layers."""
+  layer.in_features = in_features
+  layer.out_features = out_features
+  layer.config = config
+  layer.use_bias = use_bias
+  layer.dtype = dtype
+  layer.param_dtype = param_dtype
+  layer.kernel_axes = tuple(kernel_axes)
+  layer.kernel = nnx.Param(
+      _param_init(kernel_init, config, layer.kernel_axes)(
+          rngs.params(), (in_features, out_features), param_dtype))
+  layer.bias = (
+      nnx.Param(
+          _param_init(bias_init, config, layer.kernel_axes[1:])(
+              rngs.params(), (out_features,), param_dtype))
+      if use_bias else None)
+
+
 class ColumnParallelLinear(nnx.Module):
   """Column-parallel linear layer: ``y = x @ w + bias``, ``w`` sharded on its output.
 
@@ -247,21 +267,9 @@ class ColumnParallelLinear(nnx.Module):
           f"ColumnParallelLinear: kernel_axes={kernel_axes} must map to (None, "
           f"{config.tp_axis!r}), got ({config.mesh_axis(kernel_axes[0])!r}, "
           f"{config.mesh_axis(kernel_axes[1])!r})")
-    self.in_features = in_features
-    self.out_features = out_features
-    self.config = config
-    self.use_bias = use_bias
-    self.dtype = dtype
-    self.param_dtype = param_dtype
-    self.kernel_axes = tuple(kernel_axes)
-    self.kernel = nnx.Param(
-        _param_init(kernel_init, config, self.kernel_axes)(
-            rngs.params(), (in_features, out_features), param_dtype))
-    self.bias = (
-        nnx.Param(
-            _param_init(bias_init, config, self.kernel_axes[1:])(
-                rngs.params(), (out_features,), param_dtype))
-        if use_bias else None)
+    _init_linear(self, in_features, out_features, config=config, use_bias=use_bias, dtype=dtype,
+                 param_dtype=param_dtype, kernel_axes=kernel_axes, kernel_init=kernel_init,
+                 bias_init=bias_init, rngs=rngs)
 
   def __call__(self, x_bsd: jax.Array) -> jax.Array:
     """Applies the layer.
@@ -367,21 +375,9 @@ class RowParallelLinear(nnx.Module):
           f"RowParallelLinear: kernel_axes={kernel_axes} must map to ({config.tp_axis!r}, "
           f"None), got ({config.mesh_axis(kernel_axes[0])!r}, "
           f"{config.mesh_axis(kernel_axes[1])!r})")
-    self.in_features = in_features
-    self.out_features = out_features
-    self.config = config
-    self.use_bias = use_bias
-    self.dtype = dtype
-    self.param_dtype = param_dtype
-    self.kernel_axes = tuple(kernel_axes)
-    self.kernel = nnx.Param(
-        _param_init(kernel_init, config, self.kernel_axes)(
-            rngs.params(), (in_features, out_features), param_dtype))
-    self.bias = (
-        nnx.Param(
-            _param_init(bias_init, config, self.kernel_axes[1:])(
-                rngs.params(), (out_features,), param_dtype))
-        if use_bias else None)
+    _init_linear(self, in_features, out_features, config=config, use_bias=use_bias, dtype=dtype,
+                 param_dtype=param_dtype, kernel_axes=kernel_axes, kernel_init=kernel_init,
+                 bias_init=bias_init, rngs=rngs)
 
   def __call__(self, x_bsf: jax.Array) -> jax.Array:
     """Applies the layer.
