@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: build the package from this tree, then run the
 # multi-process GPU checks and/or the benchmarks; logs and JSON go to $OUT.
-#   bash scripts/gpu_check.sh [check|bench|sanitize|all]
+#   bash scripts/gpu_check.sh [check|verify|verify2|sanitize|bench|bench2|autobench|fold|tune|multigpu|all]
+#   (several steps in one call: bash scripts/gpu_check.sh verify bench)
 # Uses the machine's preinstalled packages (nothing is downloaded). Needs 2
 # GPUs for NCCL-based references (psum); with 1 GPU the checks run as 2
 # processes on it (--share_gpu) and skip what needs NCCL.
@@ -98,6 +99,24 @@ fi
 if [ "$WHAT" = tune ] && [ "$NGPU" -ge 2 ]; then
   run tune 120 $PY -m jaxoverlap.launch --nproc 2 --timeout_s 110 \
     -m jaxoverlap.tune --out "$OUT/tuning.json" --sizes 8K,256K --reps 10
+fi
+
+if [ "$WHAT" = multigpu ] && [ "$NGPU" -ge 4 ]; then  # issue 6: 4 or 8 GPUs, every topology
+  # ranks per node: all on one node, then 2-GPU and 1-GPU "nodes"; 3 "nodes" for the fold.
+  for rpn in "$NGPU" 2 1; do
+    run "check_${NGPU}gpu_rpn${rpn}" 300 JAXOVERLAP_RANKS_PER_NODE=$rpn $PY -m jaxoverlap.launch \
+      --nproc "$NGPU" --timeout_s 290 tests/multiprocess/check_all_reduce.py quick grads axes late
+  done
+  [ "$NGPU" -ge 8 ] && run check_8gpu_rpn4 300 JAXOVERLAP_RANKS_PER_NODE=4 $PY -m jaxoverlap.launch \
+    --nproc 8 --timeout_s 290 tests/multiprocess/check_all_reduce.py quick grads axes late
+  run check_3x1 200 JAXOVERLAP_RANKS_PER_NODE=1 $PY -m jaxoverlap.launch --nproc 3 --timeout_s 190 \
+    tests/multiprocess/check_all_reduce.py quick late
+  run check_3x2 200 JAXOVERLAP_RANKS_PER_NODE=2 $PY -m jaxoverlap.launch --nproc 6 --timeout_s 190 \
+    tests/multiprocess/check_all_reduce.py quick late
+  for rpn in "$NGPU" 2 1; do
+    run "bench_${NGPU}gpu_rpn${rpn}" 280 JAXOVERLAP_RANKS_PER_NODE=$rpn $PY -m jaxoverlap.launch \
+      --nproc "$NGPU" --timeout_s 270 benchmarks/all_reduce.py --out "$OUT" --machine "${NGPU}x H200"
+  done
 fi
 
 if [ "$WHAT" = autobench ] && [ "$NGPU" -ge 2 ]; then  # auto (with the shipped table) vs psum

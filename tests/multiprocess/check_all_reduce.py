@@ -239,8 +239,9 @@ def main(argv) -> int:
     sh2 = NamedSharding(mesh2, P(("dp", "tp")))
     garr = jax.make_array_from_process_local_data(sh2, xs[rank], (n * nproc,))
     got = local_of(f2(garr)).astype(np.float64)
-    dp, tp = mesh2.devices.shape
-    grid = np.asarray(xs, np.float64).reshape(dp, tp, n)  # process r at mesh position r
+    # The input of the process that owns each mesh position (make_mesh may reorder devices).
+    owner = np.vectorize(lambda d: d.process_index)(mesh2.devices)
+    grid = np.asarray(xs, np.float64)[owner]  # [dp, tp, n]
     a = grid.sum(axis=1, keepdims=True)
     b = (2 * grid).sum(axis=0, keepdims=True)
     ref = (a + b).sum(axis=(0, 1))
