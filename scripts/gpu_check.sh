@@ -111,7 +111,7 @@ if [ "$WHAT" = multigpu ] && [ "$NGPU" -ge 4 ]; then  # issue 6: 4 or 8 GPUs, ev
     --nproc 8 --timeout_s 290 tests/multiprocess/check_all_reduce.py quick grads axes late
   run check_3x1 200 JAXOVERLAP_RANKS_PER_NODE=1 $PY -m jaxoverlap.launch --nproc 3 --timeout_s 190 \
     tests/multiprocess/check_all_reduce.py quick late
-  run check_3x2 200 JAXOVERLAP_RANKS_PER_NODE=2 $PY -m jaxoverlap.launch --nproc 6 --timeout_s 190 \
+  [ "$NGPU" -ge 6 ] && run check_3x2 200 JAXOVERLAP_RANKS_PER_NODE=2 $PY -m jaxoverlap.launch --nproc 6 --timeout_s 190 \
     tests/multiprocess/check_all_reduce.py quick late
   for rpn in "$NGPU" 2 1; do
     run "bench_${NGPU}gpu_rpn${rpn}" 280 JAXOVERLAP_RANKS_PER_NODE=$rpn $PY -m jaxoverlap.launch \
