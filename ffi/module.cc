@@ -10,6 +10,8 @@
 #include <string>
 
 #include "jaxoverlap/all_reduce.h"
+#include "jaxoverlap/gemm.h"
+#include "jaxoverlap/overlap.h"
 #include "jaxoverlap/runtime.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -40,6 +42,11 @@ NB_MODULE(_jaxoverlap_cuda, m) {
     nb::dict d;
     d["jaxoverlap_all_reduce"] = EncapsulateFfiHandler(JaxoverlapAllReduce);
     d["jaxoverlap_launch_floor"] = EncapsulateFfiHandler(JaxoverlapLaunchFloor);
+    d["jaxoverlap_all_gather_matmul"] = EncapsulateFfiHandler(JaxoverlapAllGatherMatmul);
+    d["jaxoverlap_all_gather_matmul_gathered"] =
+        EncapsulateFfiHandler(JaxoverlapAllGatherMatmulGathered);
+    d["jaxoverlap_matmul_reduce_scatter"] = EncapsulateFfiHandler(JaxoverlapMatmulReduceScatter);
+    d["jaxoverlap_matmul_all_reduce"] = EncapsulateFfiHandler(JaxoverlapMatmulAllReduce);
     return d;
   });
 
@@ -52,13 +59,14 @@ NB_MODULE(_jaxoverlap_cuda, m) {
   m.def(
       "initialize",
       [](nb::bytes unique_id, int rank, int num_ranks, int device, size_t heap_bytes,
-         uint64_t timeout_ns, int ranks_per_node) {
+         size_t overlap_heap_bytes, uint64_t timeout_ns, int ranks_per_node) {
         std::string id(static_cast<const char*>(unique_id.data()), unique_id.size());
-        ThrowIfError(
-            Initialize(id, rank, num_ranks, device, heap_bytes, timeout_ns, ranks_per_node));
+        ThrowIfError(Initialize(id, rank, num_ranks, device, heap_bytes, overlap_heap_bytes,
+                                timeout_ns, ranks_per_node));
       },
       nb::arg("unique_id"), nb::arg("rank"), nb::arg("num_ranks"), nb::arg("device"),
-      nb::arg("heap_bytes"), nb::arg("timeout_ns"), nb::arg("ranks_per_node"));
+      nb::arg("heap_bytes"), nb::arg("overlap_heap_bytes"), nb::arg("timeout_ns"),
+      nb::arg("ranks_per_node"));
 
   m.def("finalize", &Finalize);
   m.def("set_timeout_ns", &SetTimeout, nb::arg("timeout_ns"));
@@ -78,6 +86,10 @@ NB_MODULE(_jaxoverlap_cuda, m) {
     d["timeout_ns"] = s.timeout_ns;
     d["max_group_size"] = kMaxGroupSize;
     d["max_nodes"] = kMaxNodes;
+    d["overlap_heap_bytes"] = s.overlap_bytes;
+    d["overlap_slot_bytes"] = s.overlap_slot_bytes;
+    d["max_chunks"] = kMaxChunks;
+    d["gemm_plans"] = gemm::CachedPlans();
     return d;
   });
 

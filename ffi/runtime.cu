@@ -15,6 +15,7 @@
 #include <string>
 
 #include "jaxoverlap/check.h"
+#include "jaxoverlap/gemm.h"
 #include "jaxoverlap/runtime.h"
 
 namespace jaxoverlap {
@@ -45,7 +46,8 @@ ffi::Error GetUniqueId(std::string* out) {
 }
 
 ffi::Error Initialize(const std::string& unique_id, int rank, int num_ranks, int device,
-                      size_t heap_bytes, uint64_t timeout_ns, int ranks_per_node) {
+                      size_t heap_bytes, size_t overlap_bytes, uint64_t timeout_ns,
+                      int ranks_per_node) {
   if (g_state.initialized) {
     return Fail(ffi::ErrorCode::kFailedPrecondition,
                 "jaxoverlap runtime is already initialised in this process (PE " +
@@ -88,6 +90,25 @@ ffi::Error Initialize(const std::string& unique_id, int rank, int num_ranks, int
                     std::to_string(fixed + (per_pe_slots + 2) * min_slot) + " bytes");
   }
   const size_t slot_bytes = (heap_bytes - fixed) / (per_pe_slots + 2) / 256 * 256;
+  // The fused ops' region: flags, acks, then ranks_per_node + 1 payload slots
+  // (one per sender on this node; this PE's own index and the extra one are
+  // its staging buffers).
+  const size_t oflag_bytes = round_up(sizeof(uint64_t) * kMaxGroupSize * kNumOverlapPhases * kMaxChunks);
+  const size_t oack_bytes = round_up(sizeof(uint64_t) * kMaxGroupSize);
+  if (ranks_per_node > kMaxGroupSize) {
+    return Fail(ffi::ErrorCode::kInvalidArgument,
+                "ranks_per_node " + std::to_string(ranks_per_node) + " exceeds the " +
+                    std::to_string(kMaxGroupSize) + " GPUs per node this build supports");
+  }
+  if (overlap_bytes < oflag_bytes + oack_bytes + (ranks_per_node + 1) * min_slot) {
+    return Fail(ffi::ErrorCode::kInvalidArgument,
+                "fused-op heap of " + std::to_string(overlap_bytes) + " bytes is too small for " +
+                    std::to_string(ranks_per_node) + " GPUs per node; it needs at least " +
+                    std::to_string(oflag_bytes + oack_bytes + (ranks_per_node + 1) * min_slot) +
+                    " bytes");
+  }
+  const size_t overlap_slot_bytes =
+      (overlap_bytes - oflag_bytes - oack_bytes) / (ranks_per_node + 1) / 256 * 256;
 
   DebugStep("cudaSetDevice");
   JAXOVERLAP_CUDA_RETURN_IF_ERROR(cudaSetDevice(device));
@@ -122,16 +143,18 @@ ffi::Error Initialize(const std::string& unique_id, int rank, int num_ranks, int
   }
 
   DebugStep("nvshmem_malloc");
-  void* heap = nvshmem_malloc(heap_bytes);
+  void* heap = nvshmem_malloc(heap_bytes + overlap_bytes);
   if (heap == nullptr) {
     return Fail(ffi::ErrorCode::kResourceExhausted,
-                "nvshmem_malloc(" + std::to_string(heap_bytes) +
+                "nvshmem_malloc(" + std::to_string(heap_bytes + overlap_bytes) +
                     " bytes) failed: the symmetric heap does not fit (NVSHMEM_SYMMETRIC_SIZE, "
                     "or GPU memory left beside XLA's preallocation; lower "
                     "XLA_PYTHON_CLIENT_MEM_FRACTION or the jaxoverlap heap size)");
   }
   // Flags and LL8 cells start at zero; epochs start at 1, so nothing stale matches.
   JAXOVERLAP_CUDA_RETURN_IF_ERROR(cudaMemset(heap, 0, flag_bytes + ll_bytes));
+  char* overlap = static_cast<char*>(heap) + heap_bytes;
+  JAXOVERLAP_CUDA_RETURN_IF_ERROR(cudaMemset(overlap, 0, oflag_bytes + oack_bytes));
 
   DebugStep("device buffers");
   g_state.heap = static_cast<char*>(heap);
@@ -147,6 +170,11 @@ ffi::Error Initialize(const std::string& unique_id, int rank, int num_ranks, int
   g_state.slot_bytes = slot_bytes;
   g_state.acc_bytes = slot_bytes;
   g_state.ranks_per_node = ranks_per_node;
+  g_state.overlap_bytes = overlap_bytes;
+  g_state.overlap_slot_bytes = overlap_slot_bytes;
+  g_state.oflags = reinterpret_cast<uint64_t*>(overlap);
+  g_state.oacks = reinterpret_cast<uint64_t*>(overlap + oflag_bytes);
+  g_state.oslots = overlap + oflag_bytes + oack_bytes;
   // Tests on one host use this to take the network path (NVSHMEM puts) across
   // emulated nodes, as on a real cluster where peers are not load/store-reachable.
   const char* force_put = std::getenv("JAXOVERLAP_FORCE_NVSHMEM_PUT");
@@ -156,6 +184,24 @@ ffi::Error Initialize(const std::string& unique_id, int rank, int num_ranks, int
   JAXOVERLAP_CUDA_RETURN_IF_ERROR(cudaMemset(g_state.pair_epochs, 0, sizeof(uint64_t) * num_pes));
   JAXOVERLAP_CUDA_RETURN_IF_ERROR(cudaMalloc(&g_state.done_counter, sizeof(unsigned int)));
   JAXOVERLAP_CUDA_RETURN_IF_ERROR(cudaMemset(g_state.done_counter, 0, sizeof(unsigned int)));
+  JAXOVERLAP_CUDA_RETURN_IF_ERROR(
+      cudaMalloc(&g_state.overlap_epochs, sizeof(uint64_t) * num_pes));
+  JAXOVERLAP_CUDA_RETURN_IF_ERROR(
+      cudaMemset(g_state.overlap_epochs, 0, sizeof(uint64_t) * num_pes));
+  JAXOVERLAP_CUDA_RETURN_IF_ERROR(cudaMalloc(&g_state.call_epochs, sizeof(uint64_t) * kMaxGroupSize));
+  JAXOVERLAP_CUDA_RETURN_IF_ERROR(
+      cudaMemset(g_state.call_epochs, 0, sizeof(uint64_t) * kMaxGroupSize));
+  JAXOVERLAP_CUDA_RETURN_IF_ERROR(cudaMalloc(&g_state.put_counter, sizeof(unsigned int)));
+  JAXOVERLAP_CUDA_RETURN_IF_ERROR(cudaMemset(g_state.put_counter, 0, sizeof(unsigned int)));
+  int least_priority = 0, greatest_priority = 0;
+  JAXOVERLAP_CUDA_RETURN_IF_ERROR(cudaDeviceGetStreamPriorityRange(&least_priority, &greatest_priority));
+  JAXOVERLAP_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithPriority(
+      &g_state.comm_stream, cudaStreamNonBlocking, greatest_priority));
+  for (cudaEvent_t& ev : g_state.events) {
+    JAXOVERLAP_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming));
+  }
+  DebugStep("cuBLASLt");
+  JAXOVERLAP_RETURN_IF_ERROR(gemm::Init(device));
   JAXOVERLAP_CUDA_RETURN_IF_ERROR(
       cudaHostAlloc(&g_state.error_host, sizeof(DeviceError), cudaHostAllocMapped));
   std::memset(g_state.error_host, 0, sizeof(DeviceError));
@@ -185,6 +231,12 @@ void Finalize() {
   nvshmem_free(g_state.heap);
   cudaFree(g_state.pair_epochs);
   cudaFree(g_state.done_counter);
+  cudaFree(g_state.overlap_epochs);
+  cudaFree(g_state.call_epochs);
+  cudaFree(g_state.put_counter);
+  for (cudaEvent_t ev : g_state.events) cudaEventDestroy(ev);
+  cudaStreamDestroy(g_state.comm_stream);
+  gemm::Shutdown();
   cudaFreeHost(g_state.error_host);
   nvshmem_finalize();
   g_state = RuntimeState();

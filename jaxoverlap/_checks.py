@@ -46,9 +46,9 @@ XLA_ALGORITHMS = ("auto", "collective", "ppermute")
 CUDA_ALGORITHMS = {
     "all_reduce": ("auto", "one_shot", "one_shot_ll", "one_shot_simple", "two_shot",
                    "hierarchical", "hierarchical_ll", "hierarchical_simple"),
-    "all_gather_matmul": (),
-    "matmul_reduce_scatter": (),
-    "matmul_all_reduce": (),
+    "all_gather_matmul": ("auto", "copy_engine", "nvshmem"),
+    "matmul_reduce_scatter": ("auto", "copy_engine", "nvshmem"),
+    "matmul_all_reduce": ("auto", "copy_engine", "nvshmem", "gemm_all_reduce"),
 }
 
 

@@ -171,3 +171,227 @@ def launch_floor(x: jax.Array) -> jax.Array:
   """
   _registered()
   return jax.ffi.ffi_call("jaxoverlap_launch_floor", jax.typeof(x))(x)
+
+
+# ----------------------------------------------------------------------------
+# Fused compute-communication ops (ffi/overlap/overlap.cu)
+
+# Ids shared with ffi/include/jaxoverlap/overlap.h (enum Transport) and gemm.h
+# (enum Precision).
+_TRANSPORT_IDS = {"copy_engine": 0, "nvshmem": 1}
+FUSED_TRANSPORTS = tuple(_TRANSPORT_IDS)
+# What algorithm="auto" uses for the fused ops (measured: NOTES.md).
+DEFAULT_TRANSPORT = "copy_engine"
+# matmul_all_reduce(algorithm="auto") takes the fused kernel from this output
+# size per rank (bytes) on; below it the GEMM then jaxoverlap.all_reduce,
+# whose one launch beats the fused kernel's dozen at decode sizes.
+FUSED_ALL_REDUCE_MIN_BYTES = 4 << 20
+MAX_CHUNKS = 32  # kMaxChunks in runtime.h
+
+# What the lowering chose for each fused call site, newest last.
+fused_decisions: list[dict] = []
+
+# Auto chunking: a shard transfer is cut into chunks only when it is long
+# enough that the GEMM waiting for it would otherwise start late (AG) or the
+# first send would start late (RS); chunks stay >= this many bytes so that the
+# per-chunk launches (a signal, a wait, a GEMM) stay small against the copy.
+_MIN_CHUNK_BYTES = 8 << 20
+_AUTO_MAX_CHUNKS = 4
+
+
+def auto_chunks(shard_bytes: int, rows: int) -> int:
+  """Chunks per shard transfer chosen from the shard's size (bytes) and rows."""
+  return int(max(1, min(_AUTO_MAX_CHUNKS, rows, shard_bytes // _MIN_CHUNK_BYTES)))
+
+
+def _precision_id() -> int:
+  """gemm::Precision for float32 GEMMs, from JAX's matmul precision setting."""
+  p = jax.config.jax_default_matmul_precision
+  return 1 if str(p).lower() in ("highest", "float32", "precision.highest") else 0
+
+
+def _fused_lowering(target, op, ctx, x, w, *, axis_name, transport, chunks, shape_attrs,
+                    payload_bytes, shard_rows):
+  mesh = _concrete_mesh(ctx, op)
+  groups = runtime.groups_along_axis(mesh, axis_name)
+  info = runtime.runtime_info()
+  rpn = info["ranks_per_node"]
+  mine = next(g for g in groups if info["pe"] in g)
+  if len({pe // rpn for pe in mine}) > 1:
+    raise ValueError(
+        f"{op} with backend='cuda' runs within one node, but the group over {axis_name!r} "
+        f"(PEs {mine}) spans nodes (ranks_per_node={rpn}); use backend='xla' or put the "
+        "tensor-parallel axis within a node")
+  slot = info["overlap_slot_bytes"]
+  if payload_bytes > slot:
+    raise ValueError(
+        f"{op}: this call needs {payload_bytes} bytes of fused-op slot per sender, but "
+        f"the slot has {slot} bytes; raise overlap_heap_bytes in jaxoverlap.initialize() "
+        f"(or JAXOVERLAP_OVERLAP_HEAP_BYTES), or run with more ranks")
+  source = "requested"
+  if chunks is None:
+    chunks, source = auto_chunks(payload_bytes, shard_rows), "auto"
+  fused_decisions.append({"op": op, "axis_name": axis_name, "transport": transport,
+                          "chunks": chunks, "chunks_source": source,
+                          "shape": {k: int(v) for k, v in shape_attrs.items()},
+                          "dtype": ctx.avals_in[0].dtype.name})
+  del fused_decisions[:-_MAX_DECISIONS]
+  logger.info("jaxoverlap: %s over %r: transport %s, %d chunks (%s), %s", op, axis_name,
+              transport, chunks, source, shape_attrs)
+  rule = jax.ffi.ffi_lowering(target)
+  return rule(
+      ctx, x, w,
+      groups=np.asarray(groups, dtype=np.int64).reshape(-1),
+      group_size=np.int64(len(groups[0])),
+      transport=np.int64(_TRANSPORT_IDS[transport]),
+      chunks=np.int64(chunks),
+      precision=np.int64(_precision_id()),
+      **{k: np.int64(v) for k, v in shape_attrs.items()},
+  )
+
+
+def _axes(axis_name) -> set:
+  return set(axis_name) if isinstance(axis_name, tuple) else {axis_name}
+
+
+def _with_vma(aval, shape, vma):
+  out = aval.update(shape=shape)
+  mat = out.manual_axis_type
+  return out.update_manual_axis_type(mat.update(varying=frozenset(vma)))
+
+
+def _same_vma(x, w, axis_name):
+  """Casts x and w to varying over the union of their axes and ``axis_name``."""
+  vma = _xla.varying_axes(x) | _xla.varying_axes(w) | _axes(axis_name)
+  return _xla.cast_to_vma(x, vma), _xla.cast_to_vma(w, vma)
+
+
+# all_gather_matmul ----------------------------------------------------------
+
+_ag_matmul_p = Primitive("jaxoverlap_all_gather_matmul")
+_ag_matmul_p.multiple_results = True
+
+
+def _ag_shapes(x_shape, n, dim, num_ranks):
+  out = list(x_shape)
+  out[dim] *= num_ranks
+  gathered = tuple(out)
+  out[-1] = n
+  return tuple(out), gathered
+
+
+def _ag_abstract_eval(x, w, *, axis_name, dim, num_ranks, transport, chunks, gathered):
+  del transport, chunks
+  out_shape, g_shape = _ag_shapes(x.shape, w.shape[1], dim, num_ranks)
+  vma = frozenset(x.manual_axis_type.varying)
+  outs = [_with_vma(x, out_shape, vma)]
+  if gathered:
+    outs.append(_with_vma(x, g_shape, vma))
+  return outs
+
+
+def _ag_lowering(ctx, x, w, *, axis_name, dim, num_ranks, transport, chunks, gathered):
+  shape = ctx.avals_in[0].shape
+  outer = int(np.prod(shape[:dim], dtype=np.int64))
+  rows = int(np.prod(shape[dim:-1], dtype=np.int64))
+  k, n = int(shape[-1]), int(ctx.avals_in[1].shape[1])
+  itemsize = ctx.avals_in[0].dtype.itemsize
+  target = ("jaxoverlap_all_gather_matmul_gathered" if gathered
+            else "jaxoverlap_all_gather_matmul")
+  return _fused_lowering(target, "all_gather_matmul", ctx, x, w, axis_name=axis_name,
+                         transport=transport, chunks=chunks,
+                         shape_attrs={"outer": outer, "rows": rows, "k": k, "n": n},
+                         payload_bytes=outer * rows * k * itemsize, shard_rows=rows)
+
+
+_ag_matmul_p.def_abstract_eval(_ag_abstract_eval)
+mlir.register_lowering(_ag_matmul_p, _ag_lowering, platform="cuda")
+
+
+def all_gather_matmul(x, w, axis_name, gather_dimension: int, transport: str,
+                      chunks: int | None, gathered: bool):
+  """The fused AllGather+GEMM kernel: ``(AG(x) @ w, AG(x) or None)``.
+
+  ``gather_dimension`` must not be x's last dimension (checked by the caller).
+  """
+  _registered()
+  num_ranks = int(jax.lax.axis_size(axis_name))
+  x, w = _same_vma(x, w, axis_name)
+  outs = _ag_matmul_p.bind(x, w, axis_name=axis_name, dim=gather_dimension,
+                           num_ranks=num_ranks, transport=transport, chunks=chunks,
+                           gathered=gathered)
+  return outs[0], (outs[1] if gathered else None)
+
+
+# matmul_reduce_scatter ------------------------------------------------------
+
+_matmul_rs_p = Primitive("jaxoverlap_matmul_reduce_scatter")
+
+
+def _rs_abstract_eval(x, w, *, axis_name, dim, num_ranks, transport, chunks):
+  del axis_name, transport, chunks
+  out = list(x.shape[:-1]) + [w.shape[1]]
+  out[dim] //= num_ranks
+  return _with_vma(x, tuple(out), x.manual_axis_type.varying)
+
+
+def _rs_lowering(ctx, x, w, *, axis_name, dim, num_ranks, transport, chunks):
+  shape = ctx.avals_in[0].shape
+  outer = int(np.prod(shape[:dim], dtype=np.int64))
+  rows = int(np.prod(shape[dim:-1], dtype=np.int64)) // num_ranks
+  k, n = int(shape[-1]), int(ctx.avals_in[1].shape[1])
+  itemsize = ctx.avals_in[0].dtype.itemsize
+  return _fused_lowering("jaxoverlap_matmul_reduce_scatter", "matmul_reduce_scatter", ctx, x, w,
+                         axis_name=axis_name, transport=transport, chunks=chunks,
+                         shape_attrs={"outer": outer, "rows": rows, "k": k, "n": n},
+                         payload_bytes=outer * rows * n * itemsize, shard_rows=rows)
+
+
+_matmul_rs_p.def_abstract_eval(_rs_abstract_eval)
+mlir.register_lowering(_matmul_rs_p, _rs_lowering, platform="cuda")
+
+
+def matmul_reduce_scatter(x, w, axis_name, scatter_dimension: int, transport: str,
+                          chunks: int | None):
+  """The fused GEMM+ReduceScatter kernel; ``scatter_dimension`` is not the last."""
+  _registered()
+  num_ranks = int(jax.lax.axis_size(axis_name))
+  x, w = _same_vma(x, w, axis_name)
+  return _matmul_rs_p.bind(x, w, axis_name=axis_name, dim=scatter_dimension,
+                           num_ranks=num_ranks, transport=transport, chunks=chunks)
+
+
+# matmul_all_reduce ----------------------------------------------------------
+
+_matmul_ar_p = Primitive("jaxoverlap_matmul_all_reduce")
+
+
+def _ar_abstract_eval(x, w, *, axis_name, num_ranks, transport, chunks):
+  del num_ranks, transport, chunks
+  out = tuple(x.shape[:-1]) + (w.shape[1],)
+  return _with_vma(x, out, frozenset(x.manual_axis_type.varying) - _axes(axis_name))
+
+
+def _ar_lowering(ctx, x, w, *, axis_name, num_ranks, transport, chunks):
+  shape = ctx.avals_in[0].shape
+  rows = int(np.prod(shape[:-1], dtype=np.int64)) // num_ranks
+  k, n = int(shape[-1]), int(ctx.avals_in[1].shape[1])
+  itemsize = ctx.avals_in[0].dtype.itemsize
+  block = rows * n * itemsize
+  return _fused_lowering("jaxoverlap_matmul_all_reduce", "matmul_all_reduce", ctx, x, w,
+                         axis_name=axis_name, transport=transport, chunks=chunks,
+                         shape_attrs={"rows": rows, "k": k, "n": n},
+                         payload_bytes=2 * (-(-block // 256) * 256), shard_rows=rows)
+
+
+_matmul_ar_p.def_abstract_eval(_ar_abstract_eval)
+mlir.register_lowering(_matmul_ar_p, _ar_lowering, platform="cuda")
+
+
+def matmul_all_reduce(x, w, axis_name, transport: str, chunks: int | None):
+  """The fused GEMM+AllReduce kernel; x's rows must divide by the axis size."""
+  _registered()
+  num_ranks = int(jax.lax.axis_size(axis_name))
+  x, w = _same_vma(x, w, axis_name)
+  return _matmul_ar_p.bind(x, w, axis_name=axis_name, num_ranks=num_ranks,
+                           transport=transport, chunks=chunks)

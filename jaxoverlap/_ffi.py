@@ -25,6 +25,10 @@ def _import():
       _error = (
           f"the CUDA extension is built but cannot load NVSHMEM's host library ({e}); "
           "install it with pip install 'jaxoverlap[cuda]' or nvidia-nvshmem-cu13>=3.4")
+    elif "libcublas" in str(e):
+      _error = (
+          f"the CUDA extension is built but cannot load cuBLASLt ({e}); install it with "
+          "pip install 'jaxoverlap[cuda]' or nvidia-cublas>=13")
     elif "cannot import name" in str(e) or "No module named" in str(e):
       _error = (
           "the CUDA extension jaxoverlap._jaxoverlap_cuda is not built (the package was "

@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import threading
 
-__all__ = ["BACKENDS", "OPS", "select_backend", "cuda_unavailable_reason"]
+__all__ = ["BACKENDS", "OPS", "select_backend", "cuda_unavailable_reason", "log_once"]
 
 logger = logging.getLogger("jaxoverlap")
 
@@ -28,7 +28,7 @@ BACKENDS = ("auto", "xla", "cuda")
 
 # Ops that have a CUDA kernel in this build. The others run on "xla" only.
 OPS = ("all_reduce", "all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce")
-_CUDA_OPS = frozenset({"all_reduce"})
+_CUDA_OPS = frozenset(OPS)
 
 _logged: set[tuple[str, str]] = set()
 _lock = threading.Lock()
@@ -86,3 +86,12 @@ def select_backend(op: str, backend: str) -> str:
       _logged.add((op, reason))
       logger.info("jaxoverlap: %s runs on backend 'xla' (auto): %s", op, reason)
   return "xla"
+
+
+def log_once(op: str, message: str) -> None:
+  """Logs ``"jaxoverlap: <op> <message>"`` once per (op, message) (logger ``jaxoverlap``)."""
+  with _lock:
+    if (op, message) in _logged:
+      return
+    _logged.add((op, message))
+  logger.info("jaxoverlap: %s %s", op, message)

@@ -37,11 +37,13 @@ Example:
 from __future__ import annotations
 
 import functools
+import math
 from typing import NamedTuple
 
 import jax
 
-from jaxoverlap import _checks, _xla
+from jaxoverlap import _checks, _cuda, _xla
+from jaxoverlap import backend as _backend
 
 __all__ = ["all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce"]
 
@@ -50,7 +52,8 @@ class _Config(NamedTuple):
   axis_name: str | tuple[str, ...]
   dim: int | None  # gather/scatter dimension, normalised to >= 0
   backend: str
-  algorithm: str
+  algorithm: str  # xla: collective/ppermute; cuda: copy_engine/nvshmem/gemm_all_reduce
+  chunks: int | None  # cuda: chunks per shard transfer (None: chosen from the shapes)
   checked: bool  # shard_map(check_vma=True)
   x_vma: frozenset
   w_vma: frozenset
@@ -62,38 +65,69 @@ def _check_operands(op, x, w, axis_name) -> int:
   return _checks.axis_size(op, axis_name)
 
 
-def _config(op, x, w, axis_name, dim, backend, algorithm) -> _Config:
-  """Resolves backend and algorithm and records what the backward pass needs."""
+def _check_chunks(op, chunks):
+  if chunks is None:
+    return
+  if isinstance(chunks, bool) or not isinstance(chunks, int) or not 1 <= chunks <= _cuda.MAX_CHUNKS:
+    raise ValueError(f"{op}: chunks must be None or an int in 1..{_cuda.MAX_CHUNKS}, got {chunks!r}")
+
+
+def _config(op, x, w, axis_name, dim, backend, algorithm, chunks, cuda_unsupported=None) -> _Config:
+  """Resolves backend and algorithm and records what the backward pass needs.
+
+  ``cuda_unsupported`` is None, or why the CUDA kernel cannot take this call
+  (a shape it does not cover). Then ``backend="cuda"`` raises, and
+  ``backend="auto"`` runs the xla backend and logs why.
+  """
+  _check_chunks(op, chunks)
+  requested = backend
   backend, algorithm = _checks.resolve_algorithm(op, backend, algorithm)
-  return _Config(axis_name, dim, backend, algorithm, _xla.vma_checked(axis_name),
+  if backend == "cuda":
+    if cuda_unsupported is not None:
+      if requested == "cuda" or algorithm != "auto":
+        raise ValueError(f"{op}: the CUDA kernel does not take this call: {cuda_unsupported}; "
+                         "use backend='xla'")
+      _backend.log_once(op, f"runs on backend 'xla' (auto): {cuda_unsupported}")
+      backend, algorithm = "xla", "collective"
+    elif algorithm == "auto":
+      algorithm = _cuda.DEFAULT_TRANSPORT
+  if backend == "xla" and chunks is not None:
+    raise ValueError(f"{op}: chunks={chunks} applies to backend 'cuda' only (this call runs on "
+                     "backend 'xla')")
+  return _Config(axis_name, dim, backend, algorithm, chunks, _xla.vma_checked(axis_name),
                  _xla.varying_axes(x), _xla.varying_axes(w))
-
-
-def _no_cuda(op):
-  # backend.select_backend never resolves these ops to "cuda" in this version.
-  raise RuntimeError(f"{op}: no CUDA kernel in this version")
 
 
 # ----------------------------------------------------------------------------
 # Implementations shared by forward and backward passes (no custom_vjp).
 
 
-def _ag_matmul_impl(x, w, axis_name, dim, backend, algorithm):
-  if backend != "xla":
-    _no_cuda("all_gather_matmul")
-  return _xla.all_gather_matmul(x, w, axis_name, dim, algorithm)
+def _ag_matmul_impl(x, w, cfg, gathered=True):
+  """``(AG(x) @ w, AG(x))`` along ``cfg.dim``; AG(x) is None when not ``gathered`` (cuda)."""
+  if cfg.backend == "xla" or x.size == 0 or w.size == 0:
+    return _xla.all_gather_matmul(x, w, cfg.axis_name, cfg.dim, _xla_algorithm(cfg))
+  return _cuda.all_gather_matmul(x, w, cfg.axis_name, cfg.dim, cfg.algorithm, cfg.chunks,
+                                 gathered)
 
 
-def _matmul_rs_impl(x, w, axis_name, dim, backend, algorithm):
-  if backend != "xla":
-    _no_cuda("matmul_reduce_scatter")
-  return _xla.matmul_reduce_scatter(x, w, axis_name, dim, algorithm)
+def _matmul_rs_impl(x, w, cfg):
+  if cfg.backend == "xla" or x.size == 0 or w.size == 0:
+    return _xla.matmul_reduce_scatter(x, w, cfg.axis_name, cfg.dim, _xla_algorithm(cfg))
+  return _cuda.matmul_reduce_scatter(x, w, cfg.axis_name, cfg.dim, cfg.algorithm, cfg.chunks)
 
 
-def _matmul_ar_impl(x, w, axis_name, backend, algorithm):
-  if backend != "xla":
-    _no_cuda("matmul_all_reduce")
-  return _xla.matmul_all_reduce(x, w, axis_name, algorithm)
+def _matmul_ar_impl(x, w, cfg):
+  if cfg.backend == "xla" or x.size == 0 or w.size == 0:
+    return _xla.matmul_all_reduce(x, w, cfg.axis_name, _xla_algorithm(cfg))
+  if cfg.algorithm == "gemm_all_reduce":
+    return _cuda.all_reduce(_xla.matmul(x, w).astype(x.dtype), cfg.axis_name)
+  return _cuda.matmul_all_reduce(x, w, cfg.axis_name, cfg.algorithm, cfg.chunks)
+
+
+def _xla_algorithm(cfg):
+  # Empty operands move no data on either backend: the xla expression gives
+  # the (empty or zero) result without a kernel.
+  return cfg.algorithm if cfg.backend == "xla" else "collective"
 
 
 def _grads(cfg, dx, dw, dtype):
@@ -107,18 +141,18 @@ def _grads(cfg, dx, dw, dtype):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def _all_gather_matmul(x, w, cfg):
-  return _ag_matmul_impl(x, w, cfg.axis_name, cfg.dim, cfg.backend, cfg.algorithm)[0]
+  return _ag_matmul_impl(x, w, cfg, gathered=False)[0]
 
 
 def _all_gather_matmul_fwd(x, w, cfg):
-  y, xg = _ag_matmul_impl(x, w, cfg.axis_name, cfg.dim, cfg.backend, cfg.algorithm)
+  y, xg = _ag_matmul_impl(x, w, cfg)
   return y, (xg, w)
 
 
 def _all_gather_matmul_bwd(cfg, res, dy):
   xg, w = res
   # dX = RS(dY @ w^T) along the gathered dimension; dW = AG(X)^T @ dY.
-  dx = _matmul_rs_impl(dy, w.T, cfg.axis_name, cfg.dim, cfg.backend, cfg.algorithm)
+  dx = _matmul_rs_impl(dy, w.T, cfg)
   dw = _xla.contract_leading(xg, dy)
   return _grads(cfg, dx, dw, w.dtype)
 
@@ -127,7 +161,7 @@ _all_gather_matmul.defvjp(_all_gather_matmul_fwd, _all_gather_matmul_bwd)
 
 
 def all_gather_matmul(x, w, axis_name, *, gather_dimension=0, backend="auto",
-                      algorithm="auto"):
+                      algorithm="auto", chunks=None):
   """All-gathers ``x`` along ``gather_dimension`` and multiplies by ``w``.
 
   Equals ``reference.all_gather_matmul``, i.e. ``lax.all_gather(x, axis_name,
@@ -144,9 +178,15 @@ def all_gather_matmul(x, w, axis_name, *, gather_dimension=0, backend="auto",
     axis_name: the mesh axis to gather over (str), or a tuple of axes.
     gather_dimension: the dimension of ``x`` to gather; negative counts from
       the end; must not be the last (contracted) one.
-    backend: ``"auto"`` or ``"xla"`` (no CUDA kernel yet).
-    algorithm: ``"auto"`` (= ``"collective"``), ``"collective"`` or
-      ``"ppermute"``.
+    backend: ``"auto"``, ``"xla"`` or ``"cuda"`` (see ``jaxoverlap.backend``).
+    algorithm: backend "xla": ``"auto"`` (= ``"collective"``),
+      ``"collective"`` or ``"ppermute"``; backend "cuda": ``"auto"`` (=
+      ``"copy_engine"``), ``"copy_engine"`` (shards moved by the copy
+      engines, no SMs taken from the GEMM) or ``"nvshmem"`` (NVSHMEM block
+      puts from a kernel).
+    chunks: backend "cuda" only: pieces each shard transfer is cut into (1 to
+      32; None: chosen from the shard's size, ``_cuda.auto_chunks``). Each
+      arriving chunk's GEMM starts as soon as that chunk is in.
 
   Returns:
     ``[..., m_local * num_ranks, ..., n_local]`` in x's dtype (float32
@@ -156,14 +196,23 @@ def all_gather_matmul(x, w, axis_name, *, gather_dimension=0, backend="auto",
     ValueError: unsupported or mismatched dtypes, ``w`` not 2-D,
       ``x.shape[-1] != w.shape[0]``, ``gather_dimension`` out of range or the
       contracted dimension, an unbound axis name, unknown backend or
-      algorithm.
-    RuntimeError: ``backend="cuda"`` (no kernel for this op yet).
+      algorithm, ``chunks`` out of range or given for backend "xla"; with
+      backend "cuda", at lowering: a group that spans nodes, or a shard
+      larger than the fused-op slot (``runtime_info()["overlap_slot_bytes"]``).
+    RuntimeError: ``backend="cuda"`` but the CUDA path is not usable (the
+      message says why).
 
   Algorithm:
     "ppermute": a ring of ``num_ranks - 1`` ``ppermute`` steps. Each rank
     multiplies its own shard first, then the shards of ranks ``r - 1, r - 2,
     ...`` as they arrive, each product written straight into its rows of the
-    output; every transfer overlaps the previous shard's GEMM. Backward: dX =
+    output; every transfer overlaps the previous shard's GEMM.
+    Backend "cuda" (ffi/overlap/overlap.cu): one custom call. On a second
+    stream, rank r writes its shard into a slot of ranks r+1, r+2, ... (in
+    that order, chunk by chunk, each chunk then flagged); on XLA's stream it
+    multiplies its own shard (cuBLASLt), then each arriving chunk of ranks
+    r-1, r-2, ..., writing every product into its rows of the output. Within
+    one node (the TP group); empty operands take the xla expression. Backward: dX =
     ``matmul_reduce_scatter(dY, w.T, scatter_dimension=gather_dimension)``
     with the same backend and algorithm, dW = ``AG(x)^T @ dY`` with ``AG(x)``
     saved by the forward pass (summed over the axis when ``w`` is invariant
@@ -181,7 +230,7 @@ def all_gather_matmul(x, w, axis_name, *, gather_dimension=0, backend="auto",
         f"{op}: gather_dimension={gather_dimension} is x's last dimension, the "
         f"contracted dimension k (x.shape={tuple(x.shape)}); gather a leading "
         f"dimension instead")
-  cfg = _config(op, x, w, axis_name, g, backend, algorithm)
+  cfg = _config(op, x, w, axis_name, g, backend, algorithm, chunks)
   return _all_gather_matmul(x, w, cfg)
 
 
@@ -191,7 +240,7 @@ def all_gather_matmul(x, w, axis_name, *, gather_dimension=0, backend="auto",
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def _matmul_reduce_scatter(x, w, cfg):
-  return _matmul_rs_impl(x, w, cfg.axis_name, cfg.dim, cfg.backend, cfg.algorithm)
+  return _matmul_rs_impl(x, w, cfg)
 
 
 def _matmul_reduce_scatter_fwd(x, w, cfg):
@@ -203,7 +252,7 @@ def _matmul_reduce_scatter_bwd(cfg, res, dy):
   # dX = AG(dY) @ w^T, gathered along the scattered dimension. When that is
   # the last one (w's columns), AG(dY) @ w^T contracts over the gathered
   # dimension: the same ring sums the shard products instead of placing them.
-  dx, dy_full = _ag_matmul_impl(dy, w.T, cfg.axis_name, cfg.dim, cfg.backend, cfg.algorithm)
+  dx, dy_full = _ag_matmul_impl(dy, w.T, cfg)
   dw = _xla.contract_leading(x, dy_full)
   return _grads(cfg, dx, dw, w.dtype)
 
@@ -212,7 +261,7 @@ _matmul_reduce_scatter.defvjp(_matmul_reduce_scatter_fwd, _matmul_reduce_scatter
 
 
 def matmul_reduce_scatter(x, w, axis_name, *, scatter_dimension=0, backend="auto",
-                          algorithm="auto"):
+                          algorithm="auto", chunks=None):
   """Multiplies ``x @ w`` and reduce-scatters the product over ``axis_name``.
 
   Equals ``reference.matmul_reduce_scatter``, i.e. ``lax.psum_scatter(x @ w,
@@ -228,10 +277,16 @@ def matmul_reduce_scatter(x, w, axis_name, *, scatter_dimension=0, backend="auto
     axis_name: the mesh axis to reduce over (str), or a tuple of axes.
     scatter_dimension: the dimension of the OUTPUT ``x @ w`` (shape
       ``[..., n]``) to scatter, any one including the last; negative counts
-      from the end. Its size must be divisible by the axis size.
-    backend: ``"auto"`` or ``"xla"`` (no CUDA kernel yet).
-    algorithm: ``"auto"`` (= ``"collective"``), ``"collective"`` or
-      ``"ppermute"``.
+      from the end. Its size must be divisible by the axis size. Backend
+      "cuda" scatters any dimension but the last (``"auto"`` runs the xla
+      backend for the last and logs so).
+    backend: ``"auto"``, ``"xla"`` or ``"cuda"`` (see ``jaxoverlap.backend``).
+    algorithm: backend "xla": ``"auto"`` (= ``"collective"``),
+      ``"collective"`` or ``"ppermute"``; backend "cuda": ``"auto"`` (=
+      ``"copy_engine"``), ``"copy_engine"`` or ``"nvshmem"`` (how partial
+      blocks move, as in ``all_gather_matmul``).
+    chunks: backend "cuda" only: pieces each partial block is computed and
+      sent in (1 to 32; None: chosen from the block's size).
 
   Returns:
     ``x @ w`` summed over the ranks, of which this rank keeps block ``rank``
@@ -243,15 +298,25 @@ def matmul_reduce_scatter(x, w, axis_name, *, scatter_dimension=0, backend="auto
     ValueError: unsupported or mismatched dtypes, ``w`` not 2-D,
       ``x.shape[-1] != w.shape[0]``, ``scatter_dimension`` out of range, the
       scattered size not divisible by the axis size, an unbound axis name,
-      unknown backend or algorithm.
-    RuntimeError: ``backend="cuda"`` (no kernel for this op yet).
+      unknown backend or algorithm, ``chunks`` out of range or given for
+      backend "xla"; backend "cuda" with the last dimension scattered; at
+      lowering: a group that spans nodes, or a partial block larger than the
+      fused-op slot.
+    RuntimeError: ``backend="cuda"`` but the CUDA path is not usable.
 
   Algorithm:
     "ppermute": the accumulator of output block ``d`` starts on rank ``d + 1``
     and moves right around a ring; each rank adds its partial product
     (the rows of ``x``, or the columns of ``w`` when the last dimension is
     scattered) and passes it on. A rank thus computes the other ranks' blocks
-    first and its own last, while the final transfer is in flight. Backward:
+    first and its own last, while the final transfer is in flight.
+    Backend "cuda": one custom call. Rank r computes the partial block of rank
+    r+1 chunk by chunk (cuBLASLt, into a staging buffer), each chunk sent by
+    a second stream into r+1's slot as soon as it is done; then r+2's, ...;
+    its own block last, straight into the output; then it waits for the
+    partials sent to it and adds them in float32 (one rounding to x's dtype
+    per partial sum). Within one node; empty operands take the xla
+    expression. Backward:
     dX = ``all_gather_matmul(dY, w.T, gather_dimension=scatter_dimension)``
     with the same backend and algorithm, dW = ``x^T @ AG(dY)`` with the
     gathered ``dY`` from that op. For the last dimension the gather runs
@@ -269,7 +334,9 @@ def matmul_reduce_scatter(x, w, axis_name, *, scatter_dimension=0, backend="auto
                                   "the output x @ w")
   _checks.check_divisible(op, "scatter_dimension", scatter_dimension, out_shape[s], axis_name,
                           num_ranks, f"the output x @ w (shape {out_shape})")
-  cfg = _config(op, x, w, axis_name, s, backend, algorithm)
+  unsupported = ("it scatters any output dimension but the last (scatter_dimension="
+                 f"{scatter_dimension} is the last)") if s == len(out_shape) - 1 else None
+  cfg = _config(op, x, w, axis_name, s, backend, algorithm, chunks, unsupported)
   return _matmul_reduce_scatter(x, w, cfg)
 
 
@@ -279,7 +346,7 @@ def matmul_reduce_scatter(x, w, axis_name, *, scatter_dimension=0, backend="auto
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def _matmul_all_reduce(x, w, cfg):
-  return _matmul_ar_impl(x, w, cfg.axis_name, cfg.backend, cfg.algorithm)
+  return _matmul_ar_impl(x, w, cfg)
 
 
 def _matmul_all_reduce_fwd(x, w, cfg):
@@ -293,7 +360,8 @@ def _matmul_all_reduce_bwd(cfg, res, dy):
     dy = _xla.to_varying(dy, cfg.axis_name)
   else:
     # check_vma=False: every value counts as per-rank; psum transposes to psum.
-    dy = _xla.all_reduce(dy, cfg.axis_name, cfg.algorithm)
+    dy = (_cuda.all_reduce(dy, cfg.axis_name) if cfg.backend == "cuda"
+          else _xla.all_reduce(dy, cfg.axis_name, cfg.algorithm))
   dx = _xla.matmul(dy, w.T)
   dw = _xla.contract_leading(x, dy)
   return _grads(cfg, dx, dw, w.dtype)
@@ -302,7 +370,7 @@ def _matmul_all_reduce_bwd(cfg, res, dy):
 _matmul_all_reduce.defvjp(_matmul_all_reduce_fwd, _matmul_all_reduce_bwd)
 
 
-def matmul_all_reduce(x, w, axis_name, *, backend="auto", algorithm="auto"):
+def matmul_all_reduce(x, w, axis_name, *, backend="auto", algorithm="auto", chunks=None):
   """Multiplies ``x @ w`` and sums the product over the ranks of ``axis_name``.
 
   Equals ``reference.matmul_all_reduce``, i.e. ``lax.psum(x @ w,
@@ -315,25 +383,38 @@ def matmul_all_reduce(x, w, axis_name, *, backend="auto", algorithm="auto"):
       dimensions.
     w: ``[k_local, n]``, x's dtype.
     axis_name: the mesh axis to reduce over (str), or a tuple of axes.
-    backend: ``"auto"`` or ``"xla"`` (no CUDA kernel yet).
-    algorithm: ``"auto"`` (= ``"collective"``), ``"collective"`` or
-      ``"ppermute"``.
+    backend: ``"auto"``, ``"xla"`` or ``"cuda"`` (see ``jaxoverlap.backend``).
+    algorithm: backend "xla": ``"auto"`` (= ``"collective"``),
+      ``"collective"`` or ``"ppermute"``; backend "cuda": ``"auto"``,
+      ``"copy_engine"`` or ``"nvshmem"`` (the fused kernel; the rows of x,
+      all leading dimensions flattened, must divide by the axis size), or
+      ``"gemm_all_reduce"`` (the GEMM, then ``jaxoverlap.all_reduce``).
+      ``"auto"`` takes the fused kernel when the rows divide and the output
+      has at least ``_cuda.FUSED_ALL_REDUCE_MIN_BYTES`` per rank, else
+      ``"gemm_all_reduce"``, and logs the choice.
+    chunks: backend "cuda" only: pieces each partial block is computed and
+      sent in (1 to 32; None: chosen from the block's size).
 
   Returns:
-    ``[..., n]`` in x's dtype, the same on every rank.
+    ``[..., n]`` in x's dtype, the same on every rank (bit-identical).
 
   Raises:
     ValueError: unsupported or mismatched dtypes, ``w`` not 2-D,
       ``x.shape[-1] != w.shape[0]``, an unbound axis name, unknown backend or
-      algorithm.
-    RuntimeError: ``backend="cuda"`` (no kernel for this op yet).
+      algorithm, ``chunks`` out of range or given for backend "xla"; a fused
+      CUDA algorithm with rows not divisible by the axis size; at lowering:
+      a group that spans nodes, or a block larger than half a fused-op slot.
+    RuntimeError: ``backend="cuda"`` but the CUDA path is not usable.
 
   Algorithm:
     "ppermute": views ``x`` as ``[rows, k_local]`` and runs the
     GEMM+ReduceScatter ring over the rows of the product (over its columns if
     only they divide by the axis size, else over zero-padded rows), then
     all-gathers the reduced blocks with ``lax.all_gather(...,
-    to="invarying")``. Backward: dX = ``dY @ w.T``, dW = ``x^T @ dY`` (the
+    to="invarying")``. Backend "cuda", fused: the GEMM+ReduceScatter kernel
+    over the rows, writing this rank's reduced block into its rows of the
+    output, then a second stream sends that block to every peer while XLA's
+    stream copies each arriving block into place. Backward: dX = ``dY @ w.T``, dW = ``x^T @ dY`` (the
     transpose of psum is the cast to varying).
 
   Source:
@@ -342,6 +423,19 @@ def matmul_all_reduce(x, w, axis_name, *, backend="auto", algorithm="auto"):
     layers).
   """
   op = "matmul_all_reduce"
-  _check_operands(op, x, w, axis_name)
-  cfg = _config(op, x, w, axis_name, None, backend, algorithm)
+  num_ranks = _check_operands(op, x, w, axis_name)
+  cfg = _config(op, x, w, axis_name, None, backend, algorithm, chunks)
+  if cfg.backend == "cuda" and cfg.algorithm != "gemm_all_reduce":
+    rows = math.prod(x.shape[:-1])
+    out_bytes = rows * w.shape[1] * jax.numpy.dtype(x.dtype).itemsize
+    if rows % num_ranks:
+      if algorithm != "auto":
+        raise ValueError(
+            f"{op}: algorithm={algorithm!r} needs the rows of x (all leading dimensions, "
+            f"{rows}) to divide by the size {num_ranks} of axis {axis_name!r}; use "
+            "'gemm_all_reduce' or 'auto'")
+      cfg = cfg._replace(algorithm="gemm_all_reduce")
+      _backend.log_once(op, f"{rows} rows do not divide by {num_ranks} ranks: gemm_all_reduce")
+    elif algorithm == "auto" and out_bytes < _cuda.FUSED_ALL_REDUCE_MIN_BYTES:
+      cfg = cfg._replace(algorithm="gemm_all_reduce")
   return _matmul_all_reduce(x, w, cfg)

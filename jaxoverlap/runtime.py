@@ -43,10 +43,14 @@ __all__ = [
     "pe_of_device",
     "groups_along_axis",
     "DEFAULT_HEAP_BYTES",
+    "DEFAULT_OVERLAP_HEAP_BYTES",
     "DEFAULT_TIMEOUT_S",
 ]
 
 DEFAULT_HEAP_BYTES = 1 << 30  # 1 GiB per GPU
+# The fused ops' slots: (ranks per node + 1) slots of this / (ranks + 1) bytes,
+# e.g. 682 MiB per sender with 2 GPUs per node (a bf16 shard of 16384 x 16384).
+DEFAULT_OVERLAP_HEAP_BYTES = 2 << 30
 DEFAULT_TIMEOUT_S = 10.0
 # NVSHMEM's own heap must hold ours plus its internal allocations.
 _NVSHMEM_HEAP_SLACK_BYTES = 256 << 20
@@ -124,6 +128,7 @@ def _ranks_per_node(rank: int, num_ranks: int, timeout_s: float) -> tuple[int, l
 def initialize(
     heap_bytes: int | None = None,
     *,
+    overlap_heap_bytes: int | None = None,
     timeout_s: float | None = None,
     ranks_per_node: int | None = None,
 ) -> dict[str, Any]:
@@ -137,6 +142,12 @@ def initialize(
     heap_bytes: size of the symmetric heap in bytes (default: environment
       variable ``JAXOVERLAP_HEAP_BYTES``, e.g. ``512M``, else 1 GiB). It must
       fit beside XLA's preallocation (``XLA_PYTHON_CLIENT_MEM_FRACTION``).
+    overlap_heap_bytes: symmetric memory for the fused ops (default:
+      ``JAXOVERLAP_OVERLAP_HEAP_BYTES``, else 2 GiB), allocated with the heap.
+      It holds ranks_per_node + 1 equal slots; one slot must hold the largest
+      shard of x (all_gather_matmul), partial output block
+      (matmul_reduce_scatter) or twice the reduced block (matmul_all_reduce);
+      ``runtime_info()["overlap_slot_bytes"]`` gives its size.
     timeout_s: bound on every device wait, in seconds (default
       ``JAXOVERLAP_TIMEOUT_S`` or 10 s). A wait that times out records the
       rank, peer and step and traps the kernel.
@@ -177,6 +188,12 @@ def initialize(
       heap_bytes = _parse_bytes(env, "JAXOVERLAP_HEAP_BYTES") if env else DEFAULT_HEAP_BYTES
     if heap_bytes <= 0:
       raise ValueError(f"heap_bytes must be positive, got {heap_bytes}")
+    if overlap_heap_bytes is None:
+      env = os.environ.get("JAXOVERLAP_OVERLAP_HEAP_BYTES")
+      overlap_heap_bytes = (_parse_bytes(env, "JAXOVERLAP_OVERLAP_HEAP_BYTES") if env
+                            else DEFAULT_OVERLAP_HEAP_BYTES)
+    if overlap_heap_bytes <= 0:
+      raise ValueError(f"overlap_heap_bytes must be positive, got {overlap_heap_bytes}")
     if timeout_s is None:
       timeout_s = float(os.environ.get("JAXOVERLAP_TIMEOUT_S", DEFAULT_TIMEOUT_S))
     if not timeout_s > 0:
@@ -194,7 +211,8 @@ def initialize(
     # NVLink multicast stays off (it can take a host's GPUs down; our kernels
     # do not use it), and NVSHMEM's heap must hold ours.
     os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
-    os.environ.setdefault("NVSHMEM_SYMMETRIC_SIZE", str(heap_bytes + _NVSHMEM_HEAP_SLACK_BYTES))
+    os.environ.setdefault("NVSHMEM_SYMMETRIC_SIZE",
+                          str(heap_bytes + overlap_heap_bytes + _NVSHMEM_HEAP_SLACK_BYTES))
 
     env_rpn = os.environ.get("JAXOVERLAP_RANKS_PER_NODE")
     if ranks_per_node is None and env_rpn:
@@ -217,7 +235,8 @@ def initialize(
     logger.info("jaxoverlap: NVSHMEM PE %d of %d on GPU %d, heap %d bytes", rank, num_ranks,
                 ordinal, heap_bytes)
     try:
-      ext.initialize(uid, rank, num_ranks, ordinal, heap_bytes, int(timeout_s * 1e9),
+      ext.initialize(uid, rank, num_ranks, ordinal, heap_bytes, overlap_heap_bytes,
+                     int(timeout_s * 1e9),
                      ranks_per_node)
     except RuntimeError as e:
       raise RuntimeError(f"jaxoverlap.initialize (PE {rank} of {num_ranks}): {e}") from None
@@ -234,6 +253,7 @@ def initialize(
         "num_nodes": num_ranks // ranks_per_node,
         "hosts": hosts,
         "heap_bytes": heap_bytes,
+        "overlap_heap_bytes": overlap_heap_bytes,
         "timeout_s": timeout_s,
     }
     atexit.register(finalize)
@@ -320,6 +340,7 @@ def runtime_info() -> dict[str, Any]:
     info["slot_bytes"] = native["slot_bytes"]
     info["max_group_size"] = native["max_group_size"]
     info["ll_slot_bytes"] = native["ll_slot_bytes"]
+    info["overlap_slot_bytes"] = native["overlap_slot_bytes"]
     # Across nodes: direct NVLink stores where a peer is load/store-reachable,
     # NVSHMEM puts otherwise (always, with JAXOVERLAP_FORCE_NVSHMEM_PUT=1).
     info["inter_node_transport"] = ("nvshmem put" if native["force_nvshmem_put"]

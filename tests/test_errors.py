@@ -245,9 +245,10 @@ def test_cuda_algorithm_on_xla_backend(backend, how):
 
 
 @pytest.mark.parametrize("op", GEMM_OPS)
-def test_cuda_backend_for_gemm_ops(op):
-  with pytest.raises(RuntimeError, match=re.escape(
-      f"backend='cuda' was requested for {op}, but no CUDA kernel for {op}")):
+def test_cuda_backend_unavailable_for_gemm_ops(op):
+  if jax.default_backend() == "gpu":
+    pytest.skip("CPU-only check: the CUDA path may be usable here")
+  with pytest.raises(RuntimeError, match=re.escape(f"backend='cuda' was requested for {op}, but")):
     trace(GEMM_OPS[op](backend="cuda"), ((8, 64), F32), ((64, 16), F32))
 
 

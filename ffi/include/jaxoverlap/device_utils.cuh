@@ -44,21 +44,24 @@ __device__ __forceinline__ uint64_t LoadAcquireSys(const uint64_t* addr) {
 }
 
 // Records who did not arrive in `error` (the first timeout wins), prints it
-// and traps: a hang becomes an error that names rank, peer and step.
-__device__ __noinline__ void ReportTimeoutAndTrap(DeviceError* error, int rank, int peer_pe,
-                                                  int step, uint64_t expected, uint64_t seen) {
+// and traps: a hang becomes an error that names rank, peer and step. `block`
+// (default: the waiting block) names the block or chunk waited for.
+static __device__ __noinline__ void ReportTimeoutAndTrap(DeviceError* error, int rank, int peer_pe,
+                                                  int step, uint64_t expected, uint64_t seen,
+                                                  int block = -1) {
+  if (block < 0) block = static_cast<int>(blockIdx.x);
   if (atomicCAS(&error->code, 0, 1) == 0) {
     error->rank = rank;
     error->peer_pe = peer_pe;
     error->step = step;
-    error->block = blockIdx.x;
+    error->block = block;
     error->epoch = expected;
     error->seen = seen;
     __threadfence_system();
   }
   printf("jaxoverlap: device wait timed out: rank %d waited for peer PE %d at step %d "
          "(block %d, epoch %llu, seen %llu)\n",
-         rank, peer_pe, step, static_cast<int>(blockIdx.x),
+         rank, peer_pe, step, block,
          static_cast<unsigned long long>(expected), static_cast<unsigned long long>(seen));
   __trap();
 }
@@ -66,13 +69,13 @@ __device__ __noinline__ void ReportTimeoutAndTrap(DeviceError* error, int rank, 
 // Waits until *flag >= expected, or reports and traps after timeout_ns.
 __device__ __forceinline__ void WaitFlagOrTrap(const uint64_t* flag, uint64_t expected,
                                                uint64_t timeout_ns, DeviceError* error, int rank,
-                                               int peer_pe, int step) {
+                                               int peer_pe, int step, int block = -1) {
   if (LoadAcquireSys(flag) >= expected) return;
   const uint64_t start = GlobalTimerNs();
   uint64_t seen;
   while ((seen = LoadAcquireSys(flag)) < expected) {
     if (GlobalTimerNs() - start > timeout_ns) {
-      ReportTimeoutAndTrap(error, rank, peer_pe, step, expected, seen);
+      ReportTimeoutAndTrap(error, rank, peer_pe, step, expected, seen, block);
     }
   }
 }

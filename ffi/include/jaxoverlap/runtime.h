@@ -9,6 +9,11 @@
 //   ll       [kNumParities][kNumPhases][num_pes][ll_slot_bytes]     LL8 cells (4 B data + 4 B flag)
 //   data     [kNumParities][kNumPhases][num_pes][slot_bytes]        "simple" payloads
 //   scratch  acc[2][acc_bytes] (fp32 partial sums), stage[2][ll_slot_bytes] (LL8 packing)
+// and, after those `heap_bytes`, the fused ops' region of `overlap_bytes`:
+//   oflags   [kMaxGroupSize][kNumOverlapPhases][kMaxChunks] uint64  "chunk arrived" flags
+//   oacks    [kMaxGroupSize] uint64                                  "slot consumed" flags
+//   oslots   [ranks_per_node + 1][overlap_slot_bytes]               payloads, by sender
+// (overlap.cu explains the fused ops' completion protocol).
 // Receive slots are indexed by the *sender's* PE, the algorithm phase and the
 // parity of the per-pair epoch, so a sender can be one call ahead of a
 // receiver without overwriting data the receiver still reads (all_reduce.cu
@@ -20,6 +25,8 @@
 #include <cstddef>
 #include <cstdint>
 #include <string>
+
+#include <cuda_runtime_api.h>
 
 #include "xla/ffi/api/ffi.h"
 
@@ -33,6 +40,8 @@ inline constexpr int kNumPhases = 3;        // reduce-scatter, inter-node, all-g
 inline constexpr int kMaxGroupSize = 8;     // ranks of one node in one group
 inline constexpr int kMaxNodes = 64;        // nodes of one group
 inline constexpr int kMaxPes = 512;         // PEs of the job (heap layout is per PE)
+inline constexpr int kMaxChunks = 32;       // chunks of one shard transfer (fused ops)
+inline constexpr int kNumOverlapPhases = 2; // reduce-scatter, all-gather (fused ops)
 // LL8 cells per (parity, phase, sender): heap / (4 * slots), within these bounds.
 inline constexpr size_t kMinLlSlotBytes = 256 * 1024;
 inline constexpr size_t kMaxLlSlotBytes = 2 * 1024 * 1024;
@@ -72,11 +81,24 @@ struct RuntimeState {
   unsigned int* done_counter = nullptr;  // device memory: blocks finished in the current call
   DeviceError* error_host = nullptr;     // mapped pinned memory
   DeviceError* error_device = nullptr;   // its device alias
+  // The fused ops (overlap.cu).
+  size_t overlap_bytes = 0;
+  size_t overlap_slot_bytes = 0;
+  uint64_t* oflags = nullptr;        // symmetric, inside heap
+  uint64_t* oacks = nullptr;         // symmetric, inside heap
+  char* oslots = nullptr;            // symmetric, inside heap
+  uint64_t* overlap_epochs = nullptr;  // device memory [num_pes]: fused calls made with each peer
+  uint64_t* call_epochs = nullptr;     // device memory [kMaxGroupSize]: this call's epochs
+  unsigned int* put_counter = nullptr;  // device memory: blocks of the running put kernel
+  cudaStream_t comm_stream = nullptr;   // high-priority stream for the fused ops' transfers
+  cudaEvent_t events[4] = {};           // fork/join and per-chunk hand-offs
 };
 
 // Brings NVSHMEM up with a unique id made by PE 0 and exchanged by the caller.
+// `overlap_bytes` more of symmetric heap go to the fused ops.
 ffi::Error Initialize(const std::string& unique_id, int rank, int num_ranks, int device,
-                      size_t heap_bytes, uint64_t timeout_ns, int ranks_per_node);
+                      size_t heap_bytes, size_t overlap_bytes, uint64_t timeout_ns,
+                      int ranks_per_node);
 // A fresh NVSHMEM unique id (128 bytes), made on the process that will be PE 0.
 ffi::Error GetUniqueId(std::string* out);
 // Frees the heap and finalises NVSHMEM; a no-op when not initialised.

@@ -1,0 +1,59 @@
+// Copyright 2026 The jaxoverlap Authors. SPDX-License-Identifier: Apache-2.0
+//
+// Row-major GEMMs through cuBLASLt for the fused ops: D[b] = A[b] @ B (+ D[b]
+// when accumulate), b < batch, fp32 accumulation. The fused ops never write a
+// GEMM of their own: they cut the problem into shard GEMMs and hand each to
+// cuBLASLt, on XLA's stream.
+//
+// Plans (matmul descriptor, layouts, the heuristic's algorithm) are cached per
+// shape, leading dimensions, batch strides, pointer alignment and precision,
+// so an execution during CUDA-graph capture only enqueues the matmul. The
+// workspace is allocated once at start-up (no allocation per call).
+#ifndef JAXOVERLAP_GEMM_H_
+#define JAXOVERLAP_GEMM_H_
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace jaxoverlap::gemm {
+
+namespace ffi = xla::ffi;
+
+// How float32 GEMMs round their inputs (the JAX matmul precision setting).
+enum class Precision : int {
+  kDefault = 0,  // TF32 tensor cores, as XLA runs f32 dots of precision DEFAULT/HIGH on GPUs
+  kHighest = 1,  // full float32, as XLA runs precision HIGHEST
+};
+
+// One row-major GEMM: A [rows, k] (row stride lda elements), B [k, n] (row
+// stride ldb), D [rows, n] (row stride ldd); `batch` of them, A and D advance
+// by stride_a / stride_d elements per batch, B is shared.
+struct Gemm {
+  ffi::DataType dtype = ffi::DataType::BF16;  // A, B and D
+  Precision precision = Precision::kDefault;   // float32 only
+  int64_t rows = 0, n = 0, k = 0;
+  int64_t lda = 0, ldb = 0, ldd = 0;
+  int64_t batch = 1;
+  int64_t stride_a = 0, stride_d = 0;
+  const void* a = nullptr;
+  const void* b = nullptr;
+  void* d = nullptr;
+  bool accumulate = false;  // D += A @ B instead of D = A @ B
+};
+
+// Creates the cuBLASLt handle and the workspace on `device`; once per process.
+ffi::Error Init(int device);
+// Releases them (at finalisation).
+void Shutdown();
+// Enqueues `g` on `stream`. A GEMM with rows, n or batch 0 is a no-op; k = 0
+// zeroes D (or leaves it, when accumulating).
+ffi::Error Run(cudaStream_t stream, const Gemm& g);
+// Plans cached so far (for runtime_info and tests).
+int64_t CachedPlans();
+
+}  // namespace jaxoverlap::gemm
+
+#endif  // JAXOVERLAP_GEMM_H_

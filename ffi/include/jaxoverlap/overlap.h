@@ -1,0 +1,71 @@
+// Copyright 2026 The jaxoverlap Authors. SPDX-License-Identifier: Apache-2.0
+//
+// The fused compute-communication ops (CommFuse): AllGather+GEMM,
+// GEMM+ReduceScatter and GEMM+AllReduce over one node's group of PEs.
+#ifndef JAXOVERLAP_OVERLAP_H_
+#define JAXOVERLAP_OVERLAP_H_
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+#include "jaxoverlap/gemm.h"
+#include "jaxoverlap/runtime.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace jaxoverlap::overlap {
+
+namespace ffi = xla::ffi;
+
+// How shards move; jaxoverlap/_cuda.py uses the same numbers.
+enum class Transport : int {
+  kCopyEngine = 0,  // cudaMemcpyAsync to the peer's mapped slot, then a signal kernel
+  kNvshmem = 1,     // a kernel of NVSHMEM block puts, the last block signals
+};
+
+// The group of one call as seen by this PE: all members on this PE's node.
+struct Group {
+  int rank = 0;                     // this PE's position in the group
+  int size = 0;
+  int pes[kMaxGroupSize] = {};      // PEs in rank order
+  int local[kMaxGroupSize] = {};    // their local ranks on the node (slot/flag index)
+};
+
+// Builds the group holding this PE from the flat `groups` attribute.
+// Errors: malformed groups, this PE in none, a member on another node.
+ffi::Error MakeGroup(const char* op, ffi::Span<const int64_t> groups, int64_t group_size,
+                     Group* group);
+
+struct Options {
+  Transport transport = Transport::kCopyEngine;
+  int chunks = 1;  // chunks per shard transfer, 1..kMaxChunks
+  gemm::Precision precision = gemm::Precision::kDefault;
+};
+
+// out[o, g*rows + i, :] = x_g[o, i, :] @ w for every group rank g, where x_g
+// is rank g's x: [outer, rows, k]; w: [k, n]; out: [outer, size*rows, n].
+// When `gathered` is not null it receives the x_g: [outer, size*rows, k].
+ffi::Error AllGatherMatmul(cudaStream_t stream, const Group& group, const Options& opt,
+                           ffi::DataType dtype, const void* x, const void* w, void* out,
+                           void* gathered, int64_t outer, int64_t rows, int64_t k, int64_t n);
+
+// out[o, i, :] = sum_g (x_g[o, rank*rows + i, :] @ w_g): x: [outer, size*rows, k],
+// w: [k, n], out: [outer, rows, n].
+ffi::Error MatmulReduceScatter(cudaStream_t stream, const Group& group, const Options& opt,
+                               ffi::DataType dtype, const void* x, const void* w, void* out,
+                               int64_t outer, int64_t rows, int64_t k, int64_t n);
+
+// out = sum_g x_g @ w_g, the same on every rank: x: [size*rows, k], w: [k, n],
+// out: [size*rows, n].
+ffi::Error MatmulAllReduce(cudaStream_t stream, const Group& group, const Options& opt,
+                           ffi::DataType dtype, const void* x, const void* w, void* out,
+                           int64_t rows, int64_t k, int64_t n);
+
+}  // namespace jaxoverlap::overlap
+
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxoverlapAllGatherMatmul);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxoverlapAllGatherMatmulGathered);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxoverlapMatmulReduceScatter);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxoverlapMatmulAllReduce);
+
+#endif  // JAXOVERLAP_OVERLAP_H_

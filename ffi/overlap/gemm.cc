@@ -1,0 +1,241 @@
+// Copyright 2026 The jaxoverlap Authors. SPDX-License-Identifier: Apache-2.0
+//
+// cuBLASLt behind jaxoverlap::gemm (gemm.h). Row-major D = A @ B is the
+// column-major D^T = B^T A^T, so cuBLASLt's "A" is our B and its "B" our A;
+// no transposes, no copies.
+#include "jaxoverlap/gemm.h"
+
+#include <cublasLt.h>
+#include <cuda_runtime_api.h>
+
+#include <array>
+#include <cstdint>
+#include <map>
+#include <mutex>
+#include <string>
+
+#include "jaxoverlap/check.h"
+
+namespace jaxoverlap::gemm {
+
+namespace {
+
+constexpr size_t kWorkspaceBytes = 32u << 20;  // cuBLAS's recommendation for Hopper
+
+struct Plan {
+  cublasLtMatmulDesc_t desc = nullptr;
+  cublasLtMatrixLayout_t a = nullptr, b = nullptr, d = nullptr;  // cuBLASLt's A, B, C=D
+  cublasLtMatmulAlgo_t algo{};
+};
+
+using Key = std::array<int64_t, 16>;
+
+struct State {
+  std::mutex mu;
+  cublasLtHandle_t handle = nullptr;
+  void* workspace = nullptr;
+  int device = -1;
+  std::map<Key, Plan> plans;
+};
+
+State& S() {
+  static State* s = new State();  // never destroyed: handlers may run at exit
+  return *s;
+}
+
+ffi::Error BlasError(cublasStatus_t st, const char* expr, const char* file, int line) {
+  return ffi::Error(ffi::ErrorCode::kInternal, Where(file, line) + expr + " failed: " +
+                                                   cublasLtGetStatusName(st) + ": " +
+                                                   cublasLtGetStatusString(st));
+}
+
+#define JAXOVERLAP_CUBLAS_RETURN_IF_ERROR(expr)                            \
+  do {                                                                     \
+    cublasStatus_t jaxoverlap_st_ = (expr);                                \
+    if (jaxoverlap_st_ != CUBLAS_STATUS_SUCCESS) {                         \
+      return BlasError(jaxoverlap_st_, #expr, __FILE__, __LINE__);         \
+    }                                                                      \
+  } while (0)
+
+int64_t Alignment(const void* p) {
+  const auto v = reinterpret_cast<uintptr_t>(p);
+  int64_t a = 256;
+  while (a > 1 && v % a != 0) a /= 2;
+  return a;
+}
+
+ffi::Error ElementType(ffi::DataType t, Precision precision, cudaDataType_t* data,
+                       cublasComputeType_t* compute) {
+  switch (t) {
+    case ffi::DataType::F32:
+      *data = CUDA_R_32F;
+      *compute = precision == Precision::kHighest ? CUBLAS_COMPUTE_32F : CUBLAS_COMPUTE_32F_FAST_TF32;
+      return ffi::Error::Success();
+    case ffi::DataType::BF16:
+      *data = CUDA_R_16BF;
+      *compute = CUBLAS_COMPUTE_32F;
+      return ffi::Error::Success();
+    case ffi::DataType::F16:
+      *data = CUDA_R_16F;
+      *compute = CUBLAS_COMPUTE_32F;
+      return ffi::Error::Success();
+    default:
+      return ffi::Error::InvalidArgument("gemm: unsupported element type " +
+                                         std::to_string(static_cast<int>(t)) +
+                                         " (float32, bfloat16 and float16 are supported)");
+  }
+}
+
+ffi::Error SetLayout(cublasLtMatrixLayout_t layout, int64_t batch, int64_t stride) {
+  int32_t count = static_cast<int32_t>(batch);
+  JAXOVERLAP_CUBLAS_RETURN_IF_ERROR(cublasLtMatrixLayoutSetAttribute(
+      layout, CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, &count, sizeof(count)));
+  JAXOVERLAP_CUBLAS_RETURN_IF_ERROR(cublasLtMatrixLayoutSetAttribute(
+      layout, CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET, &stride, sizeof(stride)));
+  return ffi::Error::Success();
+}
+
+// Builds the plan for `key`'s GEMM (called with the state's lock held).
+ffi::Error MakePlan(const Gemm& g, cublasLtHandle_t handle, Plan* plan) {
+  cudaDataType_t data;
+  cublasComputeType_t compute;
+  JAXOVERLAP_RETURN_IF_ERROR(ElementType(g.dtype, g.precision, &data, &compute));
+  JAXOVERLAP_CUBLAS_RETURN_IF_ERROR(cublasLtMatmulDescCreate(&plan->desc, compute, CUDA_R_32F));
+  const cublasOperation_t no_transpose = CUBLAS_OP_N;
+  JAXOVERLAP_CUBLAS_RETURN_IF_ERROR(cublasLtMatmulDescSetAttribute(
+      plan->desc, CUBLASLT_MATMUL_DESC_TRANSA, &no_transpose, sizeof(no_transpose)));
+  JAXOVERLAP_CUBLAS_RETURN_IF_ERROR(cublasLtMatmulDescSetAttribute(
+      plan->desc, CUBLASLT_MATMUL_DESC_TRANSB, &no_transpose, sizeof(no_transpose)));
+  // Column-major: cuBLASLt A = our B (n x k, ld ldb), B = our A (k x rows,
+  // ld lda), D = our D (n x rows, ld ldd).
+  JAXOVERLAP_CUBLAS_RETURN_IF_ERROR(cublasLtMatrixLayoutCreate(&plan->a, data, g.n, g.k, g.ldb));
+  JAXOVERLAP_CUBLAS_RETURN_IF_ERROR(cublasLtMatrixLayoutCreate(&plan->b, data, g.k, g.rows, g.lda));
+  JAXOVERLAP_CUBLAS_RETURN_IF_ERROR(cublasLtMatrixLayoutCreate(&plan->d, data, g.n, g.rows, g.ldd));
+  if (g.batch > 1) {
+    JAXOVERLAP_RETURN_IF_ERROR(SetLayout(plan->a, g.batch, 0));
+    JAXOVERLAP_RETURN_IF_ERROR(SetLayout(plan->b, g.batch, g.stride_a));
+    JAXOVERLAP_RETURN_IF_ERROR(SetLayout(plan->d, g.batch, g.stride_d));
+  }
+  cublasLtMatmulPreference_t pref;
+  JAXOVERLAP_CUBLAS_RETURN_IF_ERROR(cublasLtMatmulPreferenceCreate(&pref));
+  const uint64_t ws = kWorkspaceBytes;
+  const uint32_t align_a = static_cast<uint32_t>(Alignment(g.b));
+  const uint32_t align_b = static_cast<uint32_t>(Alignment(g.a));
+  const uint32_t align_d = static_cast<uint32_t>(Alignment(g.d));
+  cublasStatus_t st = cublasLtMatmulPreferenceSetAttribute(
+      pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof(ws));
+  if (st == CUBLAS_STATUS_SUCCESS) {
+    st = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES,
+                                              &align_a, sizeof(align_a));
+  }
+  if (st == CUBLAS_STATUS_SUCCESS) {
+    st = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
+                                              &align_b, sizeof(align_b));
+  }
+  if (st == CUBLAS_STATUS_SUCCESS) {
+    st = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES,
+                                              &align_d, sizeof(align_d));
+  }
+  if (st == CUBLAS_STATUS_SUCCESS) {
+    st = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES,
+                                              &align_d, sizeof(align_d));
+  }
+  cublasLtMatmulHeuristicResult_t result{};
+  int found = 0;
+  if (st == CUBLAS_STATUS_SUCCESS) {
+    st = cublasLtMatmulAlgoGetHeuristic(handle, plan->desc, plan->a, plan->b, plan->d, plan->d,
+                                        pref, 1, &result, &found);
+  }
+  cublasLtMatmulPreferenceDestroy(pref);
+  JAXOVERLAP_CUBLAS_RETURN_IF_ERROR(st);
+  if (found == 0) {
+    return ffi::Error(ffi::ErrorCode::kUnimplemented,
+                      "gemm: cuBLASLt has no algorithm for [" + std::to_string(g.rows) + ", " +
+                          std::to_string(g.k) + "] @ [" + std::to_string(g.k) + ", " +
+                          std::to_string(g.n) + "] (batch " + std::to_string(g.batch) +
+                          ", alignments " + std::to_string(align_b) + "/" +
+                          std::to_string(align_a) + "/" + std::to_string(align_d) + " bytes)");
+  }
+  plan->algo = result.algo;
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+ffi::Error Init(int device) {
+  State& s = S();
+  std::lock_guard<std::mutex> lock(s.mu);
+  if (s.handle != nullptr) return ffi::Error::Success();
+  JAXOVERLAP_CUDA_RETURN_IF_ERROR(cudaSetDevice(device));
+  JAXOVERLAP_CUBLAS_RETURN_IF_ERROR(cublasLtCreate(&s.handle));
+  JAXOVERLAP_CUDA_RETURN_IF_ERROR(cudaMalloc(&s.workspace, kWorkspaceBytes));
+  s.device = device;
+  return ffi::Error::Success();
+}
+
+void Shutdown() {
+  State& s = S();
+  std::lock_guard<std::mutex> lock(s.mu);
+  for (auto& [key, p] : s.plans) {
+    cublasLtMatrixLayoutDestroy(p.a);
+    cublasLtMatrixLayoutDestroy(p.b);
+    cublasLtMatrixLayoutDestroy(p.d);
+    cublasLtMatmulDescDestroy(p.desc);
+  }
+  s.plans.clear();
+  if (s.workspace != nullptr) cudaFree(s.workspace);
+  if (s.handle != nullptr) cublasLtDestroy(s.handle);
+  s.workspace = nullptr;
+  s.handle = nullptr;
+}
+
+int64_t CachedPlans() {
+  State& s = S();
+  std::lock_guard<std::mutex> lock(s.mu);
+  return static_cast<int64_t>(s.plans.size());
+}
+
+ffi::Error Run(cudaStream_t stream, const Gemm& g) {
+  if (g.rows == 0 || g.n == 0 || g.batch == 0) return ffi::Error::Success();
+  if (g.k <= 0 || g.rows < 0 || g.n < 0 || g.batch < 0 || g.lda < g.k || g.ldb < g.n ||
+      g.ldd < g.n) {
+    return ffi::Error::InvalidArgument(
+        "gemm: bad shape rows=" + std::to_string(g.rows) + " n=" + std::to_string(g.n) +
+        " k=" + std::to_string(g.k) + " lda=" + std::to_string(g.lda) + " ldb=" +
+        std::to_string(g.ldb) + " ldd=" + std::to_string(g.ldd));
+  }
+  State& s = S();
+  const Plan* plan = nullptr;
+  {
+    std::lock_guard<std::mutex> lock(s.mu);
+    if (s.handle == nullptr) {
+      return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
+                        "gemm: cuBLASLt is not initialised (jaxoverlap.initialize() first)");
+    }
+    const Key key = {static_cast<int64_t>(g.dtype), static_cast<int64_t>(g.precision),
+                     g.rows, g.n, g.k, g.lda, g.ldb, g.ldd, g.batch, g.stride_a, g.stride_d,
+                     Alignment(g.a), Alignment(g.b), Alignment(g.d), g.accumulate ? 1 : 0, 0};
+    auto it = s.plans.find(key);
+    if (it == s.plans.end()) {
+      Plan p;
+      ffi::Error e = MakePlan(g, s.handle, &p);
+      if (e.failure()) {
+        if (p.a) cublasLtMatrixLayoutDestroy(p.a);
+        if (p.b) cublasLtMatrixLayoutDestroy(p.b);
+        if (p.d) cublasLtMatrixLayoutDestroy(p.d);
+        if (p.desc) cublasLtMatmulDescDestroy(p.desc);
+        return e;
+      }
+      it = s.plans.emplace(key, p).first;
+    }
+    plan = &it->second;  // std::map nodes are stable
+  }
+  const float alpha = 1.0f;
+  const float beta = g.accumulate ? 1.0f : 0.0f;
+  JAXOVERLAP_CUBLAS_RETURN_IF_ERROR(cublasLtMatmul(
+      s.handle, plan->desc, &alpha, g.b, plan->a, g.a, plan->b, &beta, g.d, plan->d, g.d,
+      plan->d, &plan->algo, s.workspace, kWorkspaceBytes, stream));
+  return ffi::Error::Success();
+}
+
+}  // namespace jaxoverlap::gemm

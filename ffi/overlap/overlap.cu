@@ -1,0 +1,550 @@
+// Copyright 2026 The jaxoverlap Authors. SPDX-License-Identifier: Apache-2.0
+//
+// CommFuse's fused compute-communication ops over one node's group of PEs:
+// the collective is cut into peer-to-peer shard transfers on a second,
+// high-priority stream, and the GEMM into shard GEMMs (cuBLASLt) on XLA's
+// stream, in the rank-adaptive order.
+//
+// Source: CommFuse ("FlashOverlap"), arXiv 2604.24013, sec. 3: AllGather+GEMM
+// multiplies the local shard first and the others' shards as they arrive;
+// GEMM+ReduceScatter computes the blocks other ranks own first and sends each
+// while it goes on, and its own block last, so the last transfer is hidden;
+// GEMM+AllReduce is GEMM+ReduceScatter followed by an all-gather. The code is
+// written here from the paper's description.
+//
+// Schedule at ring step i (1..size-1): rank r sends to r+i and receives from
+// r-i, so every link carries one transfer per step (rank rotation).
+//
+// Streams: XLA's stream ("compute") runs the GEMMs and the waits for arriving
+// data; the runtime's comm stream runs the transfers. Each call forks the
+// comm stream from the compute stream with an event and joins it back at the
+// end, so calls never overlap each other and the fork/join is captured
+// correctly when XLA records the call into a CUDA graph.
+//
+// Completion and reuse: each ordered pair of PEs counts the fused calls it
+// shares (overlap_epochs, device memory, advanced by a one-thread kernel at
+// the start of the call, so graph replays see fresh epochs). A sender writes
+// its payload into ONE slot of the receiver, indexed by the sender's local
+// rank, and sets the chunk's flag to the epoch E. After its last read of the
+// slot (end of the call) the receiver sets the sender's ack flag to E; a
+// sender waits for ack >= E-1 before its first write of call E. Slot
+// addresses are therefore the same in every call (copy-engine transfers can
+// be captured into a graph), and no receiver is overwritten while it reads.
+// Deadlock-free: the receiver's call E-1 needs only transfers of call E-1,
+// all of which precede the sender's wait in call E.
+//
+// Waits are bounded (runtime timeout) and report rank, peer PE, step and
+// chunk: step = ring step i for data, 0 for the previous call's ack.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+#include <nvshmem.h>
+#include <nvshmemx.h>
+
+#include <algorithm>
+#include <string>
+
+#include "jaxoverlap/check.h"
+#include "jaxoverlap/device_utils.cuh"
+#include "jaxoverlap/gemm.h"
+#include "jaxoverlap/overlap.h"
+#include "jaxoverlap/runtime.h"
+
+namespace jaxoverlap::overlap {
+
+namespace {
+
+constexpr int kPutBlocks = 16;
+constexpr int kPutThreads = 512;
+constexpr int kAddThreads = 256;
+
+// Flag sets: the first transfer of a call (AG's shards, RS's partials), and
+// GEMM+AR's second one (the all-gather of the reduced blocks).
+constexpr int kPhaseMain = 0;
+constexpr int kPhaseAllGather = 1;
+
+size_t ElementBytes(ffi::DataType t) {
+  return t == ffi::DataType::F32 ? 4 : 2;
+}
+
+// Symmetric addresses, the same offsets on every PE.
+uint64_t* DataFlag(const RuntimeState& s, int sender_local, int phase, int chunk) {
+  return s.oflags + (static_cast<size_t>(sender_local) * kNumOverlapPhases + phase) * kMaxChunks +
+         chunk;
+}
+char* Slot(const RuntimeState& s, int index) {
+  return s.oslots + static_cast<size_t>(index) * s.overlap_slot_bytes;
+}
+
+// ---------------------------------------------------------------- kernels
+
+// Advances the pair epochs of this call's peers; call_epochs[j] = E with rank j.
+__global__ void BeginKernel(uint64_t* overlap_epochs, uint64_t* call_epochs, Group g) {
+  if (threadIdx.x != 0 || blockIdx.x != 0) return;
+  for (int j = 0; j < g.size; ++j) {
+    if (j == g.rank) continue;
+    const uint64_t e = overlap_epochs[g.pes[j]] + 1;
+    overlap_epochs[g.pes[j]] = e;
+    call_epochs[j] = e;
+  }
+}
+
+// Sets `flag` on `pe` to this call's epoch with rank j, after all earlier
+// work on the stream (the copy engine's transfer) is complete.
+__global__ void SignalKernel(uint64_t* flag, const uint64_t* call_epochs, int j, int pe) {
+  __threadfence_system();
+  nvshmemx_signal_op(flag, call_epochs[j], NVSHMEM_SIGNAL_SET, pe);
+}
+
+// Tells every peer that this PE is done reading its slot in this call.
+__global__ void AckKernel(uint64_t* my_ack_flag, const uint64_t* call_epochs, Group g) {
+  const int j = threadIdx.x;
+  if (j >= g.size || j == g.rank) return;
+  __threadfence_system();
+  nvshmemx_signal_op(my_ack_flag, call_epochs[j], NVSHMEM_SIGNAL_SET, g.pes[j]);
+}
+
+// Block b waits until flags[b] >= (epoch with rank j) - lag.
+__global__ void WaitKernel(const uint64_t* flags, const uint64_t* call_epochs, int j,
+                           uint64_t lag, uint64_t timeout_ns, DeviceError* error, int rank,
+                           int peer_pe, int step, int first_chunk) {
+  if (threadIdx.x != 0) return;
+  const uint64_t expected = call_epochs[j] - lag;
+  WaitFlagOrTrap(flags + blockIdx.x, expected, timeout_ns, error, rank, peer_pe, step,
+                 first_chunk + static_cast<int>(blockIdx.x));
+}
+
+// NVSHMEM block puts of `height` rows of `width` bytes; the last block to
+// finish raises the receiver's flag.
+__global__ void __launch_bounds__(kPutThreads)
+    PutKernel(char* dst, const char* src, size_t width, size_t height, size_t src_pitch,
+              size_t dst_pitch, int pe, uint64_t* flag, const uint64_t* call_epochs, int j,
+              unsigned int* counter) {
+  const size_t segs = std::max<size_t>(1, (gridDim.x + height - 1) / height);
+  const size_t seg_bytes = ((width + segs - 1) / segs + 15) / 16 * 16;
+  for (size_t item = blockIdx.x; item < height * segs; item += gridDim.x) {
+    const size_t row = item / segs;
+    const size_t off = (item % segs) * seg_bytes;
+    if (off >= width) continue;
+    const size_t len = std::min(seg_bytes, width - off);
+    nvshmemx_putmem_block(dst + row * dst_pitch + off, src + row * src_pitch + off, len, pe);
+  }
+  __threadfence_system();
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    nvshmem_quiet();
+    __threadfence_system();
+    if (atomicAdd(counter, 1u) == gridDim.x - 1) {
+      *counter = 0;
+      __threadfence_system();
+      nvshmemx_signal_op(flag, call_epochs[j], NVSHMEM_SIGNAL_SET, pe);
+    }
+  }
+}
+
+template <typename T>
+struct Sources {
+  const T* p[kMaxGroupSize];
+  int count;
+};
+
+// out[i] = out[i] + sum_s src_s[i], in float32 with one rounding, the
+// sources added in the order given (the same on every call).
+template <typename T>
+__global__ void __launch_bounds__(kAddThreads)
+    AddKernel(T* out, Sources<T> src, size_t n, bool vectorized) {
+  constexpr int kV = 16 / sizeof(T);
+  const size_t tid = static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const size_t stride = static_cast<size_t>(gridDim.x) * blockDim.x;
+  size_t done = 0;
+  if (vectorized) {
+    const size_t nv = n / kV;
+    for (size_t i = tid; i < nv; i += stride) {
+      uint4 o = reinterpret_cast<const uint4*>(out)[i];
+      T* ot = reinterpret_cast<T*>(&o);
+      float acc[kV];
+#pragma unroll
+      for (int e = 0; e < kV; ++e) acc[e] = ToFloat(ot[e]);
+      for (int s = 0; s < src.count; ++s) {
+        const uint4 v = reinterpret_cast<const uint4*>(src.p[s])[i];
+        const T* vt = reinterpret_cast<const T*>(&v);
+#pragma unroll
+        for (int e = 0; e < kV; ++e) acc[e] += ToFloat(vt[e]);
+      }
+#pragma unroll
+      for (int e = 0; e < kV; ++e) ot[e] = FromFloat<T>(acc[e]);
+      reinterpret_cast<uint4*>(out)[i] = o;
+    }
+    done = nv * kV;
+  }
+  for (size_t i = done + tid; i < n; i += stride) {
+    float acc = ToFloat(out[i]);
+    for (int s = 0; s < src.count; ++s) acc += ToFloat(src.p[s][i]);
+    out[i] = FromFloat<T>(acc);
+  }
+}
+
+// ---------------------------------------------------------------- host side
+
+bool Aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+template <typename T>
+ffi::Error LaunchAdd(cudaStream_t stream, void* out, const char* const* srcs, int count,
+                     size_t n) {
+  Sources<T> src{};
+  bool vec = Aligned16(out);
+  for (int s = 0; s < count; ++s) {
+    src.p[s] = reinterpret_cast<const T*>(srcs[s]);
+    vec = vec && Aligned16(srcs[s]);
+  }
+  src.count = count;
+  const size_t work = vec ? n / (16 / sizeof(T)) : n;
+  const int blocks = static_cast<int>(
+      std::max<size_t>(1, std::min<size_t>(132 * 8, (work + kAddThreads - 1) / kAddThreads)));
+  AddKernel<T><<<blocks, kAddThreads, 0, stream>>>(static_cast<T*>(out), src, n, vec);
+  JAXOVERLAP_RETURN_IF_LAUNCH_ERROR("AddKernel launch");
+  return ffi::Error::Success();
+}
+
+ffi::Error Add(cudaStream_t stream, ffi::DataType dtype, void* out, const char* const* srcs,
+               int count, size_t n) {
+  if (count == 0 || n == 0) return ffi::Error::Success();
+  switch (dtype) {
+    case ffi::DataType::F32: return LaunchAdd<float>(stream, out, srcs, count, n);
+    case ffi::DataType::BF16: return LaunchAdd<__nv_bfloat16>(stream, out, srcs, count, n);
+    case ffi::DataType::F16: return LaunchAdd<__half>(stream, out, srcs, count, n);
+    default: return ffi::Error::InvalidArgument("fused op: unsupported dtype");
+  }
+}
+
+// Makes `to` wait for the work enqueued on `from` so far.
+ffi::Error Handoff(cudaEvent_t ev, cudaStream_t from, cudaStream_t to) {
+  JAXOVERLAP_CUDA_RETURN_IF_ERROR(cudaEventRecord(ev, from));
+  JAXOVERLAP_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(to, ev, 0));
+  return ffi::Error::Success();
+}
+
+// The shared context of one call.
+struct Call {
+  const RuntimeState& s;
+  const Group& g;
+  const Options& opt;
+  cudaStream_t compute;
+  const char* op;
+  int my_local() const { return g.local[g.rank]; }
+};
+
+ffi::Error Begin(const Call& c) {
+  BeginKernel<<<1, 1, 0, c.compute>>>(c.s.overlap_epochs, c.s.call_epochs, c.g);
+  JAXOVERLAP_RETURN_IF_LAUNCH_ERROR("BeginKernel launch");
+  return Handoff(c.s.events[0], c.compute, c.s.comm_stream);  // fork
+}
+
+ffi::Error End(const Call& c) {
+  JAXOVERLAP_RETURN_IF_ERROR(Handoff(c.s.events[1], c.s.comm_stream, c.compute));  // join
+  AckKernel<<<1, kMaxGroupSize, 0, c.compute>>>(c.s.oacks + c.my_local(), c.s.call_epochs, c.g);
+  JAXOVERLAP_RETURN_IF_LAUNCH_ERROR("AckKernel launch");
+  return ffi::Error::Success();
+}
+
+// Waits, on `stream`, for `count` flags from rank j, from chunk `first` on.
+ffi::Error Wait(const Call& c, cudaStream_t stream, const uint64_t* flags, int count, int j,
+                uint64_t lag, int step, int first) {
+  WaitKernel<<<count, 1, 0, stream>>>(flags, c.s.call_epochs, j, lag, c.s.timeout_ns,
+                                      c.s.error_device, c.g.rank, c.g.pes[j], step, first);
+  JAXOVERLAP_RETURN_IF_LAUNCH_ERROR("WaitKernel launch");
+  return ffi::Error::Success();
+}
+
+// Before the first write of this call into rank j's slot (on the comm stream).
+ffi::Error WaitAck(const Call& c, int j) {
+  return Wait(c, c.s.comm_stream, c.s.oacks + c.g.local[j], 1, j, 1, 0, 0);
+}
+
+// Sends `height` rows of `width` bytes from local `src` to the symmetric
+// `dst` on rank j, then sets the symmetric `flag` there, on the comm stream.
+ffi::Error Send(const Call& c, int j, char* dst, const char* src, size_t width, size_t height,
+                size_t src_pitch, size_t dst_pitch, uint64_t* flag) {
+  const int pe = c.g.pes[j];
+  cudaStream_t comm = c.s.comm_stream;
+  if (c.opt.transport == Transport::kCopyEngine) {
+    char* peer = static_cast<char*>(nvshmem_ptr(dst, pe));
+    if (peer == nullptr) {
+      return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
+                        std::string(c.op) + ": transport 'copy_engine' needs peer PE " +
+                            std::to_string(pe) +
+                            " to be load/store-reachable (NVLink/PCIe peer access), and it is "
+                            "not; use transport 'nvshmem'");
+    }
+    if (height == 1) {
+      JAXOVERLAP_CUDA_RETURN_IF_ERROR(
+          cudaMemcpyAsync(peer, src, width, cudaMemcpyDeviceToDevice, comm));
+    } else {
+      JAXOVERLAP_CUDA_RETURN_IF_ERROR(cudaMemcpy2DAsync(peer, dst_pitch, src, src_pitch, width,
+                                                        height, cudaMemcpyDeviceToDevice, comm));
+    }
+    SignalKernel<<<1, 1, 0, comm>>>(flag, c.s.call_epochs, j, pe);
+    JAXOVERLAP_RETURN_IF_LAUNCH_ERROR("SignalKernel launch");
+  } else {
+    PutKernel<<<kPutBlocks, kPutThreads, 0, comm>>>(dst, src, width, height, src_pitch, dst_pitch,
+                                                    pe, flag, c.s.call_epochs, j,
+                                                    c.s.put_counter);
+    JAXOVERLAP_RETURN_IF_LAUNCH_ERROR("PutKernel launch");
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error CheckSlot(const Call& c, const char* what, size_t need) {
+  if (need <= c.s.overlap_slot_bytes) return ffi::Error::Success();
+  return ffi::Error(ffi::ErrorCode::kResourceExhausted,
+                    std::string(c.op) + ": " + what + " needs " + std::to_string(need) +
+                        " bytes of fused-op slot per sender, but the slot has " +
+                        std::to_string(c.s.overlap_slot_bytes) +
+                        " bytes; raise overlap_heap_bytes in jaxoverlap.initialize() "
+                        "(JAXOVERLAP_OVERLAP_HEAP_BYTES)");
+}
+
+int Chunks(const Options& opt, int64_t rows) {
+  return static_cast<int>(std::max<int64_t>(
+      1, std::min<int64_t>({static_cast<int64_t>(opt.chunks), static_cast<int64_t>(kMaxChunks),
+                            rows})));
+}
+
+int64_t ChunkStart(int64_t rows, int chunks, int q) { return rows * q / chunks; }
+
+gemm::Gemm ShardGemm(const Call& c, ffi::DataType dtype, const void* a, const void* w, void* d,
+                     int64_t rows, int64_t k, int64_t n, int64_t batch, int64_t stride_a,
+                     int64_t stride_d) {
+  gemm::Gemm g;
+  g.dtype = dtype;
+  g.precision = c.opt.precision;
+  g.rows = rows;
+  g.n = n;
+  g.k = k;
+  g.lda = k;
+  g.ldb = n;
+  g.ldd = n;
+  g.batch = batch;
+  g.stride_a = stride_a;
+  g.stride_d = stride_d;
+  g.a = a;
+  g.b = w;
+  g.d = d;
+  return g;
+}
+
+// The reduce-scatter half shared by GEMM+RS and GEMM+AR: partial blocks for
+// the other ranks first (each sent as soon as its chunk's GEMM is done), this
+// rank's block last into `own`, then the received partials added to it.
+ffi::Error ReduceScatterPhase(const Call& c, ffi::DataType dtype, const char* x, const void* w,
+                              char* own, int64_t outer, int64_t rows, int64_t k, int64_t n) {
+  const RuntimeState& s = c.s;
+  const int size = c.g.size, r = c.g.rank;
+  const size_t es = ElementBytes(dtype);
+  const int chunks = Chunks(c.opt, rows);
+  char* staging[2] = {Slot(s, c.my_local()), Slot(s, s.ranks_per_node)};
+  cudaEvent_t staging_free[2] = {s.events[2], s.events[3]};
+  const size_t block_pitch = static_cast<size_t>(rows) * n * es;  // one outer of a block
+  for (int i = 1; i < size; ++i) {
+    const int dest = (r + i) % size;
+    const int b = (i - 1) % 2;
+    if (i >= 3) {
+      // The transfers of step i-2 read this staging buffer.
+      JAXOVERLAP_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(c.compute, staging_free[b], 0));
+    }
+    JAXOVERLAP_RETURN_IF_ERROR(WaitAck(c, dest));
+    for (int q = 0; q < chunks; ++q) {
+      const int64_t q0 = ChunkStart(rows, chunks, q), q1 = ChunkStart(rows, chunks, q + 1);
+      JAXOVERLAP_RETURN_IF_ERROR(gemm::Run(
+          c.compute, ShardGemm(c, dtype, x + (dest * rows + q0) * k * es, w,
+                               staging[b] + q0 * n * es, q1 - q0, k, n, outer, size * rows * k,
+                               rows * n)));
+      JAXOVERLAP_RETURN_IF_ERROR(Handoff(s.events[0], c.compute, s.comm_stream));
+      JAXOVERLAP_RETURN_IF_ERROR(Send(c, dest, Slot(s, c.my_local()) + q0 * n * es,
+                                      staging[b] + q0 * n * es, (q1 - q0) * n * es, outer,
+                                      block_pitch, block_pitch,
+                                      DataFlag(s, c.my_local(), kPhaseMain, q)));
+    }
+    if (i + 2 < size) {
+      JAXOVERLAP_CUDA_RETURN_IF_ERROR(cudaEventRecord(staging_free[b], s.comm_stream));
+    }
+  }
+  JAXOVERLAP_RETURN_IF_ERROR(
+      gemm::Run(c.compute, ShardGemm(c, dtype, x + r * rows * k * es, w, own, rows, k, n, outer,
+                                     size * rows * k, rows * n)));
+  const char* partials[kMaxGroupSize];
+  for (int i = 1; i < size; ++i) {
+    const int src = (r - i + size) % size;
+    JAXOVERLAP_RETURN_IF_ERROR(Wait(c, c.compute,
+                                    DataFlag(s, c.g.local[src], kPhaseMain, 0), chunks,
+                                    src, 0, i, 0));
+    partials[i - 1] = Slot(s, c.g.local[src]);
+  }
+  return Add(c.compute, dtype, own, partials, size - 1, static_cast<size_t>(outer) * rows * n);
+}
+
+ffi::Error CheckDtype(const char* op, ffi::DataType dtype) {
+  if (dtype == ffi::DataType::F32 || dtype == ffi::DataType::BF16 ||
+      dtype == ffi::DataType::F16) {
+    return ffi::Error::Success();
+  }
+  return ffi::Error::InvalidArgument(std::string(op) +
+                                     ": dtype must be float32, bfloat16 or float16");
+}
+
+}  // namespace
+
+ffi::Error MakeGroup(const char* op, ffi::Span<const int64_t> groups, int64_t group_size,
+                     Group* group) {
+  const RuntimeState& s = State();
+  const size_t entries = groups.size();
+  if (group_size < 1 || group_size > kMaxGroupSize || entries % group_size != 0) {
+    return ffi::Error::InvalidArgument(std::string(op) + ": group size " +
+                                       std::to_string(group_size) + " with " +
+                                       std::to_string(entries) + " PE entries; 1.." +
+                                       std::to_string(kMaxGroupSize) + " ranks are supported");
+  }
+  for (size_t start = 0; start < entries; start += group_size) {
+    for (int64_t r = 0; r < group_size; ++r) {
+      if (groups[start + r] != s.my_pe) continue;
+      Group g;
+      g.size = static_cast<int>(group_size);
+      g.rank = static_cast<int>(r);
+      for (int64_t m = 0; m < group_size; ++m) {
+        const int64_t pe = groups[start + m];
+        if (pe < 0 || pe >= s.num_pes) {
+          return ffi::Error::InvalidArgument(std::string(op) + ": group names PE " +
+                                             std::to_string(pe) + " but NVSHMEM has " +
+                                             std::to_string(s.num_pes));
+        }
+        if (pe / s.ranks_per_node != s.my_pe / s.ranks_per_node) {
+          return ffi::Error::InvalidArgument(
+              std::string(op) + ": PE " + std::to_string(pe) + " of the group is on another node "
+              "than PE " + std::to_string(s.my_pe) + " (ranks_per_node=" +
+              std::to_string(s.ranks_per_node) + "); the fused ops run within one node (TP)");
+        }
+        g.pes[m] = static_cast<int>(pe);
+        g.local[m] = static_cast<int>(pe % s.ranks_per_node);
+      }
+      *group = g;
+      return ffi::Error::Success();
+    }
+  }
+  return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
+                    std::string(op) + ": PE " + std::to_string(s.my_pe) +
+                        " is in none of the groups of this call; the mesh's devices and the "
+                        "NVSHMEM PEs disagree (one process per GPU, PE = jax.process_index())");
+}
+
+ffi::Error AllGatherMatmul(cudaStream_t stream, const Group& group, const Options& opt,
+                           ffi::DataType dtype, const void* x_ptr, const void* w, void* out_ptr,
+                           void* gathered_ptr, int64_t outer, int64_t rows, int64_t k,
+                           int64_t n) {
+  const RuntimeState& s = State();
+  const Call c{s, group, opt, stream, "all_gather_matmul"};
+  JAXOVERLAP_RETURN_IF_ERROR(CheckDtype(c.op, dtype));
+  const size_t es = ElementBytes(dtype);
+  const int size = group.size, r = group.rank;
+  const char* x = static_cast<const char*>(x_ptr);
+  char* out = static_cast<char*>(out_ptr);
+  char* gathered = static_cast<char*>(gathered_ptr);
+  const size_t shard_pitch = static_cast<size_t>(rows) * k * es;  // one outer of a shard
+  JAXOVERLAP_RETURN_IF_ERROR(CheckSlot(c, "the shard of x", outer * shard_pitch));
+  const int chunks = Chunks(opt, rows);
+
+  JAXOVERLAP_RETURN_IF_ERROR(Begin(c));
+  // Comm stream: this rank's shard to ranks r+1, r+2, ... chunk by chunk.
+  for (int i = 1; i < size; ++i) {
+    const int dest = (r + i) % size;
+    JAXOVERLAP_RETURN_IF_ERROR(WaitAck(c, dest));
+    for (int q = 0; q < chunks; ++q) {
+      const int64_t q0 = ChunkStart(rows, chunks, q), q1 = ChunkStart(rows, chunks, q + 1);
+      JAXOVERLAP_RETURN_IF_ERROR(Send(c, dest, Slot(s, c.my_local()) + q0 * k * es,
+                                      x + q0 * k * es, (q1 - q0) * k * es, outer, shard_pitch,
+                                      shard_pitch,
+                                      DataFlag(s, c.my_local(), kPhaseMain, q)));
+    }
+  }
+  if (gathered != nullptr) {
+    JAXOVERLAP_CUDA_RETURN_IF_ERROR(cudaMemcpy2DAsync(
+        gathered + r * shard_pitch, size * shard_pitch, x, shard_pitch, shard_pitch, outer,
+        cudaMemcpyDeviceToDevice, s.comm_stream));
+  }
+  // Compute stream: the local shard first, then the others as they arrive.
+  JAXOVERLAP_RETURN_IF_ERROR(gemm::Run(
+      stream, ShardGemm(c, dtype, x, w, out + r * rows * n * es, rows, k, n, outer, rows * k,
+                        size * rows * n)));
+  for (int i = 1; i < size; ++i) {
+    const int src = (r - i + size) % size;
+    const char* slot = Slot(s, group.local[src]);
+    for (int q = 0; q < chunks; ++q) {
+      const int64_t q0 = ChunkStart(rows, chunks, q), q1 = ChunkStart(rows, chunks, q + 1);
+      JAXOVERLAP_RETURN_IF_ERROR(
+          Wait(c, stream, DataFlag(s, group.local[src], kPhaseMain, q), 1, src, 0, i, q));
+      JAXOVERLAP_RETURN_IF_ERROR(gemm::Run(
+          stream, ShardGemm(c, dtype, slot + q0 * k * es, w, out + (src * rows + q0) * n * es,
+                            q1 - q0, k, n, outer, rows * k, size * rows * n)));
+    }
+    if (gathered != nullptr) {
+      JAXOVERLAP_RETURN_IF_ERROR(Handoff(s.events[0], stream, s.comm_stream));
+      JAXOVERLAP_CUDA_RETURN_IF_ERROR(cudaMemcpy2DAsync(
+          gathered + src * shard_pitch, size * shard_pitch, slot, shard_pitch, shard_pitch, outer,
+          cudaMemcpyDeviceToDevice, s.comm_stream));
+    }
+  }
+  return End(c);
+}
+
+ffi::Error MatmulReduceScatter(cudaStream_t stream, const Group& group, const Options& opt,
+                               ffi::DataType dtype, const void* x, const void* w, void* out,
+                               int64_t outer, int64_t rows, int64_t k, int64_t n) {
+  const RuntimeState& s = State();
+  const Call c{s, group, opt, stream, "matmul_reduce_scatter"};
+  JAXOVERLAP_RETURN_IF_ERROR(CheckDtype(c.op, dtype));
+  const size_t es = ElementBytes(dtype);
+  JAXOVERLAP_RETURN_IF_ERROR(
+      CheckSlot(c, "a partial output block", static_cast<size_t>(outer) * rows * n * es));
+  JAXOVERLAP_RETURN_IF_ERROR(Begin(c));
+  JAXOVERLAP_RETURN_IF_ERROR(ReduceScatterPhase(c, dtype, static_cast<const char*>(x), w,
+                                                static_cast<char*>(out), outer, rows, k, n));
+  return End(c);
+}
+
+ffi::Error MatmulAllReduce(cudaStream_t stream, const Group& group, const Options& opt,
+                           ffi::DataType dtype, const void* x, const void* w, void* out_ptr,
+                           int64_t rows, int64_t k, int64_t n) {
+  const RuntimeState& s = State();
+  const Call c{s, group, opt, stream, "matmul_all_reduce"};
+  JAXOVERLAP_RETURN_IF_ERROR(CheckDtype(c.op, dtype));
+  const size_t es = ElementBytes(dtype);
+  const int size = group.size, r = group.rank;
+  char* out = static_cast<char*>(out_ptr);
+  const size_t block_bytes = static_cast<size_t>(rows) * n * es;
+  // The slot holds the reduce-scatter partial and, after it, the all-gather block.
+  const size_t half = s.overlap_slot_bytes / 2 / 256 * 256;
+  JAXOVERLAP_RETURN_IF_ERROR(
+      CheckSlot(c, "a partial and a reduced block", 2 * ((block_bytes + 255) / 256 * 256)));
+  JAXOVERLAP_RETURN_IF_ERROR(Begin(c));
+  char* own = out + r * block_bytes;
+  JAXOVERLAP_RETURN_IF_ERROR(
+      ReduceScatterPhase(c, dtype, static_cast<const char*>(x), w, own, 1, rows, k, n));
+  // All-gather of the reduced blocks: ours to every peer (acks were awaited above).
+  JAXOVERLAP_RETURN_IF_ERROR(Handoff(s.events[0], stream, s.comm_stream));
+  for (int i = 1; i < size; ++i) {
+    const int dest = (r + i) % size;
+    JAXOVERLAP_RETURN_IF_ERROR(Send(c, dest, Slot(s, c.my_local()) + half, own, block_bytes, 1,
+                                    block_bytes, block_bytes,
+                                    DataFlag(s, c.my_local(), kPhaseAllGather, 0)));
+  }
+  for (int i = 1; i < size; ++i) {
+    const int src = (r - i + size) % size;
+    JAXOVERLAP_RETURN_IF_ERROR(Wait(c, stream, DataFlag(s, group.local[src], kPhaseAllGather, 0),
+                                    1, src, 0, size - 1 + i, 0));
+    JAXOVERLAP_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(out + src * block_bytes,
+                                                    Slot(s, group.local[src]) + half, block_bytes,
+                                                    cudaMemcpyDeviceToDevice, stream));
+  }
+  return End(c);
+}
+
+}  // namespace jaxoverlap::overlap

@@ -1,0 +1,219 @@
+// Copyright 2026 The jaxoverlap Authors. SPDX-License-Identifier: Apache-2.0
+//
+// XLA FFI bindings of the fused ops: validate the call against the shape
+// attributes computed at lowering time (jaxoverlap/_cuda.py), find this PE's
+// group and run the op on XLA's stream.
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+#include <string>
+
+#include "jaxoverlap/check.h"
+#include "jaxoverlap/gemm.h"
+#include "jaxoverlap/overlap.h"
+#include "jaxoverlap/runtime.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace jaxoverlap::overlap {
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+// The checks every fused call makes before it enqueues anything.
+ffi::Error Prepare(const char* op, cudaStream_t stream, ffi::Span<const int64_t> groups,
+                   int64_t group_size, int64_t transport, int64_t chunks, int64_t precision,
+                   Group* group, Options* opt) {
+  const RuntimeState& s = State();
+  if (!s.initialized) {
+    return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
+                      std::string(op) + ": jaxoverlap.initialize() has not been called in this "
+                                        "process");
+  }
+  const DeviceError last = LastDeviceError();
+  if (last.code != 0) return DeviceErrorToFfi(last);
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  JAXOVERLAP_CUDA_RETURN_IF_ERROR(cudaStreamIsCapturing(stream, &capture));
+  int stream_device = s.device;
+  if (capture == cudaStreamCaptureStatusNone) {
+    JAXOVERLAP_CUDA_RETURN_IF_ERROR(cudaStreamGetDevice(stream, &stream_device));
+  }
+  if (stream_device != s.device) {
+    return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
+                      std::string(op) + ": XLA's stream is on device " +
+                          std::to_string(stream_device) + " but NVSHMEM was initialised on device " +
+                          std::to_string(s.device));
+  }
+  if (transport < 0 || transport > 1 || chunks < 1 || chunks > kMaxChunks || precision < 0 ||
+      precision > 1) {
+    return ffi::Error::InvalidArgument(
+        std::string(op) + ": bad attributes transport=" + std::to_string(transport) +
+        " chunks=" + std::to_string(chunks) + " (1.." + std::to_string(kMaxChunks) +
+        ") precision=" + std::to_string(precision));
+  }
+  JAXOVERLAP_RETURN_IF_ERROR(MakeGroup(op, groups, group_size, group));
+  opt->transport = static_cast<Transport>(transport);
+  opt->chunks = static_cast<int>(chunks);
+  opt->precision = static_cast<gemm::Precision>(precision);
+  return ffi::Error::Success();
+}
+
+ffi::Error CheckBuffer(const char* op, const char* name, const ffi::AnyBuffer& b,
+                       ffi::DataType dtype, int64_t expected) {
+  if (b.element_type() != dtype || static_cast<int64_t>(b.element_count()) != expected) {
+    return ffi::Error::InvalidArgument(
+        std::string(op) + ": buffer " + name + " has " + std::to_string(b.element_count()) +
+        " elements of type " + std::to_string(static_cast<int>(b.element_type())) + ", expected " +
+        std::to_string(expected) + " of type " + std::to_string(static_cast<int>(dtype)));
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error AllGatherMatmulImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer w,
+                               ffi::AnyBuffer* out, ffi::AnyBuffer* gathered,
+                               ffi::Span<const int64_t> groups, int64_t group_size,
+                               int64_t transport, int64_t chunks, int64_t precision,
+                               int64_t outer, int64_t rows, int64_t k, int64_t n) {
+  const char* op = "all_gather_matmul";
+  Group g;
+  Options opt;
+  JAXOVERLAP_RETURN_IF_ERROR(
+      Prepare(op, stream, groups, group_size, transport, chunks, precision, &g, &opt));
+  const ffi::DataType t = x.element_type();
+  JAXOVERLAP_RETURN_IF_ERROR(CheckBuffer(op, "x", x, t, outer * rows * k));
+  JAXOVERLAP_RETURN_IF_ERROR(CheckBuffer(op, "w", w, t, k * n));
+  JAXOVERLAP_RETURN_IF_ERROR(CheckBuffer(op, "out", *out, t, outer * g.size * rows * n));
+  if (gathered != nullptr) {
+    JAXOVERLAP_RETURN_IF_ERROR(
+        CheckBuffer(op, "gathered", *gathered, t, outer * g.size * rows * k));
+  }
+  return AllGatherMatmul(stream, g, opt, t, x.untyped_data(), w.untyped_data(),
+                         out->untyped_data(),
+                         gathered != nullptr ? gathered->untyped_data() : nullptr, outer, rows, k,
+                         n);
+}
+
+ffi::Error AllGatherMatmulExecute(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer w,
+                                  ffi::Result<ffi::AnyBuffer> out,
+                                  ffi::Span<const int64_t> groups, int64_t group_size,
+                                  int64_t transport, int64_t chunks, int64_t precision,
+                                  int64_t outer, int64_t rows, int64_t k, int64_t n) {
+  return AllGatherMatmulImpl(stream, x, w, &*out, nullptr, groups, group_size, transport, chunks,
+                             precision, outer, rows, k, n);
+}
+
+ffi::Error AllGatherMatmulGatheredExecute(cudaStream_t stream, ffi::AnyBuffer x,
+                                          ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> out,
+                                          ffi::Result<ffi::AnyBuffer> gathered,
+                                          ffi::Span<const int64_t> groups, int64_t group_size,
+                                          int64_t transport, int64_t chunks, int64_t precision,
+                                          int64_t outer, int64_t rows, int64_t k, int64_t n) {
+  return AllGatherMatmulImpl(stream, x, w, &*out, &*gathered, groups, group_size, transport,
+                             chunks, precision, outer, rows, k, n);
+}
+
+ffi::Error MatmulReduceScatterExecute(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer w,
+                                      ffi::Result<ffi::AnyBuffer> out,
+                                      ffi::Span<const int64_t> groups, int64_t group_size,
+                                      int64_t transport, int64_t chunks, int64_t precision,
+                                      int64_t outer, int64_t rows, int64_t k, int64_t n) {
+  const char* op = "matmul_reduce_scatter";
+  Group g;
+  Options opt;
+  JAXOVERLAP_RETURN_IF_ERROR(
+      Prepare(op, stream, groups, group_size, transport, chunks, precision, &g, &opt));
+  const ffi::DataType t = x.element_type();
+  JAXOVERLAP_RETURN_IF_ERROR(CheckBuffer(op, "x", x, t, outer * g.size * rows * k));
+  JAXOVERLAP_RETURN_IF_ERROR(CheckBuffer(op, "w", w, t, k * n));
+  JAXOVERLAP_RETURN_IF_ERROR(CheckBuffer(op, "out", *out, t, outer * rows * n));
+  return MatmulReduceScatter(stream, g, opt, t, x.untyped_data(), w.untyped_data(),
+                             out->untyped_data(), outer, rows, k, n);
+}
+
+ffi::Error MatmulAllReduceExecute(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer w,
+                                  ffi::Result<ffi::AnyBuffer> out,
+                                  ffi::Span<const int64_t> groups, int64_t group_size,
+                                  int64_t transport, int64_t chunks, int64_t precision,
+                                  int64_t rows, int64_t k, int64_t n) {
+  const char* op = "matmul_all_reduce";
+  Group g;
+  Options opt;
+  JAXOVERLAP_RETURN_IF_ERROR(
+      Prepare(op, stream, groups, group_size, transport, chunks, precision, &g, &opt));
+  const ffi::DataType t = x.element_type();
+  JAXOVERLAP_RETURN_IF_ERROR(CheckBuffer(op, "x", x, t, g.size * rows * k));
+  JAXOVERLAP_RETURN_IF_ERROR(CheckBuffer(op, "w", w, t, k * n));
+  JAXOVERLAP_RETURN_IF_ERROR(CheckBuffer(op, "out", *out, t, g.size * rows * n));
+  return MatmulAllReduce(stream, g, opt, t, x.untyped_data(), w.untyped_data(),
+                         out->untyped_data(), rows, k, n);
+}
+
+}  // namespace
+
+}  // namespace jaxoverlap::overlap
+
+// Attributes shared by the fused ops (computed by jaxoverlap/_cuda.py):
+//   groups [num_groups * group_size] PEs, each group in rank order;
+//   transport (Transport enum), chunks (1..kMaxChunks), precision (gemm::Precision).
+#define JAXOVERLAP_FUSED_ATTRS                                  \
+  .Attr<xla::ffi::Span<const int64_t>>("groups")                \
+      .Attr<int64_t>("group_size")                              \
+      .Attr<int64_t>("transport")                               \
+      .Attr<int64_t>("chunks")                                  \
+      .Attr<int64_t>("precision")
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    JaxoverlapAllGatherMatmul, jaxoverlap::overlap::AllGatherMatmulExecute,
+    xla::ffi::Ffi::Bind()
+        .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+        .Arg<xla::ffi::AnyBuffer>()  // x: [outer, rows, k] this rank's shard
+        .Arg<xla::ffi::AnyBuffer>()  // w: [k, n]
+        .Ret<xla::ffi::AnyBuffer>()  // out: [outer, size * rows, n]
+        JAXOVERLAP_FUSED_ATTRS
+        .Attr<int64_t>("outer")
+        .Attr<int64_t>("rows")
+        .Attr<int64_t>("k")
+        .Attr<int64_t>("n"),
+    {xla::ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    JaxoverlapAllGatherMatmulGathered, jaxoverlap::overlap::AllGatherMatmulGatheredExecute,
+    xla::ffi::Ffi::Bind()
+        .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+        .Arg<xla::ffi::AnyBuffer>()  // x: [outer, rows, k] this rank's shard
+        .Arg<xla::ffi::AnyBuffer>()  // w: [k, n]
+        .Ret<xla::ffi::AnyBuffer>()  // out: [outer, size * rows, n]
+        .Ret<xla::ffi::AnyBuffer>()  // gathered x: [outer, size * rows, k]
+        JAXOVERLAP_FUSED_ATTRS
+        .Attr<int64_t>("outer")
+        .Attr<int64_t>("rows")
+        .Attr<int64_t>("k")
+        .Attr<int64_t>("n"),
+    {xla::ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    JaxoverlapMatmulReduceScatter, jaxoverlap::overlap::MatmulReduceScatterExecute,
+    xla::ffi::Ffi::Bind()
+        .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+        .Arg<xla::ffi::AnyBuffer>()  // x: [outer, size * rows, k]
+        .Arg<xla::ffi::AnyBuffer>()  // w: [k, n]
+        .Ret<xla::ffi::AnyBuffer>()  // out: [outer, rows, n], this rank's block
+        JAXOVERLAP_FUSED_ATTRS
+        .Attr<int64_t>("outer")
+        .Attr<int64_t>("rows")
+        .Attr<int64_t>("k")
+        .Attr<int64_t>("n"),
+    {xla::ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    JaxoverlapMatmulAllReduce, jaxoverlap::overlap::MatmulAllReduceExecute,
+    xla::ffi::Ffi::Bind()
+        .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+        .Arg<xla::ffi::AnyBuffer>()  // x: [size * rows, k]
+        .Arg<xla::ffi::AnyBuffer>()  // w: [k, n]
+        .Ret<xla::ffi::AnyBuffer>()  // out: [size * rows, n]
+        JAXOVERLAP_FUSED_ATTRS
+        .Attr<int64_t>("rows")
+        .Attr<int64_t>("k")
+        .Attr<int64_t>("n"),
+    {xla::ffi::Traits::kCmdBufferCompatible});
