@@ -2,6 +2,7 @@
 # One call on the GPU machine: build the package from this tree, then run the
 # multi-process GPU checks and/or the benchmarks; logs and JSON go to $OUT.
 #   bash scripts/gpu_check.sh [check|verify|verify2|sanitize|bench|bench2|autobench|fold|tune|multigpu|all]
+#   fused ops (issue 4): ovcheck (all sections) | ovquick | ovsanitize | ovbench | ovbenchfull
 #   (several steps in one call: bash scripts/gpu_check.sh verify bench)
 # Uses the machine's preinstalled packages (nothing is downloaded). Needs 2
 # GPUs for NCCL-based references (psum); with 1 GPU the checks run as 2
@@ -130,5 +131,31 @@ if { [ "$WHAT" = bench ] || [ "$WHAT" = all ]; } && [ "$NGPU" -ge 2 ]; then
   run bench_1x2 280 $PY -m jaxoverlap.launch --nproc 2 --timeout_s 270 benchmarks/all_reduce.py --out "$OUT"
   run bench_2x1 280 JAXOVERLAP_RANKS_PER_NODE=1 $PY -m jaxoverlap.launch --nproc 2 --timeout_s 270 \
     benchmarks/all_reduce.py --out "$OUT"
+fi
+# ---- fused ops: AG+GEMM, GEMM+RS, GEMM+AR
+if [ "$WHAT" = ovcheck ]; then
+  run ovcheck 400 $PY -m jaxoverlap.launch $LAUNCH --timeout_s 390 tests/multiprocess/check_overlap.py
+fi
+if [ "$WHAT" = ovquick ]; then
+  run ovquick 200 $PY -m jaxoverlap.launch $LAUNCH --timeout_s 190 tests/multiprocess/check_overlap.py \
+    quick rotation multi errors
+fi
+if [ "$WHAT" = ovsanitize ]; then
+  for tool in ${SANITIZE_TOOLS:-memcheck racecheck}; do
+    run "ovsanitize_$tool" 240 $PY -m jaxoverlap.launch $LAUNCH --timeout_s 230 \
+      --wrapper "compute-sanitizer --tool $tool --report-api-errors no --error-exitcode 3" \
+      tests/multiprocess/check_overlap.py quick
+    grep -E "ERROR SUMMARY|RACECHECK SUMMARY|Invalid|Race" "$OUT/ovsanitize_$tool.log" | sort | uniq -c | head
+  done
+fi
+if [ "$WHAT" = ovbench ] && [ "$NGPU" -ge 2 ]; then
+  run ovbench 400 $PY -m jaxoverlap.launch --nproc 2 --timeout_s 390 benchmarks/overlap.py \
+    --out "$OUT" --quick ${OVBENCH_FLAGS:-}
+fi
+if [ "$WHAT" = ovbenchfull ] && [ "$NGPU" -ge 2 ]; then
+  run ovbench_full 560 $PY -m jaxoverlap.launch --nproc 2 --timeout_s 550 benchmarks/overlap.py \
+    --out "$OUT" ${OVBENCH_FLAGS:-}
+  run ovbench_windowed 300 $PY -m jaxoverlap.launch --nproc 2 --timeout_s 290 benchmarks/overlap.py \
+    --out "$OUT" --windowed_einsum ${OVBENCH_FLAGS:-}
 fi
 exit $status
