@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 
 import jax
 import numpy as np
@@ -191,17 +192,39 @@ MAX_CHUNKS = 32  # kMaxChunks in runtime.h
 # What the lowering chose for each fused call site, newest last.
 fused_decisions: list[dict] = []
 
-# Auto chunking: a shard transfer is cut into chunks only when it is long
-# enough that the GEMM waiting for it would otherwise start late (AG) or the
-# first send would start late (RS); chunks stay >= this many bytes so that the
-# per-chunk launches (a signal, a wait, a GEMM) stay small against the copy.
+# Auto chunking (measured on 2x H200, NOTES.md "fused v2"):
+# * all_gather_matmul: the local shard's GEMM hides the whole shard transfer
+#   while that is the shorter of the two; cutting the GEMM only costs. Chunks
+#   pay off only when the transfer is longer (estimated with the rates below).
+# * matmul_reduce_scatter / matmul_all_reduce: this rank's block GEMM adds the
+#   partial of rank r-1 chunk by chunk, so that partial must arrive in chunks
+#   ahead of it: 2 to 4 chunks of >= 8 MiB, one for blocks under 1 MiB.
+_LINK_BYTES_PER_S = 350e9    # one copy-engine stream over NV18 (a 64 MiB shard hid in 185 us)
+_GEMM_FLOPS_PER_S = 700e12   # bf16 cuBLASLt on one H200 at the benchmark shapes
 _MIN_CHUNK_BYTES = 8 << 20
 _AUTO_MAX_CHUNKS = 4
 
 
-def auto_chunks(shard_bytes: int, rows: int) -> int:
-  """Chunks per shard transfer chosen from the shard's size (bytes) and rows."""
-  return int(max(1, min(_AUTO_MAX_CHUNKS, rows, shard_bytes // _MIN_CHUNK_BYTES)))
+def auto_chunks(op: str, payload_bytes: int, rows: int, gemm_flops: float) -> int:
+  """Chunks per shard transfer chosen from the shapes (see the rules above).
+
+  Args:
+    op: "all_gather_matmul", "matmul_reduce_scatter" or "matmul_all_reduce".
+    payload_bytes: bytes of one shard (AG) or one partial block (RS, AR).
+    rows: rows of that shard or block (chunks never exceed them).
+    gemm_flops: flops of the GEMM that the first transfer overlaps (AG: the
+      local shard's).
+  """
+  if op == "all_gather_matmul":
+    t_comm = payload_bytes / _LINK_BYTES_PER_S
+    t_gemm = gemm_flops / _GEMM_FLOPS_PER_S
+    # A margin: at t_comm ~ t_gemm (16384x4096x4096) one chunk measured best.
+    chunks = 1 if t_comm <= 1.25 * t_gemm else math.ceil(t_comm / max(t_gemm, 1e-9)) + 1
+  elif payload_bytes < (1 << 20):
+    chunks = 1
+  else:
+    chunks = max(2, payload_bytes // _MIN_CHUNK_BYTES)
+  return int(max(1, min(_AUTO_MAX_CHUNKS, rows, chunks)))
 
 
 def _precision_id() -> int:
@@ -211,7 +234,7 @@ def _precision_id() -> int:
 
 
 def _fused_lowering(target, op, ctx, x, w, *, axis_name, transport, chunks, shape_attrs,
-                    payload_bytes, shard_rows):
+                    payload_bytes, shard_rows, chunk_bytes, gemm_flops):
   mesh = _concrete_mesh(ctx, op)
   groups = runtime.groups_along_axis(mesh, axis_name)
   info = runtime.runtime_info()
@@ -230,7 +253,7 @@ def _fused_lowering(target, op, ctx, x, w, *, axis_name, transport, chunks, shap
         f"(or JAXOVERLAP_OVERLAP_HEAP_BYTES), or run with more ranks")
   source = "requested"
   if chunks is None:
-    chunks, source = auto_chunks(payload_bytes, shard_rows), "auto"
+    chunks, source = auto_chunks(op, chunk_bytes, shard_rows, gemm_flops), "auto"
   fused_decisions.append({"op": op, "axis_name": axis_name, "transport": transport,
                           "chunks": chunks, "chunks_source": source,
                           "shape": {k: int(v) for k, v in shape_attrs.items()},
@@ -301,7 +324,9 @@ def _ag_lowering(ctx, x, w, *, axis_name, dim, num_ranks, transport, chunks, gat
   return _fused_lowering(target, "all_gather_matmul", ctx, x, w, axis_name=axis_name,
                          transport=transport, chunks=chunks,
                          shape_attrs={"outer": outer, "rows": rows, "k": k, "n": n},
-                         payload_bytes=outer * rows * k * itemsize, shard_rows=rows)
+                         payload_bytes=outer * rows * k * itemsize, shard_rows=rows,
+                         chunk_bytes=outer * rows * k * itemsize,
+                         gemm_flops=2.0 * outer * rows * k * n)
 
 
 _ag_matmul_p.def_abstract_eval(_ag_abstract_eval)
@@ -344,7 +369,9 @@ def _rs_lowering(ctx, x, w, *, axis_name, dim, num_ranks, transport, chunks):
   return _fused_lowering("jaxoverlap_matmul_reduce_scatter", "matmul_reduce_scatter", ctx, x, w,
                          axis_name=axis_name, transport=transport, chunks=chunks,
                          shape_attrs={"outer": outer, "rows": rows, "k": k, "n": n},
-                         payload_bytes=outer * rows * n * itemsize, shard_rows=rows)
+                         payload_bytes=outer * rows * n * itemsize, shard_rows=rows,
+                         chunk_bytes=outer * rows * n * itemsize,
+                         gemm_flops=2.0 * outer * rows * k * n)
 
 
 _matmul_rs_p.def_abstract_eval(_rs_abstract_eval)
@@ -381,7 +408,8 @@ def _ar_lowering(ctx, x, w, *, axis_name, num_ranks, transport, chunks):
   return _fused_lowering("jaxoverlap_matmul_all_reduce", "matmul_all_reduce", ctx, x, w,
                          axis_name=axis_name, transport=transport, chunks=chunks,
                          shape_attrs={"rows": rows, "k": k, "n": n},
-                         payload_bytes=2 * (-(-block // 256) * 256), shard_rows=rows)
+                         payload_bytes=2 * (-(-block // 256) * 256), shard_rows=rows,
+                         chunk_bytes=block, gemm_flops=2.0 * rows * k * n)
 
 
 _matmul_ar_p.def_abstract_eval(_ar_abstract_eval)

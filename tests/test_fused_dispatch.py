@@ -181,7 +181,14 @@ def test_cuda_algorithm_names_on_xla():
 
 def test_auto_chunks():
   mib = 1 << 20
-  assert _cuda.auto_chunks(1 * mib, 4096) == 1
-  assert _cuda.auto_chunks(16 * mib, 4096) == 2
-  assert _cuda.auto_chunks(64 * mib, 4096) == 4
-  assert _cuda.auto_chunks(64 * mib, 3) == 3  # never more chunks than rows
+  ag = "all_gather_matmul"
+  # AG: one chunk while the local shard GEMM outlasts the shard's transfer ...
+  assert _cuda.auto_chunks(ag, 64 * mib, 8192, 2.0 * 8192 * 4096 * 2048) == 1
+  # ... and more when the transfer is the longer (wide K, narrow N).
+  assert _cuda.auto_chunks(ag, 64 * mib, 8192, 2.0 * 8192 * 4096 * 64) == 4
+  for op in ("matmul_reduce_scatter", "matmul_all_reduce"):
+    assert _cuda.auto_chunks(op, 512 * 1024, 4096, 1e9) == 1
+    assert _cuda.auto_chunks(op, 8 * mib, 4096, 1e9) == 2
+    assert _cuda.auto_chunks(op, 24 * mib, 4096, 1e9) == 3
+    assert _cuda.auto_chunks(op, 64 * mib, 4096, 1e9) == 4
+    assert _cuda.auto_chunks(op, 64 * mib, 3, 1e9) == 3  # never more chunks than rows

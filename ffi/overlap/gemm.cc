@@ -57,6 +57,7 @@ ffi::Error BlasError(cublasStatus_t st, const char* expr, const char* file, int 
     }                                                                      \
   } while (0)
 
+// The alignment of `p` (bytes, up to 256) that the plan may assume.
 int64_t Alignment(const void* p) {
   const auto v = reinterpret_cast<uintptr_t>(p);
   int64_t a = 256;
@@ -122,6 +123,7 @@ ffi::Error MakePlan(const Gemm& g, cublasLtHandle_t handle, Plan* plan) {
   const uint32_t align_a = static_cast<uint32_t>(Alignment(g.b));
   const uint32_t align_b = static_cast<uint32_t>(Alignment(g.a));
   const uint32_t align_d = static_cast<uint32_t>(Alignment(g.d));
+  const uint32_t align_c = static_cast<uint32_t>(g.c != nullptr ? Alignment(g.c) : Alignment(g.d));
   cublasStatus_t st = cublasLtMatmulPreferenceSetAttribute(
       pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof(ws));
   if (st == CUBLAS_STATUS_SUCCESS) {
@@ -134,7 +136,7 @@ ffi::Error MakePlan(const Gemm& g, cublasLtHandle_t handle, Plan* plan) {
   }
   if (st == CUBLAS_STATUS_SUCCESS) {
     st = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES,
-                                              &align_d, sizeof(align_d));
+                                              &align_c, sizeof(align_c));
   }
   if (st == CUBLAS_STATUS_SUCCESS) {
     st = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES,
@@ -214,7 +216,8 @@ ffi::Error Run(cudaStream_t stream, const Gemm& g) {
     }
     const Key key = {static_cast<int64_t>(g.dtype), static_cast<int64_t>(g.precision),
                      g.rows, g.n, g.k, g.lda, g.ldb, g.ldd, g.batch, g.stride_a, g.stride_d,
-                     Alignment(g.a), Alignment(g.b), Alignment(g.d), g.accumulate ? 1 : 0, 0};
+                     Alignment(g.a), Alignment(g.b), Alignment(g.d),
+                     g.c != nullptr ? Alignment(g.c) : 0, 0};
     auto it = s.plans.find(key);
     if (it == s.plans.end()) {
       Plan p;
@@ -231,9 +234,10 @@ ffi::Error Run(cudaStream_t stream, const Gemm& g) {
     plan = &it->second;  // std::map nodes are stable
   }
   const float alpha = 1.0f;
-  const float beta = g.accumulate ? 1.0f : 0.0f;
+  const float beta = g.c != nullptr ? 1.0f : 0.0f;
+  const void* c = g.c != nullptr ? g.c : g.d;
   JAXOVERLAP_CUBLAS_RETURN_IF_ERROR(cublasLtMatmul(
-      s.handle, plan->desc, &alpha, g.b, plan->a, g.a, plan->b, &beta, g.d, plan->d, g.d,
+      s.handle, plan->desc, &alpha, g.b, plan->a, g.a, plan->b, &beta, c, plan->d, g.d,
       plan->d, &plan->algo, s.workspace, kWorkspaceBytes, stream));
   return ffi::Error::Success();
 }

@@ -333,11 +333,34 @@ gemm::Gemm ShardGemm(const Call& c, ffi::DataType dtype, const void* a, const vo
   return g;
 }
 
+// Sends this rank's reduced chunk q (rows [q0, q1) of `own`) to every peer's
+// all-gather half-slot (GEMM+AR's all-gather), after the work on the compute
+// stream so far.
+ffi::Error SendReducedChunk(const Call& c, const char* own, size_t half, int64_t q0, int64_t q1,
+                            int64_t n, size_t es, int q) {
+  const RuntimeState& s = c.s;
+  JAXOVERLAP_RETURN_IF_ERROR(Handoff(s.events[0], c.compute, s.comm_stream));
+  for (int i = 1; i < c.g.size; ++i) {
+    const int dest = (c.g.rank + i) % c.g.size;
+    const size_t bytes = (q1 - q0) * n * es;
+    JAXOVERLAP_RETURN_IF_ERROR(Send(c, dest, Slot(s, c.my_local()) + half + q0 * n * es,
+                                    own + q0 * n * es, bytes, 1, bytes, bytes,
+                                    DataFlag(s, c.my_local(), kPhaseAllGather, q)));
+  }
+  return ffi::Error::Success();
+}
+
 // The reduce-scatter half shared by GEMM+RS and GEMM+AR: partial blocks for
-// the other ranks first (each sent as soon as its chunk's GEMM is done), this
-// rank's block last into `own`, then the received partials added to it.
+// the other ranks first (each chunk sent as soon as its GEMM is done), this
+// rank's block last into `own`. Rank r-1 computes r's partial first, so it
+// arrives first: each chunk of r's own GEMM waits for that chunk of it and
+// adds it in the GEMM's epilogue (D = A @ B + C, one rounding); partials of
+// further ranks (groups of more than 2) are added afterwards. With
+// `ag_half` > 0 (GEMM+AR) each finished chunk of the reduced block is then
+// sent to every peer's all-gather half-slot at offset `ag_half`.
 ffi::Error ReduceScatterPhase(const Call& c, ffi::DataType dtype, const char* x, const void* w,
-                              char* own, int64_t outer, int64_t rows, int64_t k, int64_t n) {
+                              char* own, int64_t outer, int64_t rows, int64_t k, int64_t n,
+                              size_t ag_half) {
   const RuntimeState& s = c.s;
   const int size = c.g.size, r = c.g.rank;
   const size_t es = ElementBytes(dtype);
@@ -369,18 +392,39 @@ ffi::Error ReduceScatterPhase(const Call& c, ffi::DataType dtype, const char* x,
       JAXOVERLAP_CUDA_RETURN_IF_ERROR(cudaEventRecord(staging_free[b], s.comm_stream));
     }
   }
-  JAXOVERLAP_RETURN_IF_ERROR(
-      gemm::Run(c.compute, ShardGemm(c, dtype, x + r * rows * k * es, w, own, rows, k, n, outer,
-                                     size * rows * k, rows * n)));
-  const char* partials[kMaxGroupSize];
-  for (int i = 1; i < size; ++i) {
-    const int src = (r - i + size) % size;
-    JAXOVERLAP_RETURN_IF_ERROR(Wait(c, c.compute,
-                                    DataFlag(s, c.g.local[src], kPhaseMain, 0), chunks,
-                                    src, 0, i, 0));
-    partials[i - 1] = Slot(s, c.g.local[src]);
+  // This rank's block, chunk by chunk, plus the first partial in the epilogue.
+  const int first = (r - 1 + size) % size;
+  const char* first_slot = Slot(s, c.g.local[first]);
+  for (int q = 0; q < chunks; ++q) {
+    const int64_t q0 = ChunkStart(rows, chunks, q), q1 = ChunkStart(rows, chunks, q + 1);
+    JAXOVERLAP_RETURN_IF_ERROR(Wait(c, c.compute, DataFlag(s, c.g.local[first], kPhaseMain, q),
+                                    1, first, 0, 1, q));
+    gemm::Gemm g = ShardGemm(c, dtype, x + (r * rows + q0) * k * es, w, own + q0 * n * es,
+                             q1 - q0, k, n, outer, size * rows * k, rows * n);
+    g.c = first_slot + q0 * n * es;
+    JAXOVERLAP_RETURN_IF_ERROR(gemm::Run(c.compute, g));
+    if (ag_half > 0 && size == 2) {
+      JAXOVERLAP_RETURN_IF_ERROR(SendReducedChunk(c, own, ag_half, q0, q1, n, es, q));
+    }
   }
-  return Add(c.compute, dtype, own, partials, size - 1, static_cast<size_t>(outer) * rows * n);
+  if (size > 2) {
+    const char* partials[kMaxGroupSize];
+    for (int i = 2; i < size; ++i) {
+      const int src = (r - i + size) % size;
+      JAXOVERLAP_RETURN_IF_ERROR(Wait(c, c.compute, DataFlag(s, c.g.local[src], kPhaseMain, 0),
+                                      chunks, src, 0, i, 0));
+      partials[i - 2] = Slot(s, c.g.local[src]);
+    }
+    JAXOVERLAP_RETURN_IF_ERROR(
+        Add(c.compute, dtype, own, partials, size - 2, static_cast<size_t>(outer) * rows * n));
+    if (ag_half > 0) {
+      for (int q = 0; q < chunks; ++q) {
+        JAXOVERLAP_RETURN_IF_ERROR(SendReducedChunk(c, own, ag_half, ChunkStart(rows, chunks, q),
+                                                    ChunkStart(rows, chunks, q + 1), n, es, q));
+      }
+    }
+  }
+  return ffi::Error::Success();
 }
 
 ffi::Error CheckDtype(const char* op, ffi::DataType dtype) {
@@ -506,7 +550,7 @@ ffi::Error MatmulReduceScatter(cudaStream_t stream, const Group& group, const Op
       CheckSlot(c, "a partial output block", static_cast<size_t>(outer) * rows * n * es));
   JAXOVERLAP_RETURN_IF_ERROR(Begin(c));
   JAXOVERLAP_RETURN_IF_ERROR(ReduceScatterPhase(c, dtype, static_cast<const char*>(x), w,
-                                                static_cast<char*>(out), outer, rows, k, n));
+                                                static_cast<char*>(out), outer, rows, k, n, 0));
   return End(c);
 }
 
@@ -526,23 +570,24 @@ ffi::Error MatmulAllReduce(cudaStream_t stream, const Group& group, const Option
       CheckSlot(c, "a partial and a reduced block", 2 * ((block_bytes + 255) / 256 * 256)));
   JAXOVERLAP_RETURN_IF_ERROR(Begin(c));
   char* own = out + r * block_bytes;
+  // The reduce-scatter; each reduced chunk of this rank's block goes to every
+  // peer as soon as it is final (acks were awaited before the first send).
   JAXOVERLAP_RETURN_IF_ERROR(
-      ReduceScatterPhase(c, dtype, static_cast<const char*>(x), w, own, 1, rows, k, n));
-  // All-gather of the reduced blocks: ours to every peer (acks were awaited above).
-  JAXOVERLAP_RETURN_IF_ERROR(Handoff(s.events[0], stream, s.comm_stream));
-  for (int i = 1; i < size; ++i) {
-    const int dest = (r + i) % size;
-    JAXOVERLAP_RETURN_IF_ERROR(Send(c, dest, Slot(s, c.my_local()) + half, own, block_bytes, 1,
-                                    block_bytes, block_bytes,
-                                    DataFlag(s, c.my_local(), kPhaseAllGather, 0)));
-  }
+      ReduceScatterPhase(c, dtype, static_cast<const char*>(x), w, own, 1, rows, k, n, half));
+  // The peers' reduced blocks, chunk by chunk as they arrive, into place.
+  const int chunks = Chunks(opt, rows);
   for (int i = 1; i < size; ++i) {
     const int src = (r - i + size) % size;
-    JAXOVERLAP_RETURN_IF_ERROR(Wait(c, stream, DataFlag(s, group.local[src], kPhaseAllGather, 0),
-                                    1, src, 0, size - 1 + i, 0));
-    JAXOVERLAP_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(out + src * block_bytes,
-                                                    Slot(s, group.local[src]) + half, block_bytes,
-                                                    cudaMemcpyDeviceToDevice, stream));
+    for (int q = 0; q < chunks; ++q) {
+      const int64_t q0 = ChunkStart(rows, chunks, q), q1 = ChunkStart(rows, chunks, q + 1);
+      JAXOVERLAP_RETURN_IF_ERROR(Wait(c, stream,
+                                      DataFlag(s, group.local[src], kPhaseAllGather, q), 1, src,
+                                      0, size - 1 + i, q));
+      JAXOVERLAP_CUDA_RETURN_IF_ERROR(
+          cudaMemcpyAsync(out + (src * rows + q0) * n * es,
+                          Slot(s, group.local[src]) + half + q0 * n * es, (q1 - q0) * n * es,
+                          cudaMemcpyDeviceToDevice, stream));
+    }
   }
   return End(c);
 }

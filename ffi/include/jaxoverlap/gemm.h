@@ -1,7 +1,7 @@
 // Copyright 2026 The jaxoverlap Authors. SPDX-License-Identifier: Apache-2.0
 //
-// Row-major GEMMs through cuBLASLt for the fused ops: D[b] = A[b] @ B (+ D[b]
-// when accumulate), b < batch, fp32 accumulation. The fused ops never write a
+// Row-major GEMMs through cuBLASLt for the fused ops: D[b] = A[b] @ B (+ C[b]
+// when C is given), b < batch, fp32 accumulation and one rounding. The fused ops never write a
 // GEMM of their own: they cut the problem into shard GEMMs and hand each to
 // cuBLASLt, on XLA's stream.
 //
@@ -30,7 +30,8 @@ enum class Precision : int {
 
 // One row-major GEMM: A [rows, k] (row stride lda elements), B [k, n] (row
 // stride ldb), D [rows, n] (row stride ldd); `batch` of them, A and D advance
-// by stride_a / stride_d elements per batch, B is shared.
+// by stride_a / stride_d elements per batch, B is shared. C, when given, has
+// D's layout (ldd, stride_d) and is added before the one rounding to D's type.
 struct Gemm {
   ffi::DataType dtype = ffi::DataType::BF16;  // A, B and D
   Precision precision = Precision::kDefault;   // float32 only
@@ -41,15 +42,15 @@ struct Gemm {
   const void* a = nullptr;
   const void* b = nullptr;
   void* d = nullptr;
-  bool accumulate = false;  // D += A @ B instead of D = A @ B
+  const void* c = nullptr;  // D = A @ B + C when not null
 };
 
 // Creates the cuBLASLt handle and the workspace on `device`; once per process.
 ffi::Error Init(int device);
 // Releases them (at finalisation).
 void Shutdown();
-// Enqueues `g` on `stream`. A GEMM with rows, n or batch 0 is a no-op; k = 0
-// zeroes D (or leaves it, when accumulating).
+// Enqueues `g` on `stream`. A GEMM with rows, n or batch 0 is a no-op; k must
+// be positive (the ops handle empty operands before any kernel).
 ffi::Error Run(cudaStream_t stream, const Gemm& g);
 // Plans cached so far (for runtime_info and tests).
 int64_t CachedPlans();
