@@ -158,4 +158,23 @@ if [ "$WHAT" = ovbenchfull ] && [ "$NGPU" -ge 2 ]; then
   run ovbench_windowed 300 $PY -m jaxoverlap.launch --nproc 2 --timeout_s 290 benchmarks/overlap.py \
     --out "$OUT" --windowed_einsum ${OVBENCH_FLAGS:-}
 fi
+if [ "$WHAT" = ovwindowed ] && [ "$NGPU" -ge 2 ]; then
+  run ovbench_windowed 200 $PY -m jaxoverlap.launch --nproc 2 --timeout_s 190 benchmarks/overlap.py \
+    --out "$OUT" --windowed_einsum
+fi
+# ---- issue 5: the training example (xla vs cuda), a step profile, decode
+if [ "$WHAT" = train ] && [ "$NGPU" -ge 2 ]; then
+  run train_step 260 $PY -m jaxoverlap.launch --nproc 2 --timeout_s 250 benchmarks/train_step.py \
+    --out "$OUT" --presets ${TRAIN_PRESETS:-gpu_small} ${TRAIN_FLAGS:-}
+fi
+if [ "$WHAT" = profile ] && [ "$NGPU" -ge 2 ]; then
+  for b in ${PROFILE_BACKENDS:-cuda}; do
+    run "profile_$b" 100 $PY -m jaxoverlap.launch --nproc 2 --timeout_s 90 benchmarks/profile_step.py \
+      --out "$OUT" --backend "$b"
+  done
+fi
+if [ "$WHAT" = decode ] && [ "$NGPU" -ge 2 ]; then
+  run decode 150 $PY -m jaxoverlap.launch --nproc 2 --timeout_s 140 benchmarks/decode.py \
+    --out "$OUT" ${DECODE_FLAGS:---batches 1,4,16,64 --reps 10}
+fi
 exit $status

@@ -20,8 +20,10 @@ Sections (default: all but quick):
 * grads: jax.grad of each op (value and both gradients) against the float64
   gradients of the pure expressions; all_gather_matmul's backward runs the
   fused GEMM+RS and vice versa.
-* rotation: 24 calls in one jit'd lax.scan (replayed from a CUDA graph), each
-  with fresh inputs and 4 chunks per shard, every output checked on the host.
+* rotation: 24 calls in one jit'd lax.scan, each with fresh inputs and 4
+  chunks per shard, every output checked on the host. (While the handlers
+  were marked command-buffer compatible, XLA replayed these from a CUDA
+  graph; they no longer are: ffi/overlap/overlap_ffi.cc says why.)
   Slots keep the previous call's data, so waiting on one chunk and reading
   another, or reading a rank's slot for another rank, gives wrong rows.
 * multi: an MLP step with AG+GEMM, GEMM+RS, GEMM+AR and jaxoverlap.all_reduce

@@ -1,0 +1,794 @@
+"""Fused GEMM + collective: jaxoverlap's CUDA kernels against XLA's variants, in one run.
+
+Run one process per GPU through the launcher:
+
+  python -m jaxoverlap.launch --nproc 2 benchmarks/overlap.py --quick
+  python -m jaxoverlap.launch --nproc 2 benchmarks/overlap.py
+  python -m jaxoverlap.launch --nproc 2 benchmarks/overlap.py --windowed_einsum
+  # the full list in parts (--merge keeps the rows of the shapes a part does not measure):
+  python -m jaxoverlap.launch --nproc 2 benchmarks/overlap.py --merge --shapes "ag:..."
+  # CPU smoke run on simulated devices (xla impls only):
+  python benchmarks/overlap.py --host_devices 2 --shapes "ag:64,32,32;rs:64,32,32" \\
+      --out /tmp/overlap
+
+Ops, for the global product Y = X @ W (X [M, K], W [K, N]) with tensor
+parallelism over the mesh axis "x" of P ranks (``--shapes`` entries
+"op:M,K,N"):
+  ag  all_gather_matmul (column-parallel, sequence-parallel input): per rank
+      x [M/P, K], w [K, N/P]; y = AG(x) @ w, [M, N/P].
+  rs  matmul_reduce_scatter (row-parallel): per rank x [M, K/P], w [K/P, N];
+      y = RS(x @ w) over the rows, [M/P, N].
+  ar  matmul_all_reduce: x, w as rs; y = psum(x @ w), [M, N].
+
+Implementations (BRIEF section 7 ``impl``):
+  jaxoverlap:copy_engine, jaxoverlap:nvshmem  the public op, backend "cuda";
+      jaxoverlap:<transport>/c<k> passes chunks=k (``--chunks``);
+  jaxoverlap:gemm_all_reduce  (ar) the GEMM, then jaxoverlap.all_reduce;
+  xla:naive      backend "xla", algorithm "collective" (collective, then GEMM;
+                 or GEMM, then collective);
+  xla:ppermute   backend "xla", algorithm "ppermute" (ring of shard GEMMs);
+  xla:local_gemm the per-rank GEMM alone, no communication (the floor): ag
+                 [M, K] @ [K, N/P]; rs and ar [M, K/P] @ [K/P, N];
+  xla:collective the collective alone (T_comm): ag all_gather of x; rs
+                 psum_scatter, ar psum, of an [M, N] array per rank;
+  xla:windowed_einsum  plain jax.jit of X @ W with NamedSharding inputs and
+                 output (XLA's SPMD partitioner, no shard_map) under
+                 --xla_gpu_multi_streamed_windowed_einsum=true
+                 --xla_gpu_threshold_for_windowed_einsum_mib=0. These flags
+                 change every XLA computation of the process, so this impl
+                 runs only with --windowed_einsum, in a run of its own with
+                 xla:local_gemm and xla:collective timed again, written to
+                 overlap_windowed_einsum-<machine>.json. For ar the
+                 partitioner has no windowed loop (it all-reduces).
+
+Method: for each (op, shape), every impl is one jit of a chain of --chain
+dependent ops. Link i+1's input carries element [0, 0] of link i's output
+times a runtime zero, so XLA can neither drop, merge nor overlap the links;
+every link's output is an output of the jit, so no GEMM can be cut down to
+the element the next link reads. The chained input is donated and written in
+place. Every impl is first checked against xla:naive on the same inputs
+(|a - b| <= 1e-2 * max|ref| + 2e-2 * |ref| everywhere, computed on the
+devices); a mismatch is reported as WRONG and not timed, an impl that raises
+(e.g. the CUDA path refusing a shape) as ERROR; both are listed under
+"rejected" in the JSON. Then --warmup
+untimed runs per impl, and --reps timed runs with the impls interleaved run by
+run (drift hits all alike). time_us = (median run - median of the same chain
+without the ops) / chain, on rank 0's clock. exposed_us = time_us -
+xla:local_gemm, hidden_fraction = 1 - exposed_us / xla:collective (raw, not
+clipped: negative when slower than GEMM + collective in series).
+
+Records of jaxoverlap:copy_engine/nvshmem also carry what the lowering chose
+(transport, chunks, chunks_source: "auto" or "requested"); gemm_all_reduce's
+carry all_reduce_algorithm.
+
+Inputs: bf16 (--dtype) normal values, x scaled by 1, w by 1/sqrt(K), each
+rank's shards from numpy.random.default_rng([rank, M, K, N]).
+
+Rank 0 prints one row per (op, shape) and writes <out>/overlap-<machine>.json
+(BRIEF section 7 records, rewritten after every row, so a killed run keeps
+the rows it finished); benchmarks/plot_overlap.py draws the PNG and the
+tables.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import shlex
+import statistics
+import sys
+import time
+
+import numpy as np
+
+OPS = {"ag": "all_gather_matmul", "rs": "matmul_reduce_scatter", "ar": "matmul_all_reduce"}
+ABBREV = {name: ab for ab, name in OPS.items()}
+AXIS = "x"
+
+FLOOR = "xla:local_gemm"
+COMM = "xla:collective"
+NAIVE = "xla:naive"
+PPERMUTE = "xla:ppermute"
+WINDOWED = "xla:windowed_einsum"
+TRANSPORTS = ("copy_engine", "nvshmem")
+GEMM_AR = "jaxoverlap:gemm_all_reduce"
+BASELINES = (FLOOR, COMM)  # not the op: no correctness check, no exposed/hidden fields
+
+WINDOWED_XLA_FLAGS = ("--xla_gpu_multi_streamed_windowed_einsum=true",
+                      "--xla_gpu_threshold_for_windowed_einsum_mib=0")
+
+# BRIEF section 5's shapes, then Llama-style TP=2 projections (d_model 4096 / d_ff 14336 and
+# 8192 / 28672: the column-parallel up projection, the row-parallel down projection).
+_SECTION5 = "ag:16384,4096,4096;rs:16384,4096,4096;ag:8192,8192,28672;rs:8192,8192,28672"
+_LLAMA = ";".join(f"ag:{m},4096,14336;ag:{m},8192,28672;rs:{m},14336,4096;rs:{m},28672,8192;"
+                  f"ar:{m},14336,4096;ar:{m},28672,8192" for m in (2048, 8192, 32768))
+DEFAULT_SHAPES = _SECTION5 + ";" + _LLAMA
+QUICK_SHAPES = ("ag:16384,4096,4096;rs:16384,4096,4096;ar:16384,4096,4096;"
+                "ag:2048,4096,14336;rs:2048,14336,4096;ar:2048,14336,4096")
+
+
+# --------------------------------------------------------------------------- pure helpers
+
+
+def parse_shapes(text: str) -> list[tuple[str, tuple[int, int, int]]]:
+  """Parses "op:M,K,N;op:M,K,N;..." (op in ag, rs, ar) into ``[(op, (M, K, N))]``.
+
+  Whitespace and empty entries are ignored; repeated entries are kept once, in
+  first-seen order.
+
+  Raises:
+    ValueError: an entry without "op:", an unknown op, not three integers, or
+      a size < 1; the message names the entry.
+  """
+  out: list[tuple[str, tuple[int, int, int]]] = []
+  for entry in text.split(";"):
+    entry = "".join(entry.split())
+    if not entry:
+      continue
+    op, sep, dims = entry.partition(":")
+    if not sep:
+      raise ValueError(f"shape entry {entry!r}: expected 'op:M,K,N' with op in ag, rs, ar")
+    if op not in OPS:
+      raise ValueError(f"shape entry {entry!r}: unknown op {op!r}; expected ag, rs or ar")
+    parts = dims.split(",")
+    try:
+      mkn = tuple(int(p) for p in parts)
+    except ValueError:
+      mkn = ()
+    if len(mkn) != 3:
+      raise ValueError(f"shape entry {entry!r}: expected three integers M,K,N after '{op}:'")
+    if min(mkn) < 1:
+      raise ValueError(f"shape entry {entry!r}: M, K and N must be >= 1")
+    item = (op, mkn)
+    if item not in out:
+      out.append(item)
+  if not out:
+    raise ValueError(f"no shapes in {text!r}")
+  return out
+
+
+def check_divisible(op: str, mkn: tuple[int, int, int], world: int) -> None:
+  """Raises ValueError unless the sharded sizes of ``op`` divide by ``world``."""
+  m, k, n = mkn
+  need = {"ag": (("M", m), ("N", n)), "rs": (("M", m), ("K", k)), "ar": (("M", m), ("K", k))}
+  for name, size in need[op]:
+    if size % world:
+      raise ValueError(f"{op}:{m},{k},{n}: {name}={size} does not divide by the {world} ranks")
+
+
+def local_shapes(op: str, mkn: tuple[int, int, int], world: int) -> dict[str, tuple[int, int]]:
+  """Per-rank shapes: ``x``, ``w``, ``y`` (the op's output) and ``gemm`` (local_gemm's output)."""
+  m, k, n = mkn
+  p = world
+  if op == "ag":
+    return {"x": (m // p, k), "w": (k, n // p), "y": (m, n // p), "gemm": (m, n // p)}
+  y = (m // p, n) if op == "rs" else (m, n)
+  return {"x": (m, k // p), "w": (k // p, n), "y": y, "gemm": (m, n)}
+
+
+def parse_impl(impl: str) -> tuple[str, str, int | None]:
+  """``impl`` -> (backend, algorithm, chunks) of the public op; baselines -> ("xla", name, None).
+
+  "jaxoverlap:copy_engine/c4" -> ("cuda", "copy_engine", 4); "xla:naive" ->
+  ("xla", "collective", None); "xla:local_gemm" -> ("xla", "local_gemm", None).
+
+  Raises:
+    ValueError: an unknown name.
+  """
+  lib, _, alg = impl.partition(":")
+  if lib == "xla" and alg in ("naive", "ppermute", "local_gemm", "collective",
+                              "windowed_einsum"):
+    return "xla", {"naive": "collective"}.get(alg, alg), None
+  if lib == "jaxoverlap":
+    name, slash, chunks = alg.partition("/")
+    if name == "gemm_all_reduce" and not slash:
+      return "cuda", name, None
+    if name in TRANSPORTS:
+      if not slash:
+        return "cuda", name, None
+      if chunks[:1] == "c" and chunks[1:].isdigit() and int(chunks[1:]) >= 1:
+        return "cuda", name, int(chunks[1:])
+  raise ValueError(
+      f"unknown impl {impl!r}; expected one of {FLOOR}, {COMM}, {NAIVE}, {PPERMUTE}, "
+      f"{WINDOWED}, jaxoverlap:copy_engine, jaxoverlap:nvshmem (optionally /c<k>), {GEMM_AR}")
+
+
+def impls_for(op: str, *, chunks=(), windowed: bool = False, requested=()) -> list[str]:
+  """The impls run for ``op``, in run order (floor and collective first, naive before ours).
+
+  Args:
+    op: "ag", "rs" or "ar".
+    chunks: chunk counts k that add ``jaxoverlap:copy_engine/c<k>``.
+    windowed: the --windowed_einsum run: local_gemm, collective, windowed_einsum
+      (and naive when requested).
+    requested: --impls; empty: all of the mode's defaults. Names of the other
+      mode, or jaxoverlap:gemm_all_reduce for ag/rs, are left out; chunked
+      variants may be named directly.
+
+  Raises:
+    ValueError: an unknown name in ``requested``.
+  """
+  if windowed:
+    default = [FLOOR, COMM, WINDOWED]
+    allowed = [FLOOR, COMM, NAIVE, WINDOWED]
+  else:
+    ours = ["jaxoverlap:copy_engine"] + [f"jaxoverlap:copy_engine/c{k}" for k in chunks]
+    ours += ["jaxoverlap:nvshmem"] + ([GEMM_AR] if op == "ar" else [])
+    default = [FLOOR, COMM, NAIVE, PPERMUTE] + ours
+    allowed = default
+  if not requested:
+    return default
+  for impl in requested:
+    parse_impl(impl)
+  extra = [i for i in requested if i not in allowed and parse_impl(i)[2] is not None]
+  return [i for i in allowed if i in requested] + [i for i in extra if i not in allowed]
+
+
+def add_overlap_metrics(records: list[dict]) -> list[dict]:
+  """Adds exposed_us and hidden_fraction to the records of every (op, shape), in place.
+
+  exposed_us = time_us - time of xla:local_gemm; hidden_fraction = 1 -
+  exposed_us / time of xla:collective (raw: negative when slower than the two
+  in series). Not added to the floor and collective themselves, nor where the
+  reference was not measured. Returns ``records``.
+  """
+  ref: dict = {}
+  for r in records:
+    if r["impl"] in BASELINES:
+      ref[(r["op"], tuple(r["shape"]), r["impl"])] = r["time_us"]
+  for r in records:
+    if r["impl"] in BASELINES:
+      continue
+    key = (r["op"], tuple(r["shape"]))
+    floor, comm = ref.get(key + (FLOOR,)), ref.get(key + (COMM,))
+    if floor is None:
+      continue
+    exposed = r["time_us"] - floor
+    r["exposed_us"] = round(exposed, 2)
+    if comm:
+      r["hidden_fraction"] = round(1.0 - exposed / comm, 4)
+  return records
+
+
+def short_name(impl: str) -> str:
+  """"jaxoverlap:copy_engine/c4" -> "copy_engine/c4", "xla:naive" -> "naive"."""
+  return impl.split(":", 1)[1]
+
+
+def progress_row(op: str, mkn, records: list[dict], failed: dict[str, str]) -> str:
+  """One line: op, shape, then impl=us (exposed, hidden) for every impl; failed as impl=WHY."""
+  parts = []
+  for r in records:
+    s = f"{short_name(r['impl'])}={r['time_us']:.1f}"
+    if "exposed_us" in r:
+      s += f" (exposed {r['exposed_us']:.0f}"
+      if "hidden_fraction" in r:
+        s += f", hidden {100 * r['hidden_fraction']:.0f}%"
+      s += ")"
+    parts.append(s)
+  parts += [f"{short_name(i)}={why}" for i, why in failed.items()]
+  return f"{op} {'x'.join(map(str, mkn))}  " + "  ".join(parts)
+
+
+def result_path(out_dir: str, machine: str, windowed: bool) -> str:
+  """<out_dir>/overlap-<tag>.json, or overlap_windowed_einsum-<tag>.json; tag: spaces -> _."""
+  tag = machine.replace(" ", "_")
+  name = "overlap_windowed_einsum" if windowed else "overlap"
+  return os.path.join(out_dir, f"{name}-{tag}.json")
+
+
+def merge_results(old: dict | None, new_records: list[dict], new_rejected: list[dict],
+                  measured) -> tuple[list[dict], list[dict]]:
+  """--merge: the records of ``old`` for (op, shape)s not in ``measured``, then the new ones.
+
+  ``measured``: ``(op abbreviation, (M, K, N))`` of this run. Rows of one
+  (op, shape) thus always come from one run.
+  """
+  keys = {(OPS[op], tuple(mkn)) for op, mkn in measured}
+  keep = lambda r: (r.get("op"), tuple(r.get("shape", ()))) not in keys  # noqa: E731
+  old = old or {}
+  return ([r for r in old.get("records", []) if keep(r)] + list(new_records),
+          [r for r in old.get("rejected", []) if keep(r)] + list(new_rejected))
+
+
+def method_text(chain: int, reps: int, warmup: int) -> str:
+  return (f"per (op, shape) and impl: one jit of a chain of {chain} dependent ops (link i+1's "
+          "input carries element [0,0] of link i's output times a runtime zero; every link's "
+          "output is a jit output; the chained input donated); every impl first checked "
+          "against xla:naive (|a-b| <= 1e-2*max|ref| + 2e-2*|ref|); then "
+          f"{warmup} warm-up runs each and {reps} timed runs, impls interleaved run by run; "
+          "time_us = (median run - median of the same chain without the ops) / chain length, "
+          "rank 0's clock; exposed_us = time_us - xla:local_gemm; hidden_fraction = 1 - "
+          "exposed_us / xla:collective (not clipped)")
+
+
+# --------------------------------------------------------------------------- JAX part
+
+
+def _depend(carrier, y, zero):
+  """``carrier`` with element [0, 0] replaced by itself + y[0, 0] * zero (per rank).
+
+  This is the link between two ops of a chain. ``zero`` is a jit argument
+  (0.0 at run time), so XLA cannot fold the product away: the next op's input
+  really depends on this op's output, whatever XLA knows about float
+  arithmetic. A non-finite y[0, 0] is replaced by 0 first, so the carried
+  value stays exactly the input (the check then compares like with like). The
+  update is one element, in place (dynamic-update-slice).
+  """
+  import jax.numpy as jnp
+  from jax import lax
+
+  from jaxoverlap import _xla
+
+  v = y[:1, :1].astype(jnp.float32)
+  v = jnp.where(jnp.isfinite(v), v, 0.0) * zero
+  corner = (carrier[:1, :1].astype(jnp.float32) + v).astype(carrier.dtype)
+  return lax.dynamic_update_slice(carrier, _xla.to_varying(corner, AXIS), (0, 0))
+
+
+class _Case:
+  """Inputs, specs and chain functions for one (op, shape) on one mesh."""
+
+  def __init__(self, op, mkn, mesh, dtype, chain):
+    import jax
+    from jax.sharding import PartitionSpec as P
+
+    self.op, self.mkn, self.mesh, self.dtype, self.chain = op, mkn, mesh, dtype, chain
+    self.world = mesh.shape[AXIS]
+    check_divisible(op, mkn, self.world)
+    row, col = P(AXIS, None), P(None, AXIS)
+    # Global specs of the named arrays: x and w (the op's inputs), xl (ag's
+    # local-GEMM input, [M, K] per rank), yc (rs/ar's collective input, [M, N]
+    # per rank).
+    self.specs = {"x": row if op == "ag" else col, "w": col if op == "ag" else row,
+                  "xl": row, "yc": row, "zero": P()}
+    self.out_spec = {"ag": col, "rs": row, "ar": P()}[op]
+    self.arrays: dict = {}
+    self._jax = jax
+
+  # ----------------------------------------------------------------- inputs
+
+  def _global(self, name, local, global_shape):
+    from jax.sharding import NamedSharding
+
+    return self._jax.make_array_from_process_local_data(
+        NamedSharding(self.mesh, self.specs[name]), local, global_shape)
+
+  def _positions(self):
+    """Mesh positions of this process's devices (contiguous), in order."""
+    pos = {d.id: i for i, d in enumerate(self.mesh.devices.flat)}
+    mine = sorted(pos[d.id] for d in self.mesh.devices.flat
+                  if d.process_index == self._jax.process_index())
+    if mine != list(range(mine[0], mine[0] + len(mine))):
+      raise ValueError(f"this process's devices sit at mesh positions {mine}, not contiguous")
+    return mine
+
+  def _missing(self, name):
+    return name not in self.arrays or self.arrays[name].is_deleted()
+
+  def build(self, names):
+    """Creates the arrays ``names`` (and the ones they are made from) that do not exist yet.
+
+    Arrays donated by a chain that failed half-way are made again.
+    """
+    import numpy as np
+
+    wanted = set(names) | ({"x", "w"} if "yc" in names and self._missing("yc") else set())
+    wanted = {nm for nm in wanted if self._missing(nm)}
+    if not wanted:
+      return
+    op, (m, k, n), p = self.op, self.mkn, self.world
+    shapes = local_shapes(op, self.mkn, p)
+    if wanted & {"x", "w", "xl"}:
+      xs, ws = [], []
+      for rank in self._positions():
+        rng = np.random.default_rng([rank, m, k, n])
+        xs.append(rng.standard_normal(shapes["x"], dtype=np.float32).astype(self.dtype))
+        ws.append((rng.standard_normal(shapes["w"], dtype=np.float32) / np.sqrt(k))
+                  .astype(self.dtype))
+      xa, wa = (0, 1) if op == "ag" else (1, 0)
+      if "x" in wanted:
+        self.arrays["x"] = self._global("x", np.concatenate(xs, xa), (m, k))
+      if "w" in wanted:
+        self.arrays["w"] = self._global("w", np.concatenate(ws, wa), (k, n))
+      if "xl" in wanted:
+        # ag's floor multiplies a full [M, K] per rank: this rank's shard tiled P times.
+        xl = np.concatenate([np.tile(x, (p, 1)) for x in xs], 0)
+        self.arrays["xl"] = self._global("xl", xl, (p * m, k))
+      del xs, ws
+    if "yc" in wanted:
+      # rs/ar's collective reduces this rank's real partial product x @ w ([M, N]).
+      fn = self._jax.jit(self._jax.shard_map(
+          self._local_gemm, mesh=self.mesh, in_specs=(self.specs["x"], self.specs["w"]),
+          out_specs=self.specs["yc"]))
+      self.arrays["yc"] = fn(self.arrays["x"], self.arrays["w"])
+    if "zero" in wanted:
+      self.arrays["zero"] = self._global("zero", np.zeros((), np.float32), ())
+
+  # ----------------------------------------------------------------- kernels
+
+  def _local_gemm(self, x, w):
+    from jaxoverlap import _xla
+
+    return _xla.matmul(x, w).astype(x.dtype)
+
+  def kernel(self, impl):
+    """(per-rank function, carrier name, other input names, output spec) of ``impl``."""
+    from jax import lax
+    from jax.sharding import PartitionSpec as P
+
+    import jaxoverlap
+
+    op = self.op
+    if impl == FLOOR:  # per rank [M, N/P] (ag) or [M, N] (rs, ar)
+      if op == "ag":
+        return self._local_gemm, "xl", ("w",), P(None, AXIS)
+      return self._local_gemm, "x", ("w",), P(AXIS, None)
+    if impl == COMM:
+      if op == "ag":
+        return (lambda x: lax.all_gather(x, AXIS, axis=0, tiled=True)), "x", (), P(AXIS, None)
+      if op == "rs":
+        return (lambda y: lax.psum_scatter(y, AXIS, scatter_dimension=0, tiled=True)), "yc", (
+            ), P(AXIS, None)
+      return (lambda y: lax.psum(y, AXIS)), "yc", (), P()
+    backend, algorithm, chunks = parse_impl(impl)
+    fn = getattr(jaxoverlap, OPS[op])
+    kw = dict(backend=backend, algorithm=algorithm)
+    if chunks is not None:
+      kw["chunks"] = chunks
+    return (lambda x, w: fn(x, w, AXIS, **kw)), "x", ("w",), self.out_spec
+
+  def chain_fn(self, impl, carrier="x"):
+    """(jitted chain, carrier name, other input names) of ``impl``.
+
+    The jit returns (the outputs of every link, the carried input); the
+    carried input (argument 0) is donated. ``impl=None``: the same chain
+    without the ops, on the input ``carrier`` (no outputs but the carried one).
+    """
+    import jax
+    from jax.sharding import PartitionSpec as P
+
+    length = self.chain
+    if impl == WINDOWED:
+      return self._windowed_fn(), "x", ("w",)
+    if impl is None:
+      kernel, rest, out_specs = None, (), ()
+    else:
+      kernel, carrier, rest, out_spec = self.kernel(impl)
+      out_specs = (out_spec,) * length
+
+    def body(c, *args):
+      *others, zero = args
+      ys = []
+      for _ in range(length):
+        y = c if kernel is None else kernel(c, *others)
+        if kernel is not None:
+          ys.append(y)
+        c = _depend(c, y, zero)
+      return tuple(ys), c
+
+    in_specs = tuple(self.specs[a] for a in (carrier,) + rest) + (P(),)
+    sm = jax.shard_map(body, mesh=self.mesh, in_specs=in_specs,
+                       out_specs=(out_specs, self.specs[carrier]))
+    return jax.jit(sm, donate_argnums=0), carrier, rest
+
+  def _windowed_fn(self):
+    """X @ W partitioned by XLA (no shard_map) from NamedSharding inputs and output."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    sh = lambda spec: NamedSharding(self.mesh, spec)  # noqa: E731
+    xs, ws, ys = self.specs["x"], self.specs["w"], self.out_spec
+    dep = jax.shard_map(_depend, mesh=self.mesh, in_specs=(xs, ys, P()), out_specs=xs)
+    length, dtype = self.chain, self.dtype
+
+    def body(x, w, zero):
+      outs = []
+      for _ in range(length):
+        y = jnp.dot(x, w, preferred_element_type=jnp.float32).astype(dtype)
+        y = jax.lax.with_sharding_constraint(y, sh(ys))
+        outs.append(y)
+        x = dep(x, y, zero)
+      return tuple(outs), x
+
+    return jax.jit(body, in_shardings=(sh(xs), sh(ws), sh(P())),
+                   out_shardings=(tuple(sh(ys) for _ in range(length)), sh(xs)),
+                   donate_argnums=0)
+
+  def call(self, fn, carrier, rest):
+    """Runs a chain once (blocking); updates the donated carrier; returns the link outputs."""
+    args = [self.arrays[carrier]] + [self.arrays[r] for r in rest] + [self.arrays["zero"]]
+    ys, c = self._jax.block_until_ready(fn(*args))
+    self.arrays[carrier] = c
+    return ys
+
+
+RTOL, ATOL_REL = 2e-2, 1e-2
+
+
+@functools.cache
+def _close_fn():
+  import jax
+  import jax.numpy as jnp
+
+  @jax.jit
+  def f(a, b):
+    a, b = a.astype(jnp.float32), b.astype(jnp.float32)
+    atol = ATOL_REL * jnp.max(jnp.abs(b))
+    err = jnp.abs(a - b)
+    return jnp.all(err <= atol + RTOL * jnp.abs(b)), jnp.max(err), atol
+
+  return f
+
+
+def close(a, b) -> tuple[bool, float, float]:
+  """(ok, max |a - b|, atol): |a - b| <= atol + RTOL * |b| everywhere, atol = ATOL_REL * max|b|.
+
+  np.allclose's test, computed on the devices over the global arrays, so that
+  every process gets the same answer without copying outputs to the host.
+  """
+  import numpy as np
+
+  ok, err, atol = _close_fn()(a, b)
+  return bool(np.asarray(ok)), float(np.asarray(err)), float(np.asarray(atol))
+
+
+def _fused_choice(op: str, impl: str) -> dict:
+  """What the lowering chose for the last call of ``impl`` (chunks, transport, ...)."""
+  cuda = sys.modules.get("jaxoverlap._cuda")
+  if cuda is None:
+    return {}
+  if impl == GEMM_AR:
+    if cuda.decisions:
+      d = cuda.decisions[-1]
+      return {"all_reduce_algorithm": f"{d['algorithm']}/{d['protocol']}"}
+    return {}
+  mine = [d for d in cuda.fused_decisions if d["op"] == OPS[op]]
+  if not mine:
+    return {}
+  d = mine[-1]
+  return {"transport": d["transport"], "chunks": d["chunks"], "chunks_source": d["chunks_source"]}
+
+
+def run_case(op, mkn, impls, *, mesh, dtype, chain, reps, warmup, ranks_per_node=None,
+             log=print):
+  """Checks and times ``impls`` for one (op, shape).
+
+  Returns:
+    (records, rejected, failed): BRIEF section 7 records with exposed_us and
+    hidden_fraction; ``{"op", "impl", "shape", "reason"}`` of impls that were
+    not timed; ``{impl: "WRONG" or "ERROR"}`` for the progress row.
+  """
+  import jax
+  import jax.numpy as jnp
+
+  dtype = jnp.dtype(dtype)
+  case = _Case(op, mkn, mesh, dtype, chain)
+  world = case.world
+  records, rejected, failed = [], [], {}
+  fns = {}
+  checked = [i for i in impls if i not in BASELINES]
+  ref = None
+
+  def reject(impl, kind, reason):
+    failed[impl] = kind
+    rejected.append({"op": OPS[op], "impl": impl, "shape": list(mkn), "reason": reason})
+    log(f"{kind}: {op} {mkn} {impl}: {reason}")
+
+  # Baselines first, then xla:naive (the reference; not timed unless asked for), then the rest.
+  order = [i for i in impls if i in BASELINES]
+  order += [NAIVE] if checked or NAIVE in impls else []
+  order += [i for i in impls if i not in order]
+  for impl in order:
+    try:
+      fn, carrier, rest = case.chain_fn(impl)
+      case.build((carrier, "zero") + rest)
+      ys = case.call(fn, carrier, rest)  # compiles
+    except Exception as e:  # noqa: BLE001: lowering or runtime refusal, reported per impl
+      reject(impl, "ERROR", f"{type(e).__name__}: {e}"[:500])
+      continue
+    choice = _fused_choice(op, impl) if impl.startswith("jaxoverlap:") else {}
+    if impl == NAIVE:
+      ref = ys[-1]
+    elif impl not in BASELINES:
+      if ref is None:
+        reject(impl, "ERROR", "no xla:naive reference to check against")
+        continue
+      ok, err, atol = close(ys[-1], ref)
+      if not ok:
+        reject(impl, "WRONG", f"differs from xla:naive: max |diff| {err:.4g} (atol {atol:.4g}, "
+               f"rtol {RTOL})")
+        continue
+    del ys
+    if impl in impls:
+      fns[impl] = (fn, carrier, rest, choice)
+  del ref
+  if not fns:
+    return records, rejected, failed
+
+  # The chain without the ops, once per carried input.
+  timed = {}
+  for carrier in sorted({c for _, c, _, _ in fns.values()}):
+    fn, _, _ = case.chain_fn(None, carrier)
+    timed[("empty", carrier)] = (fn, carrier, (), {})
+  timed.update({(impl, None): v for impl, v in fns.items()})
+
+  def run(key):
+    fn, carrier, rest, _ = timed[key]
+    case.call(fn, carrier, rest)
+
+  # A tiny all-reduce before every timed run lines the processes up: a fused
+  # op waits for its peer, so a process that starts late would otherwise add
+  # its lateness (host dispatch jitter, ~0.1 ms) to the other's time.
+  jax = case._jax
+  ones = jax.device_put(np.ones((case.world,), np.float32),
+                        jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(AXIS)))
+  barrier_fn = jax.jit(jax.shard_map(lambda v: jax.lax.psum(v, AXIS), mesh=mesh,
+                                     in_specs=jax.sharding.PartitionSpec(AXIS),
+                                     out_specs=jax.sharding.PartitionSpec(AXIS)))
+
+  def barrier():
+    barrier_fn(ones).block_until_ready()
+
+  for key in timed:
+    for _ in range(warmup + (1 if key[0] == "empty" else 0)):
+      run(key)
+  times = {key: [] for key in timed}
+  for _ in range(reps):
+    for key in timed:  # interleaved: drift hits every impl alike
+      barrier()
+      t0 = time.perf_counter()
+      run(key)
+      times[key].append(time.perf_counter() - t0)
+  empty_s = {key[1]: statistics.median(t) for key, t in times.items() if key[0] == "empty"}
+  for impl, (fn, carrier, rest, choice) in fns.items():
+    us = (statistics.median(times[(impl, None)]) - empty_s[carrier]) / chain * 1e6
+    rec = {"op": OPS[op], "impl": impl, "dtype": dtype.name, "shape": list(mkn),
+           "world": world, "ranks_per_node": ranks_per_node or world, "time_us": round(us, 2)}
+    rec.update(choice)
+    records.append(rec)
+  add_overlap_metrics(records)
+  return records, rejected, failed
+
+
+def _ranks_per_node(info, world):
+  import jax
+
+  rt = info.get("runtime") or {}
+  if rt.get("ranks_per_node"):
+    return int(rt["ranks_per_node"])
+  env = os.environ.get("JAXOVERLAP_RANKS_PER_NODE")
+  if env:
+    return int(env)
+  if "JAXOVERLAP_COORDINATOR" in os.environ or jax.process_count() == 1:
+    return world  # the launcher starts its processes on one node
+  return jax.local_device_count()
+
+
+# --------------------------------------------------------------------------- main
+
+
+def define_flags():
+  """Defines the command-line flags (only when run as a script, so importing is free)."""
+  from absl import flags
+
+  flags.DEFINE_string("out", "benchmarks/results", "folder for the JSON")
+  flags.DEFINE_string("machine", "2x H200 NV18", "machine name for the results")
+  flags.DEFINE_string("shapes", DEFAULT_SHAPES,
+                      "global shapes 'op:M,K,N;...' of Y = X @ W, op in ag, rs, ar")
+  flags.DEFINE_bool("quick", False, "only the shapes " + QUICK_SHAPES + " (replaces --shapes)")
+  flags.DEFINE_list("impls", [], "implementations to run (default: all of the mode)")
+  flags.DEFINE_list("chunks", [], "chunk counts k: adds jaxoverlap:copy_engine/c<k>")
+  flags.DEFINE_string("dtype", "bfloat16", "element type")
+  flags.DEFINE_integer("chain", 5, "ops per jit'd chain")
+  flags.DEFINE_integer("reps", 10, "timed runs per impl (median reported)")
+  flags.DEFINE_integer("warmup", 2, "untimed runs per impl before timing")
+  flags.DEFINE_bool("windowed_einsum", False,
+                    "run xla:windowed_einsum (with local_gemm and collective) under "
+                    + " ".join(WINDOWED_XLA_FLAGS) + "; writes overlap_windowed_einsum-*.json")
+  flags.DEFINE_bool("merge", False, "keep the rows of an existing JSON for the (op, shape)s "
+                    "this run does not measure (a full run split over several invocations)")
+  flags.DEFINE_integer("host_devices", 0, "simulate this many CPU devices (CPU smoke runs; "
+                       "sets XLA_FLAGS and JAX_PLATFORMS=cpu before jax starts)")
+
+
+def main(argv):
+  del argv
+  from absl import app, flags
+
+  FLAGS = flags.FLAGS
+  try:
+    shapes = parse_shapes(QUICK_SHAPES if FLAGS.quick else FLAGS.shapes)
+    chunks = [int(c) for c in FLAGS.chunks]
+    for op in OPS:
+      impls_for(op, chunks=chunks, windowed=FLAGS.windowed_einsum, requested=FLAGS.impls)
+  except ValueError as e:
+    raise app.UsageError(str(e)) from e
+  if FLAGS.chain < 1 or FLAGS.reps < 1 or FLAGS.warmup < 0:
+    raise app.UsageError("--chain and --reps must be >= 1, --warmup >= 0")
+  if any(i == WINDOWED for i in FLAGS.impls) and not FLAGS.windowed_einsum:
+    raise app.UsageError(f"{WINDOWED} runs only with --windowed_einsum (a run of its own)")
+
+  # XLA reads XLA_FLAGS once, when its first backend starts: before any jax use.
+  xla_flags = os.environ.get("XLA_FLAGS", "").split()
+  if FLAGS.windowed_einsum:
+    xla_flags += list(WINDOWED_XLA_FLAGS)
+  if FLAGS.host_devices:
+    xla_flags.append(f"--xla_force_host_platform_device_count={FLAGS.host_devices}")
+    os.environ["JAX_PLATFORMS"] = "cpu"
+  os.environ["XLA_FLAGS"] = " ".join(xla_flags)
+
+  from jaxoverlap import launch
+
+  info = launch.initialize_from_env()
+  import jax
+
+  from jaxoverlap import tuning
+
+  rank = info["process_id"]
+  world = jax.device_count()
+  mesh = jax.make_mesh((world,), (AXIS,), axis_types=(jax.sharding.AxisType.Auto,))
+  rpn = _ranks_per_node(info, world)
+  platform = jax.devices()[0].platform
+  log = print if rank == 0 else (lambda *a, **k: None)
+  for op, mkn in shapes:
+    try:
+      check_divisible(op, mkn, world)
+    except ValueError as e:
+      raise app.UsageError(str(e)) from e
+  log(f"overlap: world {world} ({platform}), ranks_per_node {rpn}, chain {FLAGS.chain}, "
+      f"reps {FLAGS.reps}, XLA_FLAGS={os.environ['XLA_FLAGS']!r}", flush=True)
+
+  args = shlex.join(sys.argv[1:])
+  command = (f"python -m jaxoverlap.launch --nproc {jax.process_count()} "
+             f"benchmarks/overlap.py {args}" if "JAXOVERLAP_COORDINATOR" in os.environ
+             else f"python benchmarks/overlap.py {args}")
+  path = result_path(FLAGS.out, FLAGS.machine, FLAGS.windowed_einsum)
+  old = None
+  if FLAGS.merge and os.path.exists(path):
+    with open(path) as f:
+      old = json.load(f)
+  commands = (old.get("commands") or [old.get("command")]) if old else []
+  if platform != "gpu":
+    log(f"platform {platform}: the jaxoverlap:* impls (CUDA only) are not run")
+  records, rejected = [], []
+  for op, mkn in shapes:
+    impls = impls_for(op, chunks=chunks, windowed=FLAGS.windowed_einsum, requested=FLAGS.impls)
+    if platform != "gpu":
+      impls = [i for i in impls if not i.startswith("jaxoverlap:")]
+    recs, rej, failed = run_case(op, mkn, impls, mesh=mesh, dtype=FLAGS.dtype,
+                                 chain=FLAGS.chain, reps=FLAGS.reps, warmup=FLAGS.warmup,
+                                 ranks_per_node=rpn, log=log)
+    records += recs
+    rejected += rej
+    log(progress_row(op, mkn, recs, failed), flush=True)
+    if rank == 0:
+      done = shapes[:shapes.index((op, mkn)) + 1]
+      all_records, all_rejected = merge_results(old, records, rejected, done)
+      result = tuning.make_result(
+          all_records, machine=FLAGS.machine, command=command,
+          method=method_text(FLAGS.chain, FLAGS.reps, FLAGS.warmup),
+          versions=tuning.package_versions(), rejected=all_rejected)
+      if commands:
+        result["commands"] = commands + [command]
+      result["benchmark"] = "overlap_windowed_einsum" if FLAGS.windowed_einsum else "overlap"
+      result.pop("params", None)
+      result.update(platform=platform, world=world, xla_flags=os.environ["XLA_FLAGS"],
+                    chain=FLAGS.chain, reps=FLAGS.reps)
+      os.makedirs(FLAGS.out, exist_ok=True)
+      tmp = path + ".tmp"
+      with open(tmp, "w") as f:
+        json.dump(result, f, indent=1)
+      os.replace(tmp, path)
+  log(f"wrote {path}", flush=True)
+  return 1 if rejected else 0
+
+
+if __name__ == "__main__":
+  from absl import app
+
+  define_flags()
+  app.run(main)

@@ -1,0 +1,312 @@
+"""benchmarks/overlap.py and benchmarks/plot_overlap.py on CPU: helpers, a tiny run, the plot.
+
+The CUDA impls need GPUs; here the xla impls run on 2 simulated devices with
+tiny shapes, which covers the chain, the check and the records. Shape
+parsing, impl lists, exposed/hidden arithmetic, merging and the tables are
+checked on fixed inputs.
+"""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from _helpers import make_mesh
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _load(name):
+  spec = importlib.util.spec_from_file_location(f"{name}_benchmark",
+                                                os.path.join(_ROOT, "benchmarks", f"{name}.py"))
+  mod = importlib.util.module_from_spec(spec)
+  sys.modules[spec.name] = mod
+  spec.loader.exec_module(mod)
+  return mod
+
+
+ovl = _load("overlap")
+plot_overlap = _load("plot_overlap")
+
+
+# ------------------------------------------------------------------ shapes
+
+
+def test_default_shapes():
+  shapes = ovl.parse_shapes(ovl.DEFAULT_SHAPES)
+  # 4 of BRIEF section 5 + 18 Llama projections, one duplicate (ag:8192,8192,28672).
+  assert len(shapes) == 21
+  assert shapes[:4] == [("ag", (16384, 4096, 4096)), ("rs", (16384, 4096, 4096)),
+                        ("ag", (8192, 8192, 28672)), ("rs", (8192, 8192, 28672))]
+  for m in (2048, 8192, 32768):
+    for entry in (("ag", (m, 4096, 14336)), ("ag", (m, 8192, 28672)), ("rs", (m, 14336, 4096)),
+                  ("rs", (m, 28672, 8192)), ("ar", (m, 14336, 4096)), ("ar", (m, 28672, 8192))):
+      assert entry in shapes
+  quick = ovl.parse_shapes(ovl.QUICK_SHAPES)
+  assert 1 <= len(quick) <= 8 and {op for op, _ in quick} == {"ag", "rs", "ar"}
+  for op, mkn in shapes:
+    ovl.check_divisible(op, mkn, 2)
+
+
+def test_parse_shapes_forms():
+  assert ovl.parse_shapes(" ag : 8, 4,2 ;; rs:4,4,4;ag:8,4,2; ") == [("ag", (8, 4, 2)),
+                                                                      ("rs", (4, 4, 4))]
+
+
+@pytest.mark.parametrize("text, match", [
+    ("ag16,4,4", "expected 'op:M,K,N'"),
+    ("mm:16,4,4", "unknown op 'mm'"),
+    ("ag:16,4", "three integers"),
+    ("ag:16,4,4,4", "three integers"),
+    ("rs:16,x,4", "three integers"),
+    ("ar:0,4,4", ">= 1"),
+    (" ; ", "no shapes"),
+])
+def test_parse_shapes_errors(text, match):
+  with pytest.raises(ValueError, match=match):
+    ovl.parse_shapes(text)
+
+
+def test_check_divisible_and_local_shapes():
+  with pytest.raises(ValueError, match="N=6 does not divide by the 4 ranks"):
+    ovl.check_divisible("ag", (8, 3, 6), 4)
+  with pytest.raises(ValueError, match="K=3 does not divide"):
+    ovl.check_divisible("rs", (8, 3, 8), 2)
+  ovl.check_divisible("ag", (8, 3, 4), 2)  # K need not divide for ag
+  assert ovl.local_shapes("ag", (8, 6, 4), 2) == {"x": (4, 6), "w": (6, 2), "y": (8, 2),
+                                                  "gemm": (8, 2)}
+  assert ovl.local_shapes("rs", (8, 6, 4), 2) == {"x": (8, 3), "w": (3, 4), "y": (4, 4),
+                                                  "gemm": (8, 4)}
+  assert ovl.local_shapes("ar", (8, 6, 4), 2)["y"] == (8, 4)
+
+
+# ------------------------------------------------------------------ impls
+
+
+def test_parse_impl():
+  assert ovl.parse_impl("xla:naive") == ("xla", "collective", None)
+  assert ovl.parse_impl("xla:ppermute") == ("xla", "ppermute", None)
+  assert ovl.parse_impl("jaxoverlap:copy_engine") == ("cuda", "copy_engine", None)
+  assert ovl.parse_impl("jaxoverlap:nvshmem/c8") == ("cuda", "nvshmem", 8)
+  assert ovl.parse_impl("jaxoverlap:gemm_all_reduce") == ("cuda", "gemm_all_reduce", None)
+  for bad in ("xla:psum", "jaxoverlap:auto", "jaxoverlap:copy_engine/c0",
+              "jaxoverlap:copy_engine/4", "jaxoverlap:gemm_all_reduce/c2", "naive"):
+    with pytest.raises(ValueError, match="unknown impl"):
+      ovl.parse_impl(bad)
+
+
+def test_impls_for():
+  base = ["xla:local_gemm", "xla:collective", "xla:naive", "xla:ppermute"]
+  assert ovl.impls_for("ag") == base + ["jaxoverlap:copy_engine", "jaxoverlap:nvshmem"]
+  assert ovl.impls_for("ar", chunks=[2, 4]) == base + [
+      "jaxoverlap:copy_engine", "jaxoverlap:copy_engine/c2", "jaxoverlap:copy_engine/c4",
+      "jaxoverlap:nvshmem", "jaxoverlap:gemm_all_reduce"]
+  assert ovl.impls_for("rs", windowed=True) == ["xla:local_gemm", "xla:collective",
+                                                "xla:windowed_einsum"]
+  # Requested: run order kept, other-mode names and ar-only names dropped, chunked variants kept.
+  req = ["jaxoverlap:nvshmem", "xla:local_gemm", "jaxoverlap:gemm_all_reduce",
+         "xla:windowed_einsum", "jaxoverlap:nvshmem/c2"]
+  assert ovl.impls_for("rs", requested=req) == ["xla:local_gemm", "jaxoverlap:nvshmem",
+                                                "jaxoverlap:nvshmem/c2"]
+  assert ovl.impls_for("ar", requested=req) == ["xla:local_gemm", "jaxoverlap:nvshmem",
+                                                "jaxoverlap:gemm_all_reduce",
+                                                "jaxoverlap:nvshmem/c2"]
+  assert ovl.impls_for("ag", windowed=True, requested=["xla:windowed_einsum", "xla:naive"]) == [
+      "xla:naive", "xla:windowed_einsum"]
+  with pytest.raises(ValueError, match="unknown impl 'xla:psum'"):
+    ovl.impls_for("ag", requested=["xla:psum"])
+
+
+# ------------------------------------------------------------------ records
+
+
+def _rec(op, impl, t, shape=(64, 32, 32)):
+  return {"op": op, "impl": impl, "dtype": "bfloat16", "shape": list(shape), "world": 2,
+          "ranks_per_node": 2, "time_us": t}
+
+
+def test_add_overlap_metrics():
+  ag, rs = "all_gather_matmul", "matmul_reduce_scatter"
+  recs = [_rec(ag, "xla:local_gemm", 500.0), _rec(ag, "xla:collective", 400.0),
+          _rec(ag, "xla:naive", 950.0), _rec(ag, "jaxoverlap:copy_engine", 540.0),
+          _rec(ag, "xla:ppermute", 1000.0),
+          # another shape with no collective measured, and one with no floor
+          _rec(ag, "xla:local_gemm", 100.0, (8, 8, 8)), _rec(ag, "xla:naive", 130.0, (8, 8, 8)),
+          _rec(rs, "xla:naive", 130.0)]
+  ovl.add_overlap_metrics(recs)
+  assert "exposed_us" not in recs[0] and "hidden_fraction" not in recs[1]
+  assert recs[2]["exposed_us"] == 450.0 and recs[2]["hidden_fraction"] == pytest.approx(-0.125)
+  assert recs[3]["exposed_us"] == 40.0 and recs[3]["hidden_fraction"] == pytest.approx(0.9)
+  assert recs[4]["hidden_fraction"] == pytest.approx(-0.25)  # raw, not clipped
+  assert recs[6]["exposed_us"] == 30.0 and "hidden_fraction" not in recs[6]
+  assert "exposed_us" not in recs[7]
+  row = ovl.progress_row("ag", (64, 32, 32), recs[:4], {"jaxoverlap:nvshmem": "WRONG"})
+  assert row == ("ag 64x32x32  local_gemm=500.0  collective=400.0  naive=950.0 (exposed 450, "
+                 "hidden -12%)  copy_engine=540.0 (exposed 40, hidden 90%)  nvshmem=WRONG")
+
+
+def test_merge_results_and_paths():
+  old = {"records": [_rec("all_gather_matmul", "xla:naive", 1.0),
+                     _rec("matmul_reduce_scatter", "xla:naive", 2.0)],
+         "rejected": [{"op": "all_gather_matmul", "impl": "x", "shape": [64, 32, 32],
+                       "reason": "r"}]}
+  new = [_rec("all_gather_matmul", "xla:naive", 3.0)]
+  recs, rej = ovl.merge_results(old, new, [], [("ag", (64, 32, 32))])
+  assert [r["time_us"] for r in recs] == [2.0, 3.0] and rej == []
+  assert ovl.merge_results(None, new, [], [("ag", (64, 32, 32))]) == (new, [])
+  assert ovl.result_path("o", "2x H200 NV18", False) == os.path.join(
+      "o", "overlap-2x_H200_NV18.json")
+  assert ovl.result_path("o", "m", True) == os.path.join("o", "overlap_windowed_einsum-m.json")
+
+
+# ------------------------------------------------------------------ the JAX part on CPU
+
+needs2 = pytest.mark.skipif(jax.device_count() < 2, reason="needs 2 (simulated) devices")
+
+
+@needs2
+def test_close():
+  mesh = make_mesh((2,), ("x",))
+  sh = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("x"))
+  a = jax.device_put(jnp.linspace(-4, 4, 64, dtype=jnp.float32).reshape(8, 8), sh)
+  assert ovl.close(a, a)[0]
+  assert ovl.close(a * 1.01, a)[0]
+  ok, err, atol = ovl.close(a.at[7, 7].add(1.0), a)
+  assert not ok and err == pytest.approx(1.0) and atol == pytest.approx(0.04)
+  assert not ovl.close(a.at[0, 0].set(jnp.nan), a)[0]
+
+
+@needs2
+@pytest.mark.parametrize("op", ["ag", "rs", "ar"])
+def test_run_case_cpu(op):
+  mesh = make_mesh((2,), ("x",))
+  impls = ovl.impls_for(op) [:4] + ["xla:windowed_einsum"]
+  logs = []
+  recs, rejected, failed = ovl.run_case(op, (16, 8, 12), impls, mesh=mesh, dtype="bfloat16",
+                                        chain=3, reps=2, warmup=1, log=logs.append)
+  assert rejected == [] and failed == {} and logs == []
+  assert [r["impl"] for r in recs] == impls
+  for r in recs:
+    assert r["op"] == ovl.OPS[op] and r["shape"] == [16, 8, 12] and r["world"] == 2
+    assert r["dtype"] == "bfloat16" and np.isfinite(r["time_us"])
+    assert ("exposed_us" in r) == (r["impl"] not in ovl.BASELINES)
+    assert ("hidden_fraction" in r) == (r["impl"] not in ovl.BASELINES)
+
+
+@needs2
+def test_chain_output_matches_reference():
+  """A chain's last output is the op on the original inputs: the links add exact zeros."""
+  mesh = make_mesh((2,), ("x",))
+  case = ovl._Case("rs", (8, 4, 6), mesh, jnp.dtype(jnp.float32), 4)
+  fn, carrier, rest = case.chain_fn("xla:ppermute")
+  case.build((carrier, "zero") + rest)
+  x, w = np.asarray(case.arrays["x"]), np.asarray(case.arrays["w"])
+  ys = case.call(fn, carrier, rest)
+  assert len(ys) == 4
+  np.testing.assert_allclose(np.asarray(ys[-1]), x @ w, rtol=1e-5, atol=1e-5)
+  np.testing.assert_array_equal(np.asarray(case.arrays["x"]), x)  # carried back unchanged
+
+
+@needs2
+def test_run_case_flags_wrong(monkeypatch):
+  mesh = make_mesh((2,), ("x",))
+  real = ovl._Case.kernel
+
+  def kernel(self, impl):  # ppermute made wrong: twice the product
+    fn, carrier, rest, spec = real(self, impl)
+    return ((lambda x, w: fn(x, w) * 2) if impl == "xla:ppermute" else fn), carrier, rest, spec
+
+  monkeypatch.setattr(ovl._Case, "kernel", kernel)
+  logs = []
+  recs, rejected, failed = ovl.run_case("ag", (16, 8, 12), ["xla:ppermute"], mesh=mesh,
+                                        dtype="bfloat16", chain=2, reps=1, warmup=0,
+                                        log=logs.append)
+  assert recs == [] and failed == {"xla:ppermute": "WRONG"}
+  assert rejected[0]["impl"] == "xla:ppermute" and "differs from xla:naive" in rejected[0][
+      "reason"]
+  assert "WRONG" in logs[0]
+
+
+def test_script_cpu_merge(tmp_path):
+  """The script end to end on 2 simulated CPU devices; --merge keeps the other shape's rows."""
+  env = dict(os.environ, XLA_FLAGS="", JAX_PLATFORMS="cpu")
+  script = os.path.join(_ROOT, "benchmarks", "overlap.py")
+  base = [sys.executable, script, "--host_devices", "2", "--out", str(tmp_path), "--reps", "2",
+          "--chain", "2", "--machine", "cpu test", "--impls", "xla:local_gemm,xla:naive"]
+  for shapes in ("ag:16,8,8;rs:16,8,8", "rs:16,8,8"):
+    proc = subprocess.run(base + ["--shapes", shapes, "--merge"], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+  assert "rs 16x8x8  local_gemm=" in proc.stdout
+  result = json.load(open(tmp_path / "overlap-cpu_test.json"))
+  assert result["benchmark"] == "overlap" and result["machine"] == "cpu test"
+  assert len(result["commands"]) == 2
+  keys = [(r["op"], r["impl"]) for r in result["records"]]
+  assert keys == [("all_gather_matmul", "xla:local_gemm"), ("all_gather_matmul", "xla:naive"),
+                  ("matmul_reduce_scatter", "xla:local_gemm"),
+                  ("matmul_reduce_scatter", "xla:naive")]
+  bad = subprocess.run(base + ["--shapes", "ag:15,8,8"], env=env, capture_output=True,
+                       text=True, timeout=300)
+  assert bad.returncode != 0 and "M=15 does not divide by the 2 ranks" in bad.stderr
+
+
+# ------------------------------------------------------------------ plot_overlap
+
+
+def _fake_results():
+  ag, ar = "all_gather_matmul", "matmul_all_reduce"
+  s1, s2 = (16384, 4096, 4096), (2048, 14336, 4096)
+  main = [_rec(ag, "xla:local_gemm", 500.0, s1), _rec(ag, "xla:collective", 400.0, s1),
+          _rec(ag, "xla:naive", 1000.0, s1), _rec(ag, "xla:ppermute", 900.0, s1),
+          _rec(ag, "jaxoverlap:copy_engine", 560.0, s1),
+          _rec(ag, "jaxoverlap:copy_engine/c4", 550.0, s1),
+          _rec(ag, "jaxoverlap:nvshmem", 600.0, s1),
+          _rec(ar, "xla:local_gemm", 200.0, s2), _rec(ar, "xla:naive", 330.0, s2),
+          _rec(ar, "jaxoverlap:gemm_all_reduce", 300.0, s2)]
+  windowed = [_rec(ag, "xla:local_gemm", 400.0, s1), _rec(ag, "xla:collective", 400.0, s1),
+              _rec(ag, "xla:windowed_einsum", 640.0, s1)]
+  wrap = lambda recs, name: {"benchmark": name, "machine": "2x H200 NV18", "command": "c",  # noqa
+                             "date": "d", "versions": {}, "records": recs}
+  return (ovl.add_overlap_metrics(main) and wrap(main, "overlap"),
+          wrap(ovl.add_overlap_metrics(windowed), "overlap_windowed_einsum"))
+
+
+def test_markdown_tables():
+  main, windowed = _fake_results()
+  text = plot_overlap.markdown_tables(main, windowed)
+  lines = text.splitlines()
+  ag = next(line for line in lines if line.startswith("| 16384,4096,4096 "))
+  # windowed: 640 / 400 = 1.6 x floor, the best XLA variant (naive 2.0, ppermute 1.8); ours
+  # copy_engine/c4: 550 / 500 = 1.1 -> 1.6 / 1.1 = 1.45x.
+  assert ag == ("| 16384,4096,4096 | 0.500 | 0.400 | 1.000 | 0.900 | 0.640 | 0.550 "
+                "(copy_engine/c4) | 0.050 | 88% | 1.45x |")
+  ar = next(line for line in lines if line.startswith("| 2048,14336,4096 "))
+  assert ar == ("| 2048,14336,4096 | 0.200 | - | 0.330 | - | - | 0.300 (gemm_all_reduce) | "
+                "0.100 | - | 1.10x |")
+  assert text.index("all_gather_matmul") < text.index("matmul_all_reduce")
+  # Without the windowed run, the column is "-" and the best XLA variant is ppermute.
+  ag = next(line for line in plot_overlap.markdown_tables(main).splitlines()
+            if line.startswith("| 16384"))
+  assert "| 0.900 | - | 0.550" in ag and ag.endswith("| 1.64x |")
+
+
+def test_plot_png(tmp_path):
+  main, windowed = _fake_results()
+  for result in (main, windowed):
+    with open(tmp_path / f"{result['benchmark']}-2x_H200_NV18.json", "w") as f:
+      json.dump(result, f)
+  loaded, loaded_w = plot_overlap.load(str(tmp_path), "2x H200 NV18")
+  assert loaded["records"] == main["records"] and loaded_w["records"] == windowed["records"]
+  out = plot_overlap.plot(loaded, loaded_w, str(tmp_path / "sub" / "overlap.png"))
+  with open(out, "rb") as f:
+    assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+  os.remove(tmp_path / "overlap_windowed_einsum-2x_H200_NV18.json")
+  assert plot_overlap.load(str(tmp_path), "2x_H200_NV18")[1] is None
+  with pytest.raises(FileNotFoundError):
+    plot_overlap.load(str(tmp_path), "other")
