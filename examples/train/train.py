@@ -7,6 +7,10 @@ placed by their logical-axis metadata), resume from the latest checkpoint in
 validation batches, checkpoint, and write ``metrics.json``, ``history.json``
 and ``loss.png`` to ``workdir``.
 
+``build(config)`` is the part before the loop (mesh, sharded initial state,
+jit'd train and eval steps), for callers that drive the steps themselves
+(``benchmarks/profile_step.py``).
+
 The data order is a pure function of ``(seed, step)``, so a resumed run sees
 the same batches as an uninterrupted one.
 """
@@ -129,6 +133,83 @@ def _write_json(path: str, obj: Any):
   os.replace(tmp, path)
 
 
+@dataclasses.dataclass
+class Setup:
+  """A training run's mesh, initial state and jit'd steps (what ``build`` returns).
+
+  Attributes:
+    config: the run's configuration.
+    mesh: the (dp, tp) mesh.
+    parallel: the jaxoverlap layout of the model's layers.
+    batch_sharding: the sharding of a global ``[b, s]`` batch.
+    graphdef: the NNX graph of ``(model, optimizer)``.
+    state: their initial state, sharded (donated by ``train_step``).
+    state_sharding: the sharding of ``state``.
+    train_step: ``(state, batch) -> (state, loss)``, jit'd, donates ``state``.
+    eval_step: ``(state, batch) -> loss``, jit'd.
+    num_params: number of model parameters.
+  """
+
+  config: Config
+  mesh: jax.sharding.Mesh
+  parallel: jnnx.ParallelConfig
+  batch_sharding: jax.sharding.NamedSharding
+  graphdef: Any
+  state: Any
+  state_sharding: Any
+  train_step: Any
+  eval_step: Any
+  num_params: int
+
+  def train_batch(self, corpus: data_lib.Corpus, step: int) -> dict[str, jax.Array]:
+    """The global, sharded training batch of ``step`` (a pure function of seed and step)."""
+    c = self.config
+    return _to_global(data_lib.train_batch(corpus, step, c.batch_size, c.seq_len, c.seed),
+                      self.batch_sharding)
+
+
+def build(config: Config) -> Setup:
+  """Builds the mesh, the model and AdamW state (initialized sharded under jit) and the steps.
+
+  Raises:
+    ValueError: the mesh does not fit the devices.
+  """
+  mesh = make_mesh(config.mesh)
+  parallel = jnnx.ParallelConfig(
+      mesh=mesh, dp_axis="dp", tp_axis="tp", sequence_parallel=config.sequence_parallel,
+      backend=config.backend, algorithm=config.algorithm)
+  batch_sharding = jax.sharding.NamedSharding(mesh, parallel.spec("batch", None))
+  tx = make_optimizer(config)
+
+  def init():
+    model = GPT(config, parallel, rngs=nnx.Rngs(config.seed))
+    return model, nnx.Optimizer(model, tx, wrt=nnx.Param)
+
+  graphdef, abstract_state = nnx.split(nnx.eval_shape(init))
+  state_sharding = nnx.get_named_sharding(abstract_state, mesh)
+  state = jax.jit(lambda: nnx.split(init())[1], out_shardings=state_sharding)()
+  num_params = sum(
+      x.size for x in jax.tree.leaves(nnx.state(nnx.merge(graphdef, abstract_state)[0],
+                                                nnx.Param)))
+
+  @jax.jit
+  def eval_step(state, batch):
+    model, _ = nnx.merge(graphdef, state)
+    return cross_entropy(model(batch["inputs"]), batch["targets"])
+
+  def train_step(state, batch):
+    model, optimizer = nnx.merge(graphdef, state)
+    loss_fn = lambda model: cross_entropy(model(batch["inputs"]), batch["targets"])
+    loss, grads = nnx.value_and_grad(loss_fn)(model)
+    optimizer.update(model, grads)
+    return nnx.state((model, optimizer)), loss
+
+  train_step = jax.jit(train_step, donate_argnums=0, out_shardings=(state_sharding, None))
+  return Setup(config=config, mesh=mesh, parallel=parallel, batch_sharding=batch_sharding,
+               graphdef=graphdef, state=state, state_sharding=state_sharding,
+               train_step=train_step, eval_step=eval_step, num_params=int(num_params))
+
+
 def train_and_evaluate(config: Config, workdir: str) -> dict[str, Any]:
   """Trains ``config``'s model, resuming from ``workdir`` if it holds a checkpoint.
 
@@ -148,46 +229,18 @@ def train_and_evaluate(config: Config, workdir: str) -> dict[str, Any]:
   if is_main:
     os.makedirs(workdir, exist_ok=True)
 
-  # Mesh, layout and data.
-  mesh = make_mesh(config.mesh)
-  parallel = jnnx.ParallelConfig(
-      mesh=mesh, dp_axis="dp", tp_axis="tp", sequence_parallel=config.sequence_parallel,
-      backend=config.backend, algorithm=config.algorithm)
-  batch_sharding = jax.sharding.NamedSharding(mesh, parallel.spec("batch", None))
+  # Mesh, layout, model, optimizer and the jit'd steps.
+  setup = build(config)
+  mesh, graphdef, state = setup.mesh, setup.graphdef, setup.state
+  setup.state = None  # the loop donates it
+  eval_step, train_step, num_params = setup.eval_step, setup.train_step, setup.num_params
+  batch_sharding = setup.batch_sharding
   corpus = data_lib.load_corpus(val_percent=config.val_percent)
   unigram = data_lib.unigram_loss(corpus)
   val_batches = [
       _to_global(b, batch_sharding) for b in data_lib.validation_batches(
           corpus, config.eval_batches, config.batch_size, config.seq_len)]
   tokens_per_step = config.batch_size * config.seq_len
-
-  # Model and optimizer, initialized sharded under jit.
-  tx = make_optimizer(config)
-
-  def build():
-    model = GPT(config, parallel, rngs=nnx.Rngs(config.seed))
-    return model, nnx.Optimizer(model, tx, wrt=nnx.Param)
-
-  graphdef, abstract_state = nnx.split(nnx.eval_shape(build))
-  state_sharding = nnx.get_named_sharding(abstract_state, mesh)
-  state = jax.jit(lambda: nnx.split(build())[1], out_shardings=state_sharding)()
-  num_params = sum(
-      x.size for x in jax.tree.leaves(nnx.state(nnx.merge(graphdef, abstract_state)[0],
-                                                nnx.Param)))
-
-  @jax.jit
-  def eval_step(state, batch):
-    model, _ = nnx.merge(graphdef, state)
-    return cross_entropy(model(batch["inputs"]), batch["targets"])
-
-  def train_step(state, batch):
-    model, optimizer = nnx.merge(graphdef, state)
-    loss_fn = lambda model: cross_entropy(model(batch["inputs"]), batch["targets"])
-    loss, grads = nnx.value_and_grad(loss_fn)(model)
-    optimizer.update(model, grads)
-    return nnx.state((model, optimizer)), loss
-
-  train_step = jax.jit(train_step, donate_argnums=0, out_shardings=(state_sharding, None))
 
   def evaluate(state) -> float:
     return float(np.mean([jax.device_get(eval_step(state, b)) for b in val_batches]))
@@ -243,9 +296,7 @@ def train_and_evaluate(config: Config, workdir: str) -> dict[str, Any]:
   first_step_s = None
   tick = time.perf_counter()
   for step in range(start_step, config.steps):
-    batch = _to_global(
-        data_lib.train_batch(corpus, step, config.batch_size, config.seq_len, config.seed),
-        batch_sharding)
+    batch = setup.train_batch(corpus, step)
     state, loss = train_step(state, batch)
     pending.append(loss)
     done = step + 1

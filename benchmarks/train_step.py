@@ -1,0 +1,479 @@
+"""Training step time and loss curves of the training example, backend xla against cuda, one run.
+
+Run one process per GPU through the launcher:
+
+  python -m jaxoverlap.launch --nproc 2 benchmarks/train_step.py
+  # one preset per run (each well under 10 minutes), into one JSON:
+  python -m jaxoverlap.launch --nproc 2 benchmarks/train_step.py --presets gpu_small
+  python -m jaxoverlap.launch --nproc 2 benchmarks/train_step.py --presets gpu_large --merge
+  # CPU smoke run (8 simulated devices, dp=4 x tp=2; "auto" resolves to xla on CPU):
+  python benchmarks/train_step.py --presets tiny --steps 4 --backends xla,auto --mesh 4,2 \\
+      --workdir /tmp/ts --out /tmp/ts_out
+
+What is measured: for each preset of examples/train/config.py in --presets,
+``train.train_and_evaluate`` runs once per backend in --backends (default
+"xla,cuda": the jaxoverlap layers with lax collectives, then with the fused
+CUDA kernels), in this process group, one after the other, with the same
+seed, so the same initial parameters and the same batches in the same order.
+Each run starts from an empty workdir (``<--workdir>/<preset>-<i>-<backend>``,
+deleted first, so nothing is resumed). Only the backend (and --mesh, --steps)
+differs from the preset, plus three overrides that keep evaluation and
+checkpointing out of the way: eval_every = ckpt_every = steps (evaluation at
+step 0 and at the end only; the example always writes one checkpoint at the
+end), eval_batches = 1. The checkpoints are deleted after each run (pass
+--keep_checkpoints to keep them): gpu_large's is about 36 GB.
+
+step time: the example's ``step_time_ms``: wall time of steps 2..N (the first
+step, which compiles, is timed apart) divided by N - 1, measured on each
+process's host clock with the loss fetched every ``log_every`` steps (rank 0's
+figure is reported). Evaluation and checkpoints fall outside it.
+
+Loss comparison: ``history.json`` holds the mean training loss of each
+``log_every``-step window, at the window's last step. The first backend is the
+reference; for every other backend and every step both curves have, the
+difference |loss - loss_ref| is compared with 0.02 * max(1, |loss_ref|): 0.02
+nats below a loss of 1, 2 % above. That is about 5 bf16 roundings (unit
+roundoff 2**-8 = 0.4 %) of the loss: the backends run the same maths in a
+different order (chunked GEMMs, other reduction orders), so bf16 activations
+round differently and the trajectories drift apart over the optimizer steps,
+but a wrong result (a missing or doubled shard, a stale buffer) moves the
+loss by far more. A float32 preset would allow a tighter bound; this one is
+meant for the bf16 GPU presets.
+
+Results (rank 0): ``<out>/train_step-<machine>.json`` in BRIEF section 7 form:
+one record per run (op "train_step"; impl "jaxoverlap:<backend>" when any
+jaxoverlap op resolved to the CUDA kernels, else "xla:<backend>"; dtype; shape
+= the model and batch sizes; world = process count; time_us = step_time_ms *
+1000; final_train_loss; steps; loss_curve = the history.json points) and a
+top-level "comparison" list, one entry per preset and non-reference backend:
+max_abs_loss_diff, within_tolerance, final losses, step times and speedup =
+t_ref / t (for the defaults, t_xla / t_cuda: above 1 means cuda is faster).
+With --merge, the records of presets not run this time are kept from the
+existing file. ``<out>/train_step-<machine>.png``: per preset, the loss
+curves overlaid and, below, their difference with the tolerance band. A
+summary table goes to stdout. Exit code 1 when a curve is out of tolerance.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import gc
+import json
+import os
+import shlex
+import shutil
+import sys
+from typing import Any, Mapping, Sequence
+
+BENCHMARK = "train_step"
+TRAIN_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                         "examples", "train")
+REL_TOL = 0.02  # tolerance per point: REL_TOL * max(1, |loss_ref|)
+METHOD = ("train.train_and_evaluate of examples/train once per backend, same seed and data, "
+          "fresh workdir; overrides eval_every = ckpt_every = steps, eval_batches = 1; time_us = "
+          "step_time_ms * 1000 = wall time of steps 2..N / (N - 1) on rank 0 (the compiling "
+          "first step excluded; loss fetched every log_every steps); loss curves = history.json "
+          "(mean train loss per log_every window), compared with the first backend within "
+          f"{REL_TOL} * max(1, |loss_ref|) per point")
+
+
+# ------------------------------------------------------------------ pure helpers
+
+
+def tolerance(loss_ref: float, rel_tol: float = REL_TOL) -> float:
+  """The allowed |loss - loss_ref| at one point: ``rel_tol * max(1, |loss_ref|)``."""
+  return rel_tol * max(1.0, abs(loss_ref))
+
+
+def compare_curves(ref: Sequence[Sequence[float]], other: Sequence[Sequence[float]],
+                   rel_tol: float = REL_TOL) -> dict[str, Any]:
+  """Compares two loss curves on the steps both have.
+
+  Args:
+    ref: reference curve, ``(step, loss)`` points.
+    other: the curve to check, ``(step, loss)`` points.
+    rel_tol: tolerance factor, see ``tolerance``.
+
+  Returns:
+    dict: ``common_steps`` (count), ``max_abs_loss_diff`` (None without common
+    steps), ``step_of_max_diff``, ``worst_diff_over_tolerance`` (max over the
+    points of |diff| / tolerance), ``within_tolerance`` (False without common
+    steps or with a non-finite loss), ``final_step``, ``final_loss_ref`` and
+    ``final_loss`` (at the last common step).
+  """
+  a = {int(s): float(v) for s, v in ref}
+  b = {int(s): float(v) for s, v in other}
+  steps = sorted(set(a) & set(b))
+  out: dict[str, Any] = {"common_steps": len(steps), "max_abs_loss_diff": None,
+                         "step_of_max_diff": None, "worst_diff_over_tolerance": None,
+                         "within_tolerance": False, "final_step": None,
+                         "final_loss_ref": None, "final_loss": None}
+  if not steps:
+    return out
+  diffs = [abs(b[s] - a[s]) for s in steps]
+  ratios = [d / tolerance(a[s], rel_tol) for d, s in zip(diffs, steps)]
+  finite = all(d == d and d != float("inf") for d in diffs)  # NaN != NaN
+  worst = max(range(len(steps)), key=lambda i: diffs[i] if diffs[i] == diffs[i] else 1e300)
+  out.update(max_abs_loss_diff=diffs[worst] if finite else float("nan"),
+             step_of_max_diff=steps[worst],
+             worst_diff_over_tolerance=max(ratios) if finite else float("nan"),
+             within_tolerance=bool(finite and all(r <= 1.0 for r in ratios)),
+             final_step=steps[-1], final_loss_ref=a[steps[-1]], final_loss=b[steps[-1]])
+  return out
+
+
+def impl_name(backend: str, resolved: Mapping[str, str] | None) -> str:
+  """BRIEF section 7 ``impl`` of a run: ``jaxoverlap:<backend>`` when any op ran the CUDA
+  kernels (``resolved``: op -> "xla" | "cuda", the example's metrics["backend"]["resolved"]),
+  else ``xla:<backend>``."""
+  uses_cuda = any(v == "cuda" for v in (resolved or {}).values())
+  return f"{'jaxoverlap' if uses_cuda else 'xla'}:{backend}"
+
+
+def make_record(preset: str, metrics: Mapping[str, Any], history: Mapping[str, Any]
+                ) -> dict[str, Any]:
+  """One BRIEF section 7 record from a run's metrics (``train_and_evaluate``'s return value).
+
+  Args:
+    preset: the preset's name.
+    metrics: the run's metrics (``config``, ``mesh``, ``backend``, ``step_time_ms``, ...).
+    history: the run's ``history.json`` (``train``: ``(step, loss)`` points).
+
+  Returns:
+    The record; ``loss_curve`` holds the ``(step, loss)`` points of ``history["train"]``.
+  """
+  cfg, mesh = metrics["config"], metrics["mesh"]
+  backend = metrics["backend"]
+  step_ms = metrics.get("step_time_ms")
+  curve = [[int(st), float(v)] for st, v in history.get("train") or []]
+  return {
+      "op": "train_step",
+      "impl": impl_name(cfg["backend"], backend.get("resolved")),
+      "dtype": cfg["dtype"],
+      "shape": {"preset": preset, "d_model": cfg["d_model"], "n_layers": cfg["n_layers"],
+                "n_heads": cfg["n_heads"], "d_ff": cfg["d_ff"], "seq_len": cfg["seq_len"],
+                "batch_size": cfg["batch_size"], "dp": mesh["dp"], "tp": mesh["tp"],
+                "sequence_parallel": cfg["sequence_parallel"]},
+      "world": mesh["processes"],
+      "devices": mesh["devices"],
+      "platform": mesh["platform"],
+      "time_us": round(step_ms * 1e3, 1) if step_ms else None,
+      "tokens_per_s": metrics.get("tokens_per_s"),
+      "first_step_s": metrics.get("first_step_s"),
+      "final_train_loss": curve[-1][1] if curve else metrics.get("train_loss"),
+      "val_loss": metrics.get("val_loss"),
+      "steps": metrics["steps"],
+      "num_params": metrics.get("num_params"),
+      "backend": cfg["backend"],
+      "algorithm": cfg["algorithm"],
+      "resolved": dict(backend.get("resolved") or {}),
+      "loss_curve": curve,
+  }
+
+
+def group_by_preset(records: Sequence[Mapping[str, Any]]) -> dict[str, list[Mapping[str, Any]]]:
+  """Records by ``shape["preset"]``, in order (each preset's first record is its reference)."""
+  out: dict[str, list[Mapping[str, Any]]] = {}
+  for r in records:
+    out.setdefault(r["shape"]["preset"], []).append(r)
+  return out
+
+
+def compare_runs(runs: Sequence[Mapping[str, Any]],
+                 rel_tol: float = REL_TOL) -> list[dict[str, Any]]:
+  """Comparison entries of one preset's runs: every run against the first.
+
+  Args:
+    runs: ``make_record`` records of one preset, reference first.
+    rel_tol: tolerance factor, see ``tolerance``.
+
+  Returns:
+    One dict per run after the first: ``preset``, ``reference`` and ``impl``
+    (impl names), the fields of ``compare_curves``, ``step_time_ms`` of both,
+    ``speedup`` = t_ref / t (None when a time is missing), ``tolerance`` (text).
+  """
+  out = []
+  if not runs:
+    return out
+  ref = runs[0]
+  for run in runs[1:]:
+    c = compare_curves(ref["loss_curve"], run["loss_curve"], rel_tol)
+    t_ref, t = ref["time_us"], run["time_us"]
+    out.append({
+        "preset": ref["shape"]["preset"],
+        "reference": ref["impl"],
+        "impl": run["impl"],
+        **c,
+        "final_train_loss_ref": ref["final_train_loss"],
+        "final_train_loss": run["final_train_loss"],
+        "step_time_ms_ref": t_ref / 1e3 if t_ref else None,
+        "step_time_ms": t / 1e3 if t else None,
+        "speedup": t_ref / t if t_ref and t else None,
+        "tolerance": f"|loss - loss_ref| <= {rel_tol} * max(1, |loss_ref|) at every common step",
+    })
+  return out
+
+
+def compare_all(records: Sequence[Mapping[str, Any]],
+                rel_tol: float = REL_TOL) -> list[dict[str, Any]]:
+  """``compare_runs`` of every preset of ``records``."""
+  return [c for runs in group_by_preset(records).values() for c in compare_runs(runs, rel_tol)]
+
+
+def merge_records(old: Sequence[Mapping[str, Any]], new: Sequence[Mapping[str, Any]]
+                  ) -> list[dict[str, Any]]:
+  """The records of ``old`` whose preset ``new`` does not measure, then those of ``new``."""
+  presets = {r["shape"]["preset"] for r in new}
+  return ([dict(r) for r in old if r["shape"]["preset"] not in presets]
+          + [dict(r) for r in new])
+
+
+def summary_table(records: Sequence[Mapping[str, Any]],
+                  comparison: Sequence[Mapping[str, Any]]) -> str:
+  """A Markdown table: one row per run, with its comparison against the reference."""
+  by_impl = {(c["preset"], c["impl"]): c for c in comparison}
+  lines = ["| preset | impl | step ms | speed-up vs ref | final train loss | max abs loss diff "
+           "| within tol |", "|---|---|---|---|---|---|---|"]
+  for r in records:
+    preset = r["shape"]["preset"]
+    c = by_impl.get((preset, r["impl"]))
+    t = f"{r['time_us'] / 1e3:.2f}" if r["time_us"] else "-"
+    if c is None:
+      speedup, diff, ok = "(ref)", "-", "-"
+    else:
+      speedup = f"{c['speedup']:.3f}x" if c["speedup"] else "-"
+      diff = f"{c['max_abs_loss_diff']:.4g}" if c["max_abs_loss_diff"] is not None else "-"
+      ok = "yes" if c["within_tolerance"] else "NO"
+    loss = f"{r['final_train_loss']:.4f}" if r["final_train_loss"] is not None else "-"
+    lines.append(f"| {preset} | {r['impl']} | {t} | {speedup} | {loss} | {diff} | {ok} |")
+  return "\n".join(lines)
+
+
+def plot(path: str, records: Sequence[Mapping[str, Any]], title: str,
+         rel_tol: float = REL_TOL) -> None:
+  """Per preset (a column), the loss curves overlaid (top) and their difference (bottom).
+
+  Args:
+    path: the PNG to write.
+    records: ``make_record`` records; per preset, the first is the reference.
+    title: the figure's title.
+    rel_tol: tolerance factor for the band drawn around 0 in the bottom row.
+  """
+  from matplotlib.backends.backend_agg import FigureCanvasAgg
+  from matplotlib.figure import Figure
+
+  by_preset = group_by_preset(records)
+  ncol = max(1, len(by_preset))
+  fig = Figure(figsize=(6.0 * ncol, 6.5))
+  FigureCanvasAgg(fig)
+  axes = fig.subplots(2, ncol, squeeze=False, sharex="col",
+                      gridspec_kw={"height_ratios": [2, 1]})
+  for col, (preset, runs) in enumerate(by_preset.items()):
+    top, bottom = axes[0][col], axes[1][col]
+    times = []
+    for i, rec in enumerate(runs):
+      pts = rec["loss_curve"]
+      t = rec["time_us"]
+      label = f"{rec['impl']} ({t / 1e3:.1f} ms/step)" if t else rec["impl"]
+      times.append(f"{rec['impl']} {t / 1e3:.1f} ms" if t else f"{rec['impl']} -")
+      if pts:
+        steps, losses = zip(*pts)
+        top.plot(steps, losses, label=label, linestyle="-" if i == 0 else "--",
+                 marker="." if len(pts) <= 50 else None, alpha=0.85)
+    ref_map = {int(st): float(v) for st, v in runs[0]["loss_curve"]}
+    band_steps = sorted(ref_map)
+    if band_steps:
+      band = [tolerance(ref_map[st], rel_tol) for st in band_steps]
+      bottom.fill_between(band_steps, [-b for b in band], band, color="gray", alpha=0.2,
+                          label=f"tolerance {rel_tol} * max(1, |loss|)")
+    for rec in runs[1:]:
+      pts = [(int(st), float(v)) for st, v in rec["loss_curve"] if int(st) in ref_map]
+      if pts:
+        steps, losses = zip(*pts)
+        bottom.plot(steps, [v - ref_map[st] for st, v in pts], marker=".",
+                    label=f"{rec['impl']} - {runs[0]['impl']}")
+    bottom.axhline(0.0, color="black", linewidth=0.6)
+    top.set_title(f"{preset}: " + ", ".join(times), fontsize=9)
+    top.set_ylabel("train loss (nats/byte)")
+    bottom.set_ylabel("loss difference")
+    bottom.set_xlabel("step")
+    for ax in (top, bottom):
+      ax.grid(alpha=0.3)
+      if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=7)
+  fig.suptitle(title, fontsize=10)
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+
+
+def write_results(out_dir: str, machine: str, records: Sequence[Mapping[str, Any]], *,
+                  command: str, versions: Mapping[str, Any] | None = None,
+                  extra: Mapping[str, Any] | None = None, merge: bool = False
+                  ) -> tuple[str, str, dict[str, Any]]:
+  """Writes ``<out_dir>/train_step-<machine>.json`` (BRIEF section 7) and the PNG.
+
+  Args:
+    out_dir, machine: where, and the machine's name (spaces become "_" in the file name).
+    records: this run's ``make_record`` records, per preset the reference first.
+    command, versions, extra: stored in the JSON (``extra`` at the top level).
+    merge: keep the records of the presets this run did not measure from an
+      existing file (the comparison and the PNG cover them all).
+
+  Returns:
+    (json path, png path, the JSON object written).
+  """
+  os.makedirs(out_dir, exist_ok=True)
+  tag = machine.replace(" ", "_")
+  path = os.path.join(out_dir, f"{BENCHMARK}-{tag}.json")
+  if merge and os.path.exists(path):
+    with open(path) as f:
+      records = merge_records(json.load(f).get("records", []), records)
+  result = {"benchmark": BENCHMARK, "machine": machine, "command": command, "method": METHOD,
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "versions": dict(versions or {}), "records": [dict(r) for r in records],
+            "comparison": compare_all(records)}
+  result.update(extra or {})
+  with open(path, "w") as f:
+    json.dump(result, f, indent=1)
+  png = os.path.join(out_dir, f"{BENCHMARK}-{tag}.png")
+  world = records[0]["world"] if records else "?"
+  plot(png, records, f"training example, {machine}, {world} process(es)\n"
+       "train loss per backend (same seed and data)")
+  return path, png, result
+
+
+# ------------------------------------------------------------------ main
+
+
+def _launched() -> bool:
+  """True when the launcher (or SLURM with several tasks) started this process."""
+  env = os.environ
+  return "JAXOVERLAP_COORDINATOR" in env or int(env.get("SLURM_NTASKS", "1") or 1) > 1
+
+
+def define_flags():
+  """Defines the command-line flags (only when run as a script, so importing is free)."""
+  from absl import flags
+
+  flags.DEFINE_list("presets", ["gpu_small", "gpu_large"], "presets of examples/train/config.py")
+  flags.DEFINE_integer("steps", 200, "optimizer steps per run (>= 2: the first one compiles)")
+  flags.DEFINE_list("backends", ["xla", "cuda"], "jaxoverlap backends, one run each; the "
+                    "first is the reference of the loss comparison and of the speed-up")
+  flags.DEFINE_string("workdir", "/tmp/jaxoverlap_train_step",
+                      "parent of the runs' workdirs (each deleted before its run)")
+  flags.DEFINE_string("out", "benchmarks/results", "folder for the JSON and PNG")
+  flags.DEFINE_string("machine", "2x H200 NV18", "machine name for the results")
+  flags.DEFINE_string("mesh", None, "dp,tp mesh shape, e.g. '1,2' (-1: the remaining "
+                      "devices). Default: the preset's")
+  flags.DEFINE_bool("distributed", _launched(), "multi-process run: "
+                    "jaxoverlap.launch.initialize_from_env() first (default: when the "
+                    "launcher's JAXOVERLAP_* variables are set)")
+  flags.DEFINE_bool("keep_checkpoints", False, "keep each run's final orbax checkpoint")
+  flags.DEFINE_bool("merge", False, "keep the records of other presets from an existing "
+                    "<out>/train_step-<machine>.json (to measure the presets in separate runs)")
+  flags.DEFINE_integer("host_devices", 8, "simulated CPU devices (only the CPU platform uses "
+                       "them; ignored when XLA_FLAGS already sets a count)")
+
+
+def _init_runtime(distributed: bool, backends: Sequence[str]) -> None:
+  """jax.distributed and NVSHMEM: NVSHMEM must be up for backend "cuda" (fail loudly if not)."""
+  need_cuda = "cuda" in backends
+  if distributed:
+    from jaxoverlap import launch
+
+    # nvshmem=None brings NVSHMEM up on GPUs when the extension is built ("auto" uses it).
+    launch.initialize_from_env(nvshmem=True if need_cuda else None)
+  elif need_cuda:
+    import jaxoverlap
+
+    jaxoverlap.initialize()  # one process: it must own exactly one GPU
+
+
+def main(argv):
+  del argv
+  from absl import flags
+  from absl import logging
+
+  fl = flags.FLAGS
+  logging.set_verbosity(logging.WARNING)  # orbax logs every checkpoint step at INFO
+  xla_flags = os.environ.get("XLA_FLAGS", "")
+  if "xla_force_host_platform_device_count" not in xla_flags:  # before jax starts
+    os.environ["XLA_FLAGS"] = (
+        f"{xla_flags} --xla_force_host_platform_device_count={fl.host_devices}").strip()
+  if fl.steps < 2:
+    raise app_usage_error("--steps must be >= 2 (the first step compiles and is timed apart)")
+  backends = [b.strip() for b in fl.backends if b.strip()]
+  if not backends:
+    raise app_usage_error("--backends is empty")
+
+  _init_runtime(fl.distributed, backends)
+  if TRAIN_DIR not in sys.path:
+    sys.path.insert(0, TRAIN_DIR)  # the example's flat imports, as its main.py
+  import config as config_lib
+  import jax
+  from jax.experimental import multihost_utils
+  import train
+
+  from jaxoverlap import tuning
+
+  rank = jax.process_index()
+  records: list[dict] = []
+  for preset in fl.presets:
+    base = config_lib.get_config(preset)
+    overrides: dict[str, Any] = {"steps": fl.steps, "eval_every": fl.steps,
+                                 "ckpt_every": fl.steps, "eval_batches": 1}
+    if fl.mesh:
+      overrides["mesh"] = tuple(int(v) for v in fl.mesh.split(","))
+    for i, backend in enumerate(backends):
+      config = dataclasses.replace(base, backend=backend, **overrides)
+      workdir = os.path.join(os.path.abspath(fl.workdir), f"{preset}-{i}-{backend}")
+      if rank == 0 and os.path.exists(workdir):
+        shutil.rmtree(workdir)
+      multihost_utils.sync_global_devices(f"train_step:{preset}:{i}:start")
+      if rank == 0:
+        print(f"=== {preset}, backend {backend}: {fl.steps} steps into {workdir}", flush=True)
+      metrics = train.train_and_evaluate(config, workdir)
+      multihost_utils.sync_global_devices(f"train_step:{preset}:{i}:end")
+      if rank == 0:
+        with open(os.path.join(workdir, train.HISTORY_FILE)) as f:
+          records.append(make_record(preset, metrics, json.load(f)))
+        if not fl.keep_checkpoints:
+          shutil.rmtree(os.path.join(workdir, train.CHECKPOINT_DIR), ignore_errors=True)
+      del metrics
+      gc.collect()
+      jax.clear_caches()
+
+  code = 0
+  if rank == 0:
+    args = shlex.join(sys.argv[1:])
+    command = (f"python -m jaxoverlap.launch --nproc {jax.process_count()} "
+               f"benchmarks/train_step.py {args}" if "JAXOVERLAP_COORDINATOR" in os.environ
+               else f"python benchmarks/train_step.py {args}")
+    extra = {"world": jax.process_count(), "platform": jax.devices()[0].platform,
+             "steps": fl.steps, "backends": backends}
+    path, png, result = write_results(fl.out, fl.machine, records, command=command,
+                                      versions=tuning.package_versions(), extra=extra,
+                                      merge=fl.merge)
+    print(summary_table(result["records"], result["comparison"]))
+    print(f"wrote {path} and {png}", flush=True)
+    if not all(c["within_tolerance"] for c in compare_all(records)):
+      print("LOSS CURVES DIFFER beyond the tolerance (see 'comparison')", flush=True)
+      code = 1
+  # No process leaves (and shuts jax.distributed and NVSHMEM down) before rank 0 is done.
+  multihost_utils.sync_global_devices("train_step:end")
+  return code
+
+
+def app_usage_error(message: str) -> Exception:
+  """absl's usage error (prints the message and the flags' help)."""
+  from absl import app
+
+  return app.UsageError(message)
+
+
+if __name__ == "__main__":
+  from absl import app
+
+  define_flags()
+  app.run(main)
