@@ -321,12 +321,14 @@ def runtime_info() -> dict[str, Any]:
     A dict with ``initialized``, and once initialised: ``transport``, ``pe``,
     ``num_pes``, ``ranks_per_node``, ``num_nodes``, ``heap_bytes``,
     ``slot_bytes`` (simple-protocol capacity per sender, bytes),
+    ``overlap_slot_bytes`` (the fused ops' capacity per sender, bytes),
     ``ll_slot_bytes`` (LL8 cells per sender, bytes), ``inter_node_transport``,
     ``timeout_s``, ``device_error`` (None, or what a timed-out wait recorded);
     always ``backends``: for each op, ``"cuda"`` or the reason it runs on
-    ``"xla"``; and, once a cuda all_reduce was lowered,
-    ``all_reduce_decisions``: the last 20 choices (size, topology, algorithm,
-    protocol and the evidence).
+    ``"xla"``; and, once a cuda op was lowered, ``all_reduce_decisions``: the
+    last 20 all-reduce choices (size, topology, algorithm, protocol and the
+    evidence) and ``fused_decisions``: the last 20 fused-op lowerings (op,
+    shape, transport, chunks and whether they were requested or automatic).
   """
   from jaxoverlap import _ffi, backend
 
@@ -354,6 +356,7 @@ def runtime_info() -> dict[str, Any]:
   cuda_mod = sys.modules.get("jaxoverlap._cuda")  # only if an op has used it
   if cuda_mod is not None:
     info["all_reduce_decisions"] = list(cuda_mod.decisions[-20:])
+    info["fused_decisions"] = list(cuda_mod.fused_decisions[-20:])
   return info
 
 
