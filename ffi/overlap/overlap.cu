@@ -234,7 +234,23 @@ struct Call {
   int my_local() const { return g.local[g.rank]; }
 };
 
+// Checks what could fail half-way through a call before any work is enqueued
+// (a call that stopped after its first transfer would leave its peers waiting).
+ffi::Error Precheck(const Call& c) {
+  if (c.opt.transport != Transport::kCopyEngine) return ffi::Error::Success();
+  for (int j = 0; j < c.g.size; ++j) {
+    if (j == c.g.rank || nvshmem_ptr(c.s.oslots, c.g.pes[j]) != nullptr) continue;
+    return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
+                      std::string(c.op) + ": transport 'copy_engine' needs peer PE " +
+                          std::to_string(c.g.pes[j]) +
+                          " to be load/store-reachable (NVLink/PCIe peer access), and it is "
+                          "not; use algorithm 'nvshmem'");
+  }
+  return ffi::Error::Success();
+}
+
 ffi::Error Begin(const Call& c) {
+  JAXOVERLAP_RETURN_IF_ERROR(Precheck(c));
   BeginKernel<<<1, 1, 0, c.compute>>>(c.s.overlap_epochs, c.s.call_epochs, c.g);
   JAXOVERLAP_RETURN_IF_LAUNCH_ERROR("BeginKernel launch");
   return Handoff(c.s.events[0], c.compute, c.s.comm_stream);  // fork
@@ -269,12 +285,9 @@ ffi::Error Send(const Call& c, int j, char* dst, const char* src, size_t width, 
   cudaStream_t comm = c.s.comm_stream;
   if (c.opt.transport == Transport::kCopyEngine) {
     char* peer = static_cast<char*>(nvshmem_ptr(dst, pe));
-    if (peer == nullptr) {
-      return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
-                        std::string(c.op) + ": transport 'copy_engine' needs peer PE " +
-                            std::to_string(pe) +
-                            " to be load/store-reachable (NVLink/PCIe peer access), and it is "
-                            "not; use transport 'nvshmem'");
+    if (peer == nullptr) {  // Precheck() makes this unreachable
+      return ffi::Error(ffi::ErrorCode::kInternal,
+                        std::string(c.op) + ": no peer mapping of PE " + std::to_string(pe));
     }
     if (height == 1) {
       JAXOVERLAP_CUDA_RETURN_IF_ERROR(
