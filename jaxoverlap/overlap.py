@@ -68,11 +68,14 @@ def _check_operands(op, x, w, axis_name) -> int:
 def _check_chunks(op, chunks):
   if chunks is None:
     return
-  if isinstance(chunks, bool) or not isinstance(chunks, int) or not 1 <= chunks <= _cuda.MAX_CHUNKS:
-    raise ValueError(f"{op}: chunks must be None or an int in 1..{_cuda.MAX_CHUNKS}, got {chunks!r}")
+  if (isinstance(chunks, bool) or not isinstance(chunks, int)
+      or not 1 <= chunks <= _cuda.MAX_CHUNKS):
+    raise ValueError(
+        f"{op}: chunks must be None or an int in 1..{_cuda.MAX_CHUNKS}, got {chunks!r}")
 
 
-def _config(op, x, w, axis_name, dim, backend, algorithm, chunks, cuda_unsupported=None) -> _Config:
+def _config(op, x, w, axis_name, dim, backend, algorithm, chunks,
+            cuda_unsupported=None) -> _Config:
   """Resolves backend and algorithm and records what the backward pass needs.
 
   ``cuda_unsupported`` is None, or why the CUDA kernel cannot take this call
@@ -212,7 +215,8 @@ def all_gather_matmul(x, w, axis_name, *, gather_dimension=0, backend="auto",
     that order, chunk by chunk, each chunk then flagged); on XLA's stream it
     multiplies its own shard (cuBLASLt), then each arriving chunk of ranks
     r-1, r-2, ..., writing every product into its rows of the output. Within
-    one node (the TP group); empty operands take the xla expression. Backward: dX =
+    one node (the TP group); empty operands take the xla expression.
+    Backward: dX =
     ``matmul_reduce_scatter(dY, w.T, scatter_dimension=gather_dimension)``
     with the same backend and algorithm, dW = ``AG(x)^T @ dY`` with ``AG(x)``
     saved by the forward pass (summed over the axis when ``w`` is invariant
@@ -313,10 +317,11 @@ def matmul_reduce_scatter(x, w, axis_name, *, scatter_dimension=0, backend="auto
     Backend "cuda": one custom call. Rank r computes the partial block of rank
     r+1 chunk by chunk (cuBLASLt, into a staging buffer), each chunk sent by
     a second stream into r+1's slot as soon as it is done; then r+2's, ...;
-    its own block last, straight into the output; then it waits for the
-    partials sent to it and adds them in float32 (one rounding to x's dtype
-    per partial sum). Within one node; empty operands take the xla
-    expression. Backward:
+    its own block last, straight into the output, chunk by chunk, each chunk
+    adding rank r-1's partial (the first to arrive) in the GEMM's epilogue
+    (float32, one rounding to x's dtype); with more than 2 ranks the other
+    partials are added after it in float32. Within one node; empty operands
+    take the xla expression. Backward:
     dX = ``all_gather_matmul(dY, w.T, gather_dimension=scatter_dimension)``
     with the same backend and algorithm, dW = ``x^T @ AG(dY)`` with the
     gathered ``dY`` from that op. For the last dimension the gather runs
@@ -413,9 +418,10 @@ def matmul_all_reduce(x, w, axis_name, *, backend="auto", algorithm="auto", chun
     all-gathers the reduced blocks with ``lax.all_gather(...,
     to="invarying")``. Backend "cuda", fused: the GEMM+ReduceScatter kernel
     over the rows, writing this rank's reduced block into its rows of the
-    output, then a second stream sends that block to every peer while XLA's
-    stream copies each arriving block into place. Backward: dX = ``dY @ w.T``, dW = ``x^T @ dY`` (the
-    transpose of psum is the cast to varying).
+    output; each chunk of it, once final, goes by a second stream to every
+    peer, while XLA's stream copies each arriving chunk into place.
+    Backward: dX = ``dY @ w.T``, dW = ``x^T @ dY`` (the transpose of psum is
+    the cast to varying).
 
   Source:
     CommFuse, arXiv 2604.24013, section 3 (GEMM+AllReduce as GEMM+RS then

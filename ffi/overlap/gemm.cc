@@ -70,7 +70,8 @@ ffi::Error ElementType(ffi::DataType t, Precision precision, cudaDataType_t* dat
   switch (t) {
     case ffi::DataType::F32:
       *data = CUDA_R_32F;
-      *compute = precision == Precision::kHighest ? CUBLAS_COMPUTE_32F : CUBLAS_COMPUTE_32F_FAST_TF32;
+      *compute = precision == Precision::kHighest ? CUBLAS_COMPUTE_32F
+                                                  : CUBLAS_COMPUTE_32F_FAST_TF32;
       return ffi::Error::Success();
     case ffi::DataType::BF16:
       *data = CUDA_R_16BF;

@@ -41,7 +41,8 @@ ffi::Error Prepare(const char* op, cudaStream_t stream, ffi::Span<const int64_t>
   if (stream_device != s.device) {
     return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
                       std::string(op) + ": XLA's stream is on device " +
-                          std::to_string(stream_device) + " but NVSHMEM was initialised on device " +
+                          std::to_string(stream_device) +
+                          " but NVSHMEM was initialised on device " +
                           std::to_string(s.device));
   }
   if (transport < 0 || transport > 1 || chunks < 1 || chunks > kMaxChunks || precision < 0 ||
