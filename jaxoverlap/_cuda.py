@@ -227,6 +227,13 @@ def auto_chunks(op: str, payload_bytes: int, rows: int, gemm_flops: float) -> in
   return int(max(1, min(_AUTO_MAX_CHUNKS, rows, chunks)))
 
 
+def record_fused_decision(op: str, axis_name, algorithm: str, why: str) -> None:
+  """Keeps a trace-time choice of a fused op in ``fused_decisions`` (runtime_info)."""
+  fused_decisions.append({"op": op, "axis_name": axis_name, "algorithm": algorithm,
+                          "source": "auto", "why": why})
+  del fused_decisions[:-_MAX_DECISIONS]
+
+
 def _precision_id() -> int:
   """gemm::Precision for float32 GEMMs, from JAX's matmul precision setting."""
   p = jax.config.jax_default_matmul_precision
@@ -240,6 +247,10 @@ def _fused_lowering(target, op, ctx, x, w, *, axis_name, transport, chunks, shap
   info = runtime.runtime_info()
   rpn = info["ranks_per_node"]
   mine = next(g for g in groups if info["pe"] in g)
+  if len(mine) > info["max_group_size"]:
+    raise ValueError(
+        f"{op} with backend='cuda' supports groups of at most {info['max_group_size']} ranks; "
+        f"the group over {axis_name!r} has {len(mine)}; use backend='xla'")
   if len({pe // rpn for pe in mine}) > 1:
     raise ValueError(
         f"{op} with backend='cuda' runs within one node, but the group over {axis_name!r} "
@@ -254,7 +265,8 @@ def _fused_lowering(target, op, ctx, x, w, *, axis_name, transport, chunks, shap
   source = "requested"
   if chunks is None:
     chunks, source = auto_chunks(op, chunk_bytes, shard_rows, gemm_flops), "auto"
-  fused_decisions.append({"op": op, "axis_name": axis_name, "transport": transport,
+  fused_decisions.append({"op": op, "axis_name": axis_name, "algorithm": transport,
+                          "transport": transport,
                           "chunks": chunks, "chunks_source": source,
                           "shape": {k: int(v) for k, v in shape_attrs.items()},
                           "dtype": ctx.avals_in[0].dtype.name})

@@ -10,7 +10,8 @@ Every public op takes ``backend="auto" | "xla" | "cuda"``:
   has a kernel. Asking for it when it is not usable raises ``RuntimeError``
   that says why; nothing falls back silently.
 * ``"auto"``: ``"cuda"`` when usable, else ``"xla"``; the first time an op
-  falls back, the reason is logged once (logger ``jaxoverlap``).
+  falls back, the reason is logged once as a WARNING (logger ``jaxoverlap``),
+  so it shows without any logging set-up.
 
 ``jaxoverlap.runtime_info()`` reports the same reasons for every op.
 """
@@ -47,12 +48,25 @@ def cuda_unavailable_reason(op: str) -> str | None:
     return f"no CUDA kernel for {op} in this version (it runs on the xla backend)"
   from jaxoverlap import _ffi  # local import: importing jaxoverlap never loads the extension
   reason = _ffi.unavailable_reason()
-  if reason is not None:
-    return reason
-  from jaxoverlap import runtime
-  if not runtime.is_initialized():
-    return "jaxoverlap.initialize() has not been called in this process (NVSHMEM is not up)"
-  return None
+  if reason is None:
+    from jaxoverlap import runtime
+    if runtime.is_initialized():
+      return None
+    reason = "jaxoverlap.initialize() has not been called in this process (NVSHMEM is not up)"
+  platform = _jax_platform()
+  if platform != "gpu":
+    reason += (f" (note: JAX runs on {platform!r} here, with no GPU; the CUDA backend needs "
+               "NVIDIA GPUs, and backend='xla' runs everywhere)")
+  return reason
+
+
+def _jax_platform() -> str:
+  import jax
+
+  try:
+    return jax.default_backend()
+  except RuntimeError as e:  # no backend could be initialised
+    return f"no platform ({e})"
 
 
 def select_backend(op: str, backend: str) -> str:
@@ -84,14 +98,18 @@ def select_backend(op: str, backend: str) -> str:
   with _lock:
     if (op, reason) not in _logged:
       _logged.add((op, reason))
-      logger.info("jaxoverlap: %s runs on backend 'xla' (auto): %s", op, reason)
+      logger.warning("jaxoverlap: %s runs on backend 'xla' (auto): %s", op, reason)
   return "xla"
 
 
-def log_once(op: str, message: str) -> None:
-  """Logs ``"jaxoverlap: <op> <message>"`` once per (op, message) (logger ``jaxoverlap``)."""
+def log_once(op: str, message: str, *, info: bool = False) -> None:
+  """Logs ``"jaxoverlap: <op> <message>"`` once per (op, message) (logger ``jaxoverlap``).
+
+  A WARNING (a fallback the user should see), or INFO with ``info=True`` (a
+  choice made as documented).
+  """
   with _lock:
     if (op, message) in _logged:
       return
     _logged.add((op, message))
-  logger.info("jaxoverlap: %s %s", op, message)
+  (logger.info if info else logger.warning)("jaxoverlap: %s %s", op, message)

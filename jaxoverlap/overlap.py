@@ -4,8 +4,8 @@ Problem:
   In tensor-parallel transformers every column-parallel layer all-gathers its
   sequence-parallel input before the GEMM, every row-parallel layer
   reduce-scatters (or all-reduces) the GEMM's output (Megatron-LM). Run one
-  after the other, the collective is exposed: 15-55% of these ops on our
-  2x H200.
+  after the other, the collective is exposed: 8-46% of these ops on our
+  2x H200 at TP=2 (benchmarks/results/overlap-2x_H200_NV18.json).
 
 Algorithm:
   Each op replaces the collective by peer-to-peer shard transfers interleaved
@@ -16,7 +16,11 @@ Algorithm:
   step's transfer is hidden; GEMM+AllReduce is GEMM+ReduceScatter followed by
   an all-gather. Backend "xla" implements this with ``lax.ppermute``
   (algorithm "ppermute") next to the plain collective ("collective", the
-  default); see ``jaxoverlap._xla``. Every op is a ``jax.custom_vjp`` whose
+  default); see ``jaxoverlap._xla``. Backend "cuda" runs it as one XLA FFI
+  custom call per op (``ffi/overlap/overlap.cu``): cuBLASLt shard GEMMs on
+  XLA's stream, shard transfers by the copy engines (or NVSHMEM puts) on a
+  second stream, synchronised by events and flags in symmetric memory; see
+  each op's docstring. Every op is a ``jax.custom_vjp`` whose
   backward pass runs the paired fused op with the same backend and
   algorithm.
 
@@ -188,8 +192,10 @@ def all_gather_matmul(x, w, axis_name, *, gather_dimension=0, backend="auto",
       engines, no SMs taken from the GEMM) or ``"nvshmem"`` (NVSHMEM block
       puts from a kernel).
     chunks: backend "cuda" only: pieces each shard transfer is cut into (1 to
-      32; None: chosen from the shard's size, ``_cuda.auto_chunks``). Each
-      arriving chunk's GEMM starts as soon as that chunk is in.
+      32; None: chosen from the shapes by ``_cuda.auto_chunks``, which cuts
+      only when the shard's transfer is estimated to outlast the local
+      shard's GEMM). Each arriving chunk's GEMM starts as soon as that chunk
+      is in.
 
   Returns:
     ``[..., m_local * num_ranks, ..., n_local]`` in x's dtype (float32
@@ -396,9 +402,10 @@ def matmul_all_reduce(x, w, axis_name, *, backend="auto", algorithm="auto", chun
       ``"gemm_all_reduce"`` (the GEMM, then ``jaxoverlap.all_reduce``).
       ``"auto"`` takes the fused kernel when the rows divide and the output
       has at least ``_cuda.FUSED_ALL_REDUCE_MIN_BYTES`` per rank, else
-      ``"gemm_all_reduce"``, and logs the choice.
-    chunks: backend "cuda" only: pieces each partial block is computed and
-      sent in (1 to 32; None: chosen from the block's size).
+      ``"gemm_all_reduce"``; the choice is logged (logger ``jaxoverlap``,
+      INFO) and kept in ``runtime_info()["fused_decisions"]``.
+    chunks: backend "cuda", fused algorithms only: pieces each partial block
+      is computed and sent in (1 to 32; None: chosen from the block's size).
 
   Returns:
     ``[..., n]`` in x's dtype, the same on every rank (bit-identical).
@@ -406,9 +413,10 @@ def matmul_all_reduce(x, w, axis_name, *, backend="auto", algorithm="auto", chun
   Raises:
     ValueError: unsupported or mismatched dtypes, ``w`` not 2-D,
       ``x.shape[-1] != w.shape[0]``, an unbound axis name, unknown backend or
-      algorithm, ``chunks`` out of range or given for backend "xla"; a fused
-      CUDA algorithm with rows not divisible by the axis size; at lowering:
-      a group that spans nodes, or a block larger than half a fused-op slot.
+      algorithm, ``chunks`` out of range or given for backend "xla" or with
+      ``"gemm_all_reduce"``; a fused CUDA algorithm with rows not divisible
+      by the axis size; at lowering: a group that spans nodes or has more
+      than 8 ranks, or a block larger than half a fused-op slot.
     RuntimeError: ``backend="cuda"`` but the CUDA path is not usable.
 
   Algorithm:
@@ -434,14 +442,23 @@ def matmul_all_reduce(x, w, axis_name, *, backend="auto", algorithm="auto", chun
   if cfg.backend == "cuda" and cfg.algorithm != "gemm_all_reduce":
     rows = math.prod(x.shape[:-1])
     out_bytes = rows * w.shape[1] * jax.numpy.dtype(x.dtype).itemsize
+    why = None
     if rows % num_ranks:
       if algorithm != "auto":
         raise ValueError(
             f"{op}: algorithm={algorithm!r} needs the rows of x (all leading dimensions, "
             f"{rows}) to divide by the size {num_ranks} of axis {axis_name!r}; use "
             "'gemm_all_reduce' or 'auto'")
-      cfg = cfg._replace(algorithm="gemm_all_reduce")
-      _backend.log_once(op, f"{rows} rows do not divide by {num_ranks} ranks: gemm_all_reduce")
+      why = f"{rows} rows do not divide by {num_ranks} ranks"
     elif algorithm == "auto" and out_bytes < _cuda.FUSED_ALL_REDUCE_MIN_BYTES:
+      why = (f"the output has {out_bytes} bytes per rank, under "
+             f"{_cuda.FUSED_ALL_REDUCE_MIN_BYTES} (FUSED_ALL_REDUCE_MIN_BYTES)")
+    if why is not None:
       cfg = cfg._replace(algorithm="gemm_all_reduce")
+      _cuda.record_fused_decision(op, axis_name, "gemm_all_reduce", why)
+      unused = f"; chunks={chunks} is unused" if chunks is not None else ""
+      _backend.log_once(op, f"auto runs gemm_all_reduce: {why}{unused}", info=True)
+  elif cfg.backend == "cuda" and chunks is not None:
+    raise ValueError(f"{op}: chunks={chunks} applies to the fused algorithms, not to "
+                     "'gemm_all_reduce'")
   return _matmul_all_reduce(x, w, cfg)

@@ -152,6 +152,8 @@ def test_all_reduce_auto_uses_gemm_then_all_reduce_for_small_outputs(cuda_usable
   _, prims = _inner(lambda x, w: overlap.matmul_all_reduce(x, w, "tp", backend="cuda"),
                     (8, 32), (32, 24))
   assert "jaxoverlap_all_reduce" in prims
+  last = _cuda.fused_decisions[-1]
+  assert last["algorithm"] == "gemm_all_reduce" and "under" in last["why"]
   rows = _cuda.FUSED_ALL_REDUCE_MIN_BYTES // (2 * 256)
   _, prims = _inner(lambda x, w: overlap.matmul_all_reduce(x, w, "tp", backend="cuda"),
                     (rows, 32), (32, 256))
@@ -163,6 +165,20 @@ def test_bad_chunks(chunks):
   with pytest.raises(ValueError, match=re.escape(
       f"all_gather_matmul: chunks must be None or an int in 1..32, got {chunks!r}")):
     _inner(lambda x, w: overlap.all_gather_matmul(x, w, "tp", chunks=chunks), (8, 32), (32, 24))
+
+
+def test_chunks_refused_with_gemm_all_reduce(cuda_usable):
+  with pytest.raises(ValueError, match=re.escape(
+      "matmul_all_reduce: chunks=2 applies to the fused algorithms, not to 'gemm_all_reduce'")):
+    _inner(lambda x, w: overlap.matmul_all_reduce(x, w, "tp", algorithm="gemm_all_reduce",
+                                                  chunks=2), (8, 32), (32, 24))
+
+
+def test_cpu_reason_says_there_is_no_gpu():
+  if jax.default_backend() == "gpu":
+    pytest.skip("CPU-only check")
+  reason = backend.cuda_unavailable_reason("all_gather_matmul")
+  assert "with no GPU" in reason and "backend='xla' runs everywhere" in reason
 
 
 def test_chunks_refused_on_xla():
