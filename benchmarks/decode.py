@@ -675,7 +675,9 @@ def plot(records: list[dict], path: str, title: str) -> None:
     style = {PSUM: dict(color="black", lw=2), FLOOR: dict(color="gray", ls=":")}.get(impl, {})
     ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", ms=4, label=impl, **style)
   ax.set_xscale("log", base=2)
-  ax.xaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
+  batches = sorted({r["shape"]["batch"] for r in records})
+  ax.set_xticks(batches, [str(b) for b in batches])  # the measured batch sizes only
+  ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
   ax.set_xlabel("batch (sequences)")
   ax.set_ylabel("latency per token, us")
   ax.set_title(title, fontsize=9)
