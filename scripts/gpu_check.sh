@@ -117,7 +117,11 @@ if [ "$WHAT" = multigpu ] && [ "$NGPU" -ge 4 ]; then  # issue 6: 4 or 8 GPUs, ev
   for rpn in "$NGPU" 2 1; do
     run "bench_${NGPU}gpu_rpn${rpn}" 280 JAXOVERLAP_RANKS_PER_NODE=$rpn $PY -m jaxoverlap.launch \
       --nproc "$NGPU" --timeout_s 270 benchmarks/all_reduce.py --out "$OUT" --machine "${NGPU}x H200"
-  done
+  done  # the fused ops at 4/8 ranks (rank-adaptive order over more than 2 ranks)
+  run "ovcheck_${NGPU}gpu" 300 $PY -m jaxoverlap.launch --nproc "$NGPU" --timeout_s 290 \
+    tests/multiprocess/check_overlap.py quick grads rotation multi
+  run "ovbench_${NGPU}gpu" 400 $PY -m jaxoverlap.launch --nproc "$NGPU" --timeout_s 390 \
+    benchmarks/overlap.py --out "$OUT" --quick --machine "${NGPU}x H200"
 fi
 
 if [ "$WHAT" = autobench ] && [ "$NGPU" -ge 2 ]; then  # auto (with the shipped table) vs psum
