@@ -47,6 +47,14 @@ NB_MODULE(_jaxoverlap_cuda, m) {
         EncapsulateFfiHandler(JaxoverlapAllGatherMatmulGathered);
     d["jaxoverlap_matmul_reduce_scatter"] = EncapsulateFfiHandler(JaxoverlapMatmulReduceScatter);
     d["jaxoverlap_matmul_all_reduce"] = EncapsulateFfiHandler(JaxoverlapMatmulAllReduce);
+    d["jaxoverlap_all_gather_matmul_cmdbuf"] =
+        EncapsulateFfiHandler(JaxoverlapAllGatherMatmulCmdBuffer);
+    d["jaxoverlap_all_gather_matmul_gathered_cmdbuf"] =
+        EncapsulateFfiHandler(JaxoverlapAllGatherMatmulGatheredCmdBuffer);
+    d["jaxoverlap_matmul_reduce_scatter_cmdbuf"] =
+        EncapsulateFfiHandler(JaxoverlapMatmulReduceScatterCmdBuffer);
+    d["jaxoverlap_matmul_all_reduce_cmdbuf"] =
+        EncapsulateFfiHandler(JaxoverlapMatmulAllReduceCmdBuffer);
     return d;
   });
 

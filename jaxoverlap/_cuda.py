@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
+import os
 
 import jax
 import numpy as np
@@ -273,6 +274,11 @@ def _fused_lowering(target, op, ctx, x, w, *, axis_name, transport, chunks, shap
   del fused_decisions[:-_MAX_DECISIONS]
   logger.info("jaxoverlap: %s over %r: transport %s, %d chunks (%s), %s", op, axis_name,
               transport, chunks, source, shape_attrs)
+  if os.environ.get("JAXOVERLAP_FUSED_CMD_BUFFER") == "1":
+    # Diagnosis only: the handler variant that lets XLA capture the call into
+    # its CUDA graphs, which failed for moved buffers (ffi/overlap/overlap_ffi.cc).
+    target += "_cmdbuf"
+    fused_decisions[-1]["target"] = target
   rule = jax.ffi.ffi_lowering(target)
   return rule(
       ctx, x, w,

@@ -2,7 +2,7 @@
 # One call on the GPU machine: build the package from this tree, then run the
 # multi-process GPU checks and/or the benchmarks; logs and JSON go to $OUT.
 #   bash scripts/gpu_check.sh [check|verify|verify2|sanitize|bench|bench2|autobench|fold|tune|multigpu|all]
-#   fused ops (issue 4): ovcheck (all sections) | ovquick | ovsanitize | ovbench | ovbenchfull
+#   fused ops (issue 4): ovcheck (all sections) | ovquick | ovgraphs | ovsanitize | ovbench | ovbenchfull
 #   (several steps in one call: bash scripts/gpu_check.sh verify bench)
 # Uses the machine's preinstalled packages (nothing is downloaded). Needs 2
 # GPUs for NCCL-based references (psum); with 1 GPU the checks run as 2
@@ -143,6 +143,11 @@ fi
 if [ "$WHAT" = ovquick ]; then
   run ovquick 200 $PY -m jaxoverlap.launch $LAUNCH --timeout_s 190 tests/multiprocess/check_overlap.py \
     quick rotation multi errors
+fi
+if [ "$WHAT" = ovgraphs ]; then  # the CUDA-graph question (NOTES.md): plain handlers, then captured ones
+  run ovgraphs 150 $PY -m jaxoverlap.launch $LAUNCH --timeout_s 140 tests/multiprocess/check_overlap.py graphs
+  run ovgraphs_cmdbuf 150 JAXOVERLAP_FUSED_CMD_BUFFER=1 $PY -m jaxoverlap.launch $LAUNCH --timeout_s 140 \
+    tests/multiprocess/check_overlap.py graphs rotation
 fi
 if [ "$WHAT" = ovsanitize ]; then
   for tool in ${SANITIZE_TOOLS:-memcheck racecheck}; do

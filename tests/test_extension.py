@@ -37,7 +37,11 @@ def test_extension_loads_and_registers_targets():
   regs = ext.registrations()
   assert set(regs) == {"jaxoverlap_all_reduce", "jaxoverlap_launch_floor",
                        "jaxoverlap_all_gather_matmul", "jaxoverlap_all_gather_matmul_gathered",
-                       "jaxoverlap_matmul_reduce_scatter", "jaxoverlap_matmul_all_reduce"}
+                       "jaxoverlap_matmul_reduce_scatter", "jaxoverlap_matmul_all_reduce",
+                       "jaxoverlap_all_gather_matmul_cmdbuf",
+                       "jaxoverlap_all_gather_matmul_gathered_cmdbuf",
+                       "jaxoverlap_matmul_reduce_scatter_cmdbuf",
+                       "jaxoverlap_matmul_all_reduce_cmdbuf"}
   info = ext.info()
   assert info["initialized"] is False and info["pe"] == -1
   assert info["max_group_size"] == 8

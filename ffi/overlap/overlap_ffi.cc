@@ -153,16 +153,17 @@ ffi::Error MatmulAllReduceExecute(cudaStream_t stream, ffi::AnyBuffer x, ffi::An
 
 }  // namespace jaxoverlap::overlap
 
-// The fused handlers do NOT carry xla::ffi::Traits::kCmdBufferCompatible, so
-// XLA runs them as thunks of their own between its CUDA graphs. With the trait
-// a jit'd GEMM chain replayed correctly from a graph while the buffer
-// addresses stayed the same (tests/multiprocess/check_overlap.py "rotation"),
-// but in a training step, whose buffers move from step to step, XLA's
-// re-recording for new addresses failed with CUDA_ERROR_GRAPH_EXEC_UPDATE_FAILURE
-// ("Failed to set CUDA graph child node params"): the recorded graph of a call
-// (two streams, cuBLASLt kernels, copy-engine copies to peer memory) is not
-// updatable in place. The cause is not pinned down yet (NOTES.md); the ops
-// last milliseconds, so a graph launch would save little.
+// The fused handlers are registered twice. The plain targets carry no
+// xla::ffi::Traits::kCmdBufferCompatible, so XLA runs them as thunks of their
+// own between its CUDA graphs; jaxoverlap uses these. With the trait, a jit'd
+// GEMM chain replayed correctly from a graph while the buffer addresses stayed
+// the same (tests/multiprocess/check_overlap.py "rotation"), but in a training
+// step, whose buffers move from step to step, XLA's re-recording for new
+// addresses failed with CUDA_ERROR_GRAPH_EXEC_UPDATE_FAILURE ("Failed to set
+// CUDA graph child node params"). The "_cmdbuf" targets carry the trait; the
+// lowering uses them only with JAXOVERLAP_FUSED_CMD_BUFFER=1, to find the cause
+// (check_overlap.py "graphs"; NOTES.md). The ops last milliseconds, so a graph
+// launch would save little.
 //
 // Attributes shared by the fused ops (computed by jaxoverlap/_cuda.py):
 //   groups [num_groups * group_size] PEs, each group in rank order;
@@ -174,54 +175,66 @@ ffi::Error MatmulAllReduceExecute(cudaStream_t stream, ffi::AnyBuffer x, ffi::An
       .Attr<int64_t>("chunks")                                  \
       .Attr<int64_t>("precision")
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    JaxoverlapAllGatherMatmul, jaxoverlap::overlap::AllGatherMatmulExecute,
-    xla::ffi::Ffi::Bind()
-        .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
-        .Arg<xla::ffi::AnyBuffer>()  // x: [outer, rows, k] this rank's shard
-        .Arg<xla::ffi::AnyBuffer>()  // w: [k, n]
-        .Ret<xla::ffi::AnyBuffer>()  // out: [outer, size * rows, n]
-        JAXOVERLAP_FUSED_ATTRS
-        .Attr<int64_t>("outer")
-        .Attr<int64_t>("rows")
-        .Attr<int64_t>("k")
-        .Attr<int64_t>("n"));
+// x: [outer, rows, k] this rank's shard; w: [k, n]; out: [outer, size * rows, n].
+#define JAXOVERLAP_AG_BINDING                                   \
+  xla::ffi::Ffi::Bind()                                         \
+      .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()            \
+      .Arg<xla::ffi::AnyBuffer>()                               \
+      .Arg<xla::ffi::AnyBuffer>()                               \
+      .Ret<xla::ffi::AnyBuffer>() JAXOVERLAP_FUSED_ATTRS        \
+      .Attr<int64_t>("outer")                                   \
+      .Attr<int64_t>("rows")                                    \
+      .Attr<int64_t>("k")                                       \
+      .Attr<int64_t>("n")
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    JaxoverlapAllGatherMatmulGathered, jaxoverlap::overlap::AllGatherMatmulGatheredExecute,
-    xla::ffi::Ffi::Bind()
-        .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
-        .Arg<xla::ffi::AnyBuffer>()  // x: [outer, rows, k] this rank's shard
-        .Arg<xla::ffi::AnyBuffer>()  // w: [k, n]
-        .Ret<xla::ffi::AnyBuffer>()  // out: [outer, size * rows, n]
-        .Ret<xla::ffi::AnyBuffer>()  // gathered x: [outer, size * rows, k]
-        JAXOVERLAP_FUSED_ATTRS
-        .Attr<int64_t>("outer")
-        .Attr<int64_t>("rows")
-        .Attr<int64_t>("k")
-        .Attr<int64_t>("n"));
+// As above, plus the gathered x: [outer, size * rows, k].
+#define JAXOVERLAP_AG_GATHERED_BINDING                          \
+  xla::ffi::Ffi::Bind()                                         \
+      .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()            \
+      .Arg<xla::ffi::AnyBuffer>()                               \
+      .Arg<xla::ffi::AnyBuffer>()                               \
+      .Ret<xla::ffi::AnyBuffer>()                               \
+      .Ret<xla::ffi::AnyBuffer>() JAXOVERLAP_FUSED_ATTRS        \
+      .Attr<int64_t>("outer")                                   \
+      .Attr<int64_t>("rows")                                    \
+      .Attr<int64_t>("k")                                       \
+      .Attr<int64_t>("n")
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    JaxoverlapMatmulReduceScatter, jaxoverlap::overlap::MatmulReduceScatterExecute,
-    xla::ffi::Ffi::Bind()
-        .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
-        .Arg<xla::ffi::AnyBuffer>()  // x: [outer, size * rows, k]
-        .Arg<xla::ffi::AnyBuffer>()  // w: [k, n]
-        .Ret<xla::ffi::AnyBuffer>()  // out: [outer, rows, n], this rank's block
-        JAXOVERLAP_FUSED_ATTRS
-        .Attr<int64_t>("outer")
-        .Attr<int64_t>("rows")
-        .Attr<int64_t>("k")
-        .Attr<int64_t>("n"));
+// x: [outer, size * rows, k]; w: [k, n]; out: [outer, rows, n], this rank's block.
+#define JAXOVERLAP_RS_BINDING JAXOVERLAP_AG_BINDING
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    JaxoverlapMatmulAllReduce, jaxoverlap::overlap::MatmulAllReduceExecute,
-    xla::ffi::Ffi::Bind()
-        .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
-        .Arg<xla::ffi::AnyBuffer>()  // x: [size * rows, k]
-        .Arg<xla::ffi::AnyBuffer>()  // w: [k, n]
-        .Ret<xla::ffi::AnyBuffer>()  // out: [size * rows, n]
-        JAXOVERLAP_FUSED_ATTRS
-        .Attr<int64_t>("rows")
-        .Attr<int64_t>("k")
-        .Attr<int64_t>("n"));
+// x: [size * rows, k]; w: [k, n]; out: [size * rows, n].
+#define JAXOVERLAP_AR_BINDING                                   \
+  xla::ffi::Ffi::Bind()                                         \
+      .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()            \
+      .Arg<xla::ffi::AnyBuffer>()                               \
+      .Arg<xla::ffi::AnyBuffer>()                               \
+      .Ret<xla::ffi::AnyBuffer>() JAXOVERLAP_FUSED_ATTRS        \
+      .Attr<int64_t>("rows")                                    \
+      .Attr<int64_t>("k")                                       \
+      .Attr<int64_t>("n")
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxoverlapAllGatherMatmul,
+                              jaxoverlap::overlap::AllGatherMatmulExecute, JAXOVERLAP_AG_BINDING);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxoverlapAllGatherMatmulGathered,
+                              jaxoverlap::overlap::AllGatherMatmulGatheredExecute,
+                              JAXOVERLAP_AG_GATHERED_BINDING);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxoverlapMatmulReduceScatter,
+                              jaxoverlap::overlap::MatmulReduceScatterExecute,
+                              JAXOVERLAP_RS_BINDING);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxoverlapMatmulAllReduce,
+                              jaxoverlap::overlap::MatmulAllReduceExecute, JAXOVERLAP_AR_BINDING);
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxoverlapAllGatherMatmulCmdBuffer,
+                              jaxoverlap::overlap::AllGatherMatmulExecute, JAXOVERLAP_AG_BINDING,
+                              {xla::ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxoverlapAllGatherMatmulGatheredCmdBuffer,
+                              jaxoverlap::overlap::AllGatherMatmulGatheredExecute,
+                              JAXOVERLAP_AG_GATHERED_BINDING,
+                              {xla::ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxoverlapMatmulReduceScatterCmdBuffer,
+                              jaxoverlap::overlap::MatmulReduceScatterExecute,
+                              JAXOVERLAP_RS_BINDING, {xla::ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxoverlapMatmulAllReduceCmdBuffer,
+                              jaxoverlap::overlap::MatmulAllReduceExecute, JAXOVERLAP_AR_BINDING,
+                              {xla::ffi::Traits::kCmdBufferCompatible});

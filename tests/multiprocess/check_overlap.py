@@ -26,6 +26,12 @@ Sections (default: all but quick):
   graph; they no longer are: ffi/overlap/overlap_ffi.cc says why.)
   Slots keep the previous call's data, so waiting on one chunk and reading
   another, or reading a rank's slot for another rank, gives wrong rows.
+* graphs: one jit'd step (three calls of an op among elementwise work) run
+  four times on new buffers each time, for each op, 1-D and batched (2-D
+  copies), and the gathered AG variant. A call that XLA captured into a CUDA
+  graph is re-recorded for new addresses here; with
+  JAXOVERLAP_FUSED_CMD_BUFFER=1 (the handlers that XLA may capture) this is
+  where the graph-update failure seen in training should show, per op.
 * multi: an MLP step with AG+GEMM, GEMM+RS, GEMM+AR and jaxoverlap.all_reduce
   in flight in one jit, checked against float64.
 * errors: a shard larger than the fused-op slot raises ValueError at lowering,
@@ -46,7 +52,7 @@ import time
 
 import numpy as np
 
-SECTIONS = ("sweep", "quick", "grads", "rotation", "multi", "errors")
+SECTIONS = ("sweep", "quick", "grads", "rotation", "graphs", "multi", "errors")
 TRANSPORTS = ("copy_engine", "nvshmem")
 
 
@@ -360,6 +366,61 @@ def main(argv) -> int:
             bad.append(i)
         c.check(not bad, f"rotation {op} {transport}: calls {bad} of {iters} wrong")
     print(f"rank {rank}: rotation done in {time.time() - t0:.1f} s", flush=True)
+
+  if "graphs" in sections:
+    t0 = time.time()
+    target = "cmdbuf" if os.environ.get("JAXOVERLAP_FUSED_CMD_BUFFER") == "1" else "plain"
+    gcases = [("ag", (64, 96), (96, 40), 0), ("ag", (2, 32, 96), (96, 40), 1),
+              ("rs", (64 * P_, 96), (96, 40), 0), ("rs", (2, 32 * P_, 96), (96, 40), 1),
+              ("ar", (64 * P_, 96), (96, 40), None), ("ag_gathered", (2, 32, 96), (96, 40), 1)]
+    for gi, (op, x_shape, w_shape, dim) in enumerate(gcases):
+      base = "ag" if op == "ag_gathered" else op
+      if op == "ag_gathered":
+        def f(x, w, dim=dim):
+          return _cuda.all_gather_matmul(x, w, "x", dim, "copy_engine", 2, True)
+      else:
+        f1 = op_call(op, dim, "copy_engine", 2)
+
+        def f(x, w, f1=f1):
+          return f1(x, w), None
+
+      def body(x, w, f=f, base=base):
+        ys, g = [], None
+        for scale in (1, 2, 3):  # three calls among elementwise work
+          y, g_ = f(x[0] * scale, w[0])
+          g = g_ if g is None else g
+          ys.append(y.astype(jnp.float32))
+        total = (ys[0] + ys[1] + ys[2]).astype(x.dtype)
+        if base == "ar":
+          total = jax.lax.pcast(total, "x", to="varying")
+        if g is None:
+          g = jnp.zeros((1,), x.dtype)
+        return total[None], g[None]
+
+      fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("x"), P("x")),
+                                 out_specs=(P("x"), P("x"))))
+      keep = []  # keeps earlier inputs alive so that every call gets new buffers
+      bad = []
+      for it in range(4):
+        xs, ws = inputs(3000 + 10 * gi + it, base, x_shape, w_shape, jnp.bfloat16)
+        want, bound = reference(base, xs, ws, dim)
+        args = (put(xs[pos][None]), put(ws[pos][None]))
+        keep.append(args)
+        try:
+          total, g = fn(*args)
+          got = _f64(mine(total)[0])
+        except Exception as e:  # noqa: BLE001 - the failure is the finding
+          bad.append(f"call {it}: {type(e).__name__}: {str(e)[:300]}")
+          break
+        # 6 x the product; bf16 rounding of three results, their sum and the output.
+        if not np.all(np.abs(got - 6 * want) <= 8 * eps[np.dtype(jnp.bfloat16)] * 6 * bound):
+          bad.append(f"call {it}: wrong values")
+        if op == "ag_gathered" and not np.array_equal(
+            _f64(mine(g)[0]), np.concatenate([_f64(a) for a in xs], axis=dim)):
+          bad.append(f"call {it}: wrong gathered x")
+      c.check(not bad, f"graphs ({target} handlers) {op} x{list(x_shape)}: {bad}")
+    print(f"rank {rank}: graphs ({target} handlers) done in {time.time() - t0:.1f} s",
+          flush=True)
 
   if "multi" in sections:
     d, f_, m = 64, 96, 16 * nproc  # model dim, hidden (per rank), tokens

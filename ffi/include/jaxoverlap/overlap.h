@@ -67,5 +67,10 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxoverlapAllGatherMatmul);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxoverlapAllGatherMatmulGathered);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxoverlapMatmulReduceScatter);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxoverlapMatmulAllReduce);
+// The same handlers with the command-buffer trait (overlap_ffi.cc says why both).
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxoverlapAllGatherMatmulCmdBuffer);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxoverlapAllGatherMatmulGatheredCmdBuffer);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxoverlapMatmulReduceScatterCmdBuffer);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxoverlapMatmulAllReduceCmdBuffer);
 
 #endif  // JAXOVERLAP_OVERLAP_H_
