@@ -250,6 +250,29 @@ DeviceError LastDeviceError() {
   return e;
 }
 
+ffi::Error CheckExecution(const char* op, cudaStream_t stream) {
+  if (!g_state.initialized) {
+    return Fail(ffi::ErrorCode::kFailedPrecondition,
+                std::string(op) + ": jaxoverlap.initialize() has not been called in this process");
+  }
+  const DeviceError last = LastDeviceError();
+  if (last.code != 0) return DeviceErrorToFfi(last);
+  // The stream's device cannot be queried while XLA captures a CUDA graph;
+  // it is checked on every uncaptured execution.
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  JAXOVERLAP_CUDA_RETURN_IF_ERROR(cudaStreamIsCapturing(stream, &capture));
+  int stream_device = g_state.device;
+  if (capture == cudaStreamCaptureStatusNone) {
+    JAXOVERLAP_CUDA_RETURN_IF_ERROR(cudaStreamGetDevice(stream, &stream_device));
+  }
+  if (stream_device != g_state.device) {
+    return Fail(ffi::ErrorCode::kFailedPrecondition,
+                std::string(op) + ": XLA's stream is on device " + std::to_string(stream_device) +
+                    " but NVSHMEM was initialised on device " + std::to_string(g_state.device));
+  }
+  return ffi::Error::Success();
+}
+
 ffi::Error DeviceErrorToFfi(const DeviceError& e) {
   return ffi::Error(ffi::ErrorCode::kDeadlineExceeded,
                     "jaxoverlap: a device wait timed out on PE " + std::to_string(g_state.my_pe) +

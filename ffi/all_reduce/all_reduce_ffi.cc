@@ -22,26 +22,8 @@ namespace {
 ffi::Error AllReduceExecute(cudaStream_t stream, ffi::AnyBuffer x,
                             ffi::Result<ffi::AnyBuffer> out, ffi::Span<const int64_t> groups,
                             int64_t group_size, int64_t algorithm, int64_t protocol) {
+  JAXOVERLAP_RETURN_IF_ERROR(CheckExecution("all_reduce", stream));
   const RuntimeState& s = State();
-  if (!s.initialized) {
-    return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
-                      "all_reduce: jaxoverlap.initialize() has not been called in this process");
-  }
-  const DeviceError last = LastDeviceError();
-  if (last.code != 0) return DeviceErrorToFfi(last);
-  // The stream's device cannot be queried while XLA captures a CUDA graph;
-  // it is checked on every uncaptured execution.
-  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-  JAXOVERLAP_CUDA_RETURN_IF_ERROR(cudaStreamIsCapturing(stream, &capture));
-  int stream_device = s.device;
-  if (capture == cudaStreamCaptureStatusNone) {
-    JAXOVERLAP_CUDA_RETURN_IF_ERROR(cudaStreamGetDevice(stream, &stream_device));
-  }
-  if (stream_device != s.device) {
-    return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
-                      "all_reduce: XLA's stream is on device " + std::to_string(stream_device) +
-                          " but NVSHMEM was initialised on device " + std::to_string(s.device));
-  }
   if (x.element_type() != out->element_type() || x.element_count() != out->element_count()) {
     return ffi::Error::InvalidArgument("all_reduce: output type/shape differs from the input");
   }

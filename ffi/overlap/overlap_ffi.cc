@@ -24,27 +24,7 @@ namespace {
 ffi::Error Prepare(const char* op, cudaStream_t stream, ffi::Span<const int64_t> groups,
                    int64_t group_size, int64_t transport, int64_t chunks, int64_t precision,
                    Group* group, Options* opt) {
-  const RuntimeState& s = State();
-  if (!s.initialized) {
-    return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
-                      std::string(op) + ": jaxoverlap.initialize() has not been called in this "
-                                        "process");
-  }
-  const DeviceError last = LastDeviceError();
-  if (last.code != 0) return DeviceErrorToFfi(last);
-  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-  JAXOVERLAP_CUDA_RETURN_IF_ERROR(cudaStreamIsCapturing(stream, &capture));
-  int stream_device = s.device;
-  if (capture == cudaStreamCaptureStatusNone) {
-    JAXOVERLAP_CUDA_RETURN_IF_ERROR(cudaStreamGetDevice(stream, &stream_device));
-  }
-  if (stream_device != s.device) {
-    return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
-                      std::string(op) + ": XLA's stream is on device " +
-                          std::to_string(stream_device) +
-                          " but NVSHMEM was initialised on device " +
-                          std::to_string(s.device));
-  }
+  JAXOVERLAP_RETURN_IF_ERROR(CheckExecution(op, stream));
   if (transport < 0 || transport > 1 || chunks < 1 || chunks > kMaxChunks || precision < 0 ||
       precision > 1) {
     return ffi::Error::InvalidArgument(

@@ -110,6 +110,11 @@ void SetTimeout(uint64_t timeout_ns);
 DeviceError LastDeviceError();
 // ffi::Error describing `e` (code must be non-zero).
 ffi::Error DeviceErrorToFfi(const DeviceError& e);
+// The checks every handler makes before it enqueues anything: the runtime is
+// up, no earlier device wait timed out, and XLA's `stream` is on NVSHMEM's
+// device (queried only when the stream is not being captured into a graph).
+// Messages start with `op`.
+ffi::Error CheckExecution(const char* op, cudaStream_t stream);
 
 }  // namespace jaxoverlap
 
