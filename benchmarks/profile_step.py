@@ -435,15 +435,11 @@ def write_results(out_dir: str, machine: str, backend: str, result: dict[str, An
 # ------------------------------------------------------------------ main
 
 
-def _launched() -> bool:
-  """True when the launcher (or SLURM with several tasks) started this process."""
-  env = os.environ
-  return "JAXOVERLAP_COORDINATOR" in env or int(env.get("SLURM_NTASKS", "1") or 1) > 1
-
-
 def define_flags():
   """Defines the command-line flags (only when run as a script, so importing is free)."""
   from absl import flags
+
+  from jaxoverlap import launch
 
   flags.DEFINE_string("preset", "gpu_small", "preset of examples/train/config.py")
   flags.DEFINE_enum("backend", "cuda", ["auto", "xla", "cuda"], "jaxoverlap backend")
@@ -456,7 +452,7 @@ def define_flags():
   flags.DEFINE_string("machine", "2x H200 NV18", "machine name for the results")
   flags.DEFINE_string("mesh", None, "dp,tp mesh shape, e.g. '1,2' (-1: the remaining "
                       "devices). Default: the preset's")
-  flags.DEFINE_bool("distributed", _launched(), "multi-process run: "
+  flags.DEFINE_bool("distributed", launch.launched(), "multi-process run: "
                     "jaxoverlap.launch.initialize_from_env() first (default: when the "
                     "launcher's JAXOVERLAP_* variables are set)")
   flags.DEFINE_integer("max_rows", 40, "draw at most this many rows (the busiest)")

@@ -346,15 +346,11 @@ def write_results(out_dir: str, machine: str, records: Sequence[Mapping[str, Any
 # ------------------------------------------------------------------ main
 
 
-def _launched() -> bool:
-  """True when the launcher (or SLURM with several tasks) started this process."""
-  env = os.environ
-  return "JAXOVERLAP_COORDINATOR" in env or int(env.get("SLURM_NTASKS", "1") or 1) > 1
-
-
 def define_flags():
   """Defines the command-line flags (only when run as a script, so importing is free)."""
   from absl import flags
+
+  from jaxoverlap import launch
 
   flags.DEFINE_list("presets", ["gpu_small", "gpu_large"], "presets of examples/train/config.py")
   flags.DEFINE_integer("steps", 200, "optimizer steps per run (>= 2: the first one compiles)")
@@ -366,7 +362,7 @@ def define_flags():
   flags.DEFINE_string("machine", "2x H200 NV18", "machine name for the results")
   flags.DEFINE_string("mesh", None, "dp,tp mesh shape, e.g. '1,2' (-1: the remaining "
                       "devices). Default: the preset's")
-  flags.DEFINE_bool("distributed", _launched(), "multi-process run: "
+  flags.DEFINE_bool("distributed", launch.launched(), "multi-process run: "
                     "jaxoverlap.launch.initialize_from_env() first (default: when the "
                     "launcher's JAXOVERLAP_* variables are set)")
   flags.DEFINE_bool("keep_checkpoints", False, "keep each run's final orbax checkpoint")

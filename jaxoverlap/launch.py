@@ -39,6 +39,13 @@ def free_port() -> int:
     return s.getsockname()[1]
 
 
+def launched() -> bool:
+  """True when this process was started by the launcher, or by SLURM as one of several tasks."""
+  env = os.environ
+  return _ENV_PREFIX + "COORDINATOR" in env or (
+      "SLURM_PROCID" in env and int(env.get("SLURM_NTASKS", "1") or 1) > 1)
+
+
 def initialize_from_env(
     *, nvshmem: bool | None = None, heap_bytes: int | None = None
 ) -> dict[str, Any]:

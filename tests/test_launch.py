@@ -63,3 +63,18 @@ def test_local_device_assignment(tmp_path, num_gpus, expected):
   assert out.returncode == 0, out.stderr
   for rank, dev in enumerate(expected):
     assert f"[rank {rank}] dev {dev}" in out.stdout
+
+
+def test_launched_reads_the_launcher_and_slurm(monkeypatch):
+  from jaxoverlap import launch
+  for var in ("JAXOVERLAP_COORDINATOR", "SLURM_PROCID", "SLURM_NTASKS"):
+    monkeypatch.delenv(var, raising=False)
+  assert not launch.launched()
+  monkeypatch.setenv("SLURM_PROCID", "0")
+  monkeypatch.setenv("SLURM_NTASKS", "1")
+  assert not launch.launched()  # one SLURM task runs alone
+  monkeypatch.setenv("SLURM_NTASKS", "4")
+  assert launch.launched()
+  monkeypatch.delenv("SLURM_PROCID")
+  monkeypatch.setenv("JAXOVERLAP_COORDINATOR", "localhost:1234")
+  assert launch.launched()

@@ -30,13 +30,13 @@ Exits non-zero on the first failing section; prints "N passed, N failed".
 from __future__ import annotations
 
 import functools
-import hashlib
 import logging
 import os
 import sys
 import time
 
 import numpy as np
+from _checker import Checker
 
 SECTIONS = ("sweep", "quick", "stress", "grads", "axes", "late")
 
@@ -48,27 +48,6 @@ def _inputs(seed: int, rank: int, n: int, dtype) -> np.ndarray:
     idx = rng.integers(0, n, size=max(1, n // 1000))
     x[idx] *= 100.0  # outliers
   return x.astype(dtype)
-
-
-class Checker:
-  def __init__(self, rank, nproc, kv):
-    self.rank, self.nproc, self.kv = rank, nproc, kv
-    self.passed = self.failed = 0
-
-  def check(self, ok: bool, what: str):
-    if ok:
-      self.passed += 1
-    else:
-      self.failed += 1
-      print(f"FAIL rank {self.rank}: {what}", flush=True)
-
-  def same_on_all_ranks(self, key: str, arr: np.ndarray) -> bool:
-    if self.kv is None:
-      return True
-    digest = hashlib.sha256(np.ascontiguousarray(arr).tobytes()).hexdigest()
-    self.kv.key_value_set(f"check/{key}/{self.rank}", digest)
-    got = [self.kv.blocking_key_value_get(f"check/{key}/{r}", 120_000) for r in range(self.nproc)]
-    return len(set(got)) == 1
 
 
 def main(argv) -> int:
@@ -94,7 +73,7 @@ def main(argv) -> int:
     from jax._src import distributed
 
     kv = distributed.global_state.client
-  c = Checker(rank, nproc, kv)
+  c = Checker(rank, nproc, kv, "check")
   mesh = jax.make_mesh((nproc,), ("x",), axis_types=(jax.sharding.AxisType.Auto,))
   sharding = NamedSharding(mesh, P("x"))
 

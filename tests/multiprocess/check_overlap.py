@@ -43,13 +43,13 @@ Exits non-zero on the first failing section; prints "N passed, N failed".
 from __future__ import annotations
 
 import functools
-import hashlib
 import logging
 import math
 import os
 import sys
 import time
 
+import _checker
 import numpy as np
 
 SECTIONS = ("sweep", "quick", "grads", "rotation", "graphs", "multi", "errors")
@@ -112,18 +112,12 @@ def grads_ar(xs, ws, cs, pos):
   return _matmul(call, ws[pos].T), _contract_leading(xs[pos], call)
 
 
-class Checker:
-  def __init__(self, rank, nproc, kv):
-    self.rank, self.nproc, self.kv = rank, nproc, kv
-    self.passed = self.failed = 0
-    self.worst = {}
+class Checker(_checker.Checker):
+  """The shared checker plus element-wise bounds against a float64 reference."""
 
-  def check(self, ok: bool, what: str):
-    if ok:
-      self.passed += 1
-    else:
-      self.failed += 1
-      print(f"FAIL rank {self.rank}: {what}", flush=True)
+  def __init__(self, rank, nproc, kv):
+    super().__init__(rank, nproc, kv, "overlap")
+    self.worst = {}
 
   def close(self, got, want, bound, eps, what, factor=4.0):
     """|got - want| <= factor * eps * bound (+ tiny), every element."""
@@ -140,15 +134,6 @@ class Checker:
     where = np.argwhere(bad)[:3].tolist() if bad.any() else []
     self.check(not bad.any(), f"{what}: {int(bad.sum())} of {err.size} elements off "
                               f"(worst err/limit {ratio:.3g}, first at {where})")
-
-  def same_on_all_ranks(self, key: str, arr: np.ndarray) -> bool:
-    if self.kv is None:
-      return True
-    digest = hashlib.sha256(np.ascontiguousarray(arr).tobytes()).hexdigest()
-    self.kv.key_value_set(f"overlap/{key}/{self.rank}", digest)
-    got = [self.kv.blocking_key_value_get(f"overlap/{key}/{r}", 120_000)
-           for r in range(self.nproc)]
-    return len(set(got)) == 1
 
 
 def main(argv) -> int:
