@@ -9,9 +9,9 @@ Every public op takes ``backend="auto" | "xla" | "cuda"``:
   NVIDIA GPUs, ``jaxoverlap.initialize()`` has run (NVSHMEM is up) and the op
   has a kernel. Asking for it when it is not usable raises ``RuntimeError``
   that says why; nothing falls back silently.
-* ``"auto"``: ``"cuda"`` when usable, else ``"xla"``; the first time an op
-  falls back, the reason is logged once as a WARNING (logger ``jaxoverlap``),
-  so it shows without any logging set-up.
+* ``"auto"``: ``"cuda"`` when usable, else ``"xla"``; each reason for falling
+  back is logged once as a WARNING (logger ``jaxoverlap``), so it shows
+  without any logging set-up.
 
 ``jaxoverlap.runtime_info()`` reports the same reasons for every op.
 """
@@ -46,18 +46,18 @@ def cuda_unavailable_reason(op: str) -> str | None:
   """
   if op not in _CUDA_OPS:
     return f"no CUDA kernel for {op} in this version (it runs on the xla backend)"
-  from jaxoverlap import _ffi  # local import: importing jaxoverlap never loads the extension
-  reason = _ffi.unavailable_reason()
-  if reason is None:
-    from jaxoverlap import runtime
-    if runtime.is_initialized():
-      return None
-    reason = "jaxoverlap.initialize() has not been called in this process (NVSHMEM is not up)"
   platform = _jax_platform()
   if platform != "gpu":
-    reason += (f" (note: JAX runs on {platform!r} here, with no GPU; the CUDA backend needs "
-               "NVIDIA GPUs, and backend='xla' runs everywhere)")
-  return reason
+    return (f"JAX runs on {platform!r} here, with no GPU: the CUDA backend needs NVIDIA GPUs "
+            "(backend 'xla' runs everywhere)")
+  from jaxoverlap import _ffi  # local import: importing jaxoverlap never loads the extension
+  reason = _ffi.unavailable_reason()
+  if reason is not None:
+    return reason
+  from jaxoverlap import runtime
+  if not runtime.is_initialized():
+    return "jaxoverlap.initialize() has not been called in this process (NVSHMEM is not up)"
+  return None
 
 
 def _jax_platform() -> str:
@@ -95,10 +95,11 @@ def select_backend(op: str, backend: str) -> str:
     return "cuda"
   if reason is None:
     return "cuda"
-  with _lock:
-    if (op, reason) not in _logged:
-      _logged.add((op, reason))
-      logger.warning("jaxoverlap: %s runs on backend 'xla' (auto): %s", op, reason)
+  with _lock:  # one line per reason, not per op: the reason is the same for all
+    if ("auto", reason) not in _logged:
+      _logged.add(("auto", reason))
+      logger.warning("jaxoverlap: backend 'auto' runs the ops on backend 'xla' (first: %s): %s",
+                     op, reason)
   return "xla"
 
 

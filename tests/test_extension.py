@@ -50,7 +50,8 @@ def test_extension_loads_and_registers_targets():
 
 
 @needs_extension
-def test_cuda_backend_refused_until_initialized():
+def test_cuda_backend_refused_until_initialized(monkeypatch):
+  monkeypatch.setattr(backend, "_jax_platform", lambda: "gpu")  # as on a GPU machine
   reason = backend.cuda_unavailable_reason("all_reduce")
   assert reason is not None and "initialize()" in reason
   with pytest.raises(RuntimeError, match=r"backend='cuda' was requested for all_reduce, but "

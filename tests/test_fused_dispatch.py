@@ -178,7 +178,8 @@ def test_cpu_reason_says_there_is_no_gpu():
   if jax.default_backend() == "gpu":
     pytest.skip("CPU-only check")
   reason = backend.cuda_unavailable_reason("all_gather_matmul")
-  assert "with no GPU" in reason and "backend='xla' runs everywhere" in reason
+  assert reason == ("JAX runs on 'cpu' here, with no GPU: the CUDA backend needs NVIDIA GPUs "
+                    "(backend 'xla' runs everywhere)")
 
 
 def test_chunks_refused_on_xla():
