@@ -212,7 +212,8 @@ def auto_chunks(op: str, payload_bytes: int, rows: int, gemm_flops: float) -> in
   Args:
     op: "all_gather_matmul", "matmul_reduce_scatter" or "matmul_all_reduce".
     payload_bytes: bytes of one shard (AG) or one partial block (RS, AR).
-    rows: rows of that shard or block (chunks never exceed them).
+    rows: pieces the shard or block can be cut into (its rows; all_gather_matmul
+      with batch dims: the batch entries); chunks never exceed them.
     gemm_flops: flops of the GEMM that the first transfer overlaps (AG: the
       local shard's).
   """
@@ -242,7 +243,7 @@ def _precision_id() -> int:
 
 
 def _fused_lowering(target, op, ctx, x, w, *, axis_name, transport, chunks, shape_attrs,
-                    payload_bytes, shard_rows, chunk_bytes, gemm_flops):
+                    payload_bytes, chunk_units, chunk_bytes, gemm_flops):
   mesh = _concrete_mesh(ctx, op)
   groups = runtime.groups_along_axis(mesh, axis_name)
   info = runtime.runtime_info()
@@ -265,7 +266,10 @@ def _fused_lowering(target, op, ctx, x, w, *, axis_name, transport, chunks, shap
         f"(or JAXOVERLAP_OVERLAP_HEAP_BYTES), or run with more ranks")
   source = "requested"
   if chunks is None:
-    chunks, source = auto_chunks(op, chunk_bytes, shard_rows, gemm_flops), "auto"
+    chunks, source = auto_chunks(op, chunk_bytes, chunk_units, gemm_flops), "auto"
+  elif chunks > chunk_units:
+    source = f"requested {chunks}, at most {chunk_units} pieces"
+    chunks = chunk_units
   fused_decisions.append({"op": op, "axis_name": axis_name, "algorithm": transport,
                           "transport": transport,
                           "chunks": chunks, "chunks_source": source,
@@ -274,11 +278,12 @@ def _fused_lowering(target, op, ctx, x, w, *, axis_name, transport, chunks, shap
   del fused_decisions[:-_MAX_DECISIONS]
   logger.info("jaxoverlap: %s over %r: transport %s, %d chunks (%s), %s", op, axis_name,
               transport, chunks, source, shape_attrs)
-  if os.environ.get("JAXOVERLAP_FUSED_CMD_BUFFER") == "1":
-    # Diagnosis only: the handler variant that lets XLA capture the call into
-    # its CUDA graphs, which failed for moved buffers (ffi/overlap/overlap_ffi.cc).
+  if os.environ.get("JAXOVERLAP_FUSED_CMD_BUFFER", "1") != "0":
+    # The handler variant with XLA's command-buffer trait: XLA may record the
+    # call into its CUDA graphs (ffi/overlap/overlap_ffi.cc). "0" runs the
+    # calls as thunks of their own between the graphs.
     target += "_cmdbuf"
-    fused_decisions[-1]["target"] = target
+  fused_decisions[-1]["target"] = target
   rule = jax.ffi.ffi_lowering(target)
   return rule(
       ctx, x, w,
@@ -342,7 +347,10 @@ def _ag_lowering(ctx, x, w, *, axis_name, dim, num_ranks, transport, chunks, gat
   return _fused_lowering(target, "all_gather_matmul", ctx, x, w, axis_name=axis_name,
                          transport=transport, chunks=chunks,
                          shape_attrs={"outer": outer, "rows": rows, "k": k, "n": n},
-                         payload_bytes=outer * rows * k * itemsize, shard_rows=rows,
+                         # Chunks cut the shard's rows, or whole batch entries where it
+                         # has batch dims (each chunk one contiguous, graph-updatable copy).
+                         payload_bytes=outer * rows * k * itemsize,
+                         chunk_units=outer if outer > 1 else rows,
                          chunk_bytes=outer * rows * k * itemsize,
                          gemm_flops=2.0 * outer * rows * k * n)
 
@@ -387,7 +395,7 @@ def _rs_lowering(ctx, x, w, *, axis_name, dim, num_ranks, transport, chunks):
   return _fused_lowering("jaxoverlap_matmul_reduce_scatter", "matmul_reduce_scatter", ctx, x, w,
                          axis_name=axis_name, transport=transport, chunks=chunks,
                          shape_attrs={"outer": outer, "rows": rows, "k": k, "n": n},
-                         payload_bytes=outer * rows * n * itemsize, shard_rows=rows,
+                         payload_bytes=outer * rows * n * itemsize, chunk_units=rows,
                          chunk_bytes=outer * rows * n * itemsize,
                          gemm_flops=2.0 * outer * rows * k * n)
 
@@ -426,7 +434,7 @@ def _ar_lowering(ctx, x, w, *, axis_name, num_ranks, transport, chunks):
   return _fused_lowering("jaxoverlap_matmul_all_reduce", "matmul_all_reduce", ctx, x, w,
                          axis_name=axis_name, transport=transport, chunks=chunks,
                          shape_attrs={"rows": rows, "k": k, "n": n},
-                         payload_bytes=2 * (-(-block // 256) * 256), shard_rows=rows,
+                         payload_bytes=2 * (-(-block // 256) * 256), chunk_units=rows,
                          chunk_bytes=block, gemm_flops=2.0 * rows * k * n)
 
 

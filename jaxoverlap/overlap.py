@@ -195,7 +195,9 @@ def all_gather_matmul(x, w, axis_name, *, gather_dimension=0, backend="auto",
       32; None: chosen from the shapes by ``_cuda.auto_chunks``, which cuts
       only when the shard's transfer is estimated to outlast the local
       shard's GEMM). Each arriving chunk's GEMM starts as soon as that chunk
-      is in.
+      is in. Chunks cut the shard's rows, or, where dimensions precede
+      ``gather_dimension``, whole entries of those (so at most their product:
+      each chunk is one contiguous copy, which a CUDA graph can update).
 
   Returns:
     ``[..., m_local * num_ranks, ..., n_local]`` in x's dtype (float32

@@ -145,9 +145,9 @@ if [ "$WHAT" = ovquick ]; then
     quick rotation multi errors
 fi
 if [ "$WHAT" = ovgraphs ]; then  # the CUDA-graph question (NOTES.md): plain handlers, then captured ones
-  run ovgraphs 150 $PY -m jaxoverlap.launch $LAUNCH --timeout_s 140 tests/multiprocess/check_overlap.py graphs
-  run ovgraphs_cmdbuf 150 JAXOVERLAP_FUSED_CMD_BUFFER=1 $PY -m jaxoverlap.launch $LAUNCH --timeout_s 140 \
-    tests/multiprocess/check_overlap.py graphs rotation
+  run ovgraphs_plain 150 JAXOVERLAP_FUSED_CMD_BUFFER=0 $PY -m jaxoverlap.launch $LAUNCH --timeout_s 140 \
+    tests/multiprocess/check_overlap.py graphs
+  run ovgraphs 150 $PY -m jaxoverlap.launch $LAUNCH --timeout_s 140 tests/multiprocess/check_overlap.py graphs rotation
 fi
 if [ "$WHAT" = ovsanitize ]; then
   for tool in ${SANITIZE_TOOLS:-memcheck racecheck}; do
@@ -173,7 +173,8 @@ if [ "$WHAT" = ovwindowed ] && [ "$NGPU" -ge 2 ]; then
 fi
 # ---- issue 5: the training example (xla vs cuda), a step profile, decode
 if [ "$WHAT" = train ] && [ "$NGPU" -ge 2 ]; then
-  run train_step 260 $PY -m jaxoverlap.launch --nproc 2 --timeout_s 250 benchmarks/train_step.py \
+  T=${TRAIN_TIMEOUT:-300}
+  run train_step "$T" $PY -m jaxoverlap.launch --nproc 2 --timeout_s $((T - 10)) benchmarks/train_step.py \
     --out "$OUT" --presets ${TRAIN_PRESETS:-gpu_small} ${TRAIN_FLAGS:-}
 fi
 if [ "$WHAT" = profile ] && [ "$NGPU" -ge 2 ]; then

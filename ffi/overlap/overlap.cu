@@ -57,6 +57,7 @@ namespace {
 constexpr int kPutBlocks = 16;
 constexpr int kPutThreads = 512;
 constexpr int kAddThreads = 256;
+constexpr int kCopyThreads = 256;
 
 // Flag sets: the first transfer of a call (AG's shards, RS's partials), and
 // GEMM+AR's second one (the all-gather of the reduced blocks).
@@ -184,6 +185,27 @@ __global__ void __launch_bounds__(kAddThreads)
   }
 }
 
+// Copies `height` rows of `width` bytes between pitched buffers, 16 bytes
+// per thread and step where everything is 16-byte aligned.
+__global__ void __launch_bounds__(kCopyThreads)
+    CopyRowsKernel(char* dst, size_t dst_pitch, const char* src, size_t src_pitch, size_t width,
+                   size_t height, bool vectorized) {
+  const size_t unit = vectorized ? 16 : 1;
+  const size_t per_row = width / unit;
+  const size_t total = per_row * height;
+  const size_t stride = static_cast<size_t>(gridDim.x) * blockDim.x;
+  for (size_t i = static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < total;
+       i += stride) {
+    const size_t row = i / per_row, off = (i % per_row) * unit;
+    if (vectorized) {
+      *reinterpret_cast<uint4*>(dst + row * dst_pitch + off) =
+          *reinterpret_cast<const uint4*>(src + row * src_pitch + off);
+    } else {
+      dst[row * dst_pitch + off] = src[row * src_pitch + off];
+    }
+  }
+}
+
 // ---------------------------------------------------------------- host side
 
 bool Aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
@@ -215,6 +237,30 @@ ffi::Error Add(cudaStream_t stream, ffi::DataType dtype, void* out, const char* 
     case ffi::DataType::F16: return LaunchAdd<__half>(stream, out, srcs, count, n);
     default: return ffi::Error::InvalidArgument("fused op: unsupported dtype");
   }
+}
+
+// A device-to-device copy of `height` rows of `width` bytes on `stream`: one
+// 1-D cudaMemcpyAsync where the rows are contiguous, else CopyRowsKernel.
+// Never a 2-D memcpy: when XLA records the call into a CUDA graph and later
+// updates it for new buffer addresses, CUDA cannot update a 2-D memcpy node
+// (cudaGraphExecUpdate fails), while it can update 1-D copies and kernels.
+ffi::Error CopyRows(cudaStream_t stream, char* dst, size_t dst_pitch, const char* src,
+                    size_t src_pitch, size_t width, size_t height) {
+  if (width == 0 || height == 0) return ffi::Error::Success();
+  if (height == 1 || (width == dst_pitch && width == src_pitch)) {
+    JAXOVERLAP_CUDA_RETURN_IF_ERROR(
+        cudaMemcpyAsync(dst, src, width * height, cudaMemcpyDeviceToDevice, stream));
+    return ffi::Error::Success();
+  }
+  const bool vec = Aligned16(dst) && Aligned16(src) && width % 16 == 0 && dst_pitch % 16 == 0 &&
+                   src_pitch % 16 == 0;
+  const size_t work = (vec ? width / 16 : width) * height;
+  const int blocks = static_cast<int>(
+      std::max<size_t>(1, std::min<size_t>(132 * 2, (work + kCopyThreads - 1) / kCopyThreads)));
+  CopyRowsKernel<<<blocks, kCopyThreads, 0, stream>>>(dst, dst_pitch, src, src_pitch, width,
+                                                      height, vec);
+  JAXOVERLAP_RETURN_IF_LAUNCH_ERROR("CopyRowsKernel launch");
+  return ffi::Error::Success();
 }
 
 // Makes `to` wait for the work enqueued on `from` so far.
@@ -289,10 +335,12 @@ ffi::Error Send(const Call& c, int j, char* dst, const char* src, size_t width, 
       return ffi::Error(ffi::ErrorCode::kInternal,
                         std::string(c.op) + ": no peer mapping of PE " + std::to_string(pe));
     }
-    if (height == 1) {
+    if (height == 1 || (width == src_pitch && width == dst_pitch)) {
       JAXOVERLAP_CUDA_RETURN_IF_ERROR(
-          cudaMemcpyAsync(peer, src, width, cudaMemcpyDeviceToDevice, comm));
+          cudaMemcpyAsync(peer, src, width * height, cudaMemcpyDeviceToDevice, comm));
     } else {
+      // Only between fixed symmetric addresses (RS's staging and slots): a
+      // graph cannot update a 2-D copy to new addresses (CopyRows).
       JAXOVERLAP_CUDA_RETURN_IF_ERROR(cudaMemcpy2DAsync(peer, dst_pitch, src, src_pitch, width,
                                                         height, cudaMemcpyDeviceToDevice, comm));
     }
@@ -507,7 +555,25 @@ ffi::Error AllGatherMatmul(cudaStream_t stream, const Group& group, const Option
   char* gathered = static_cast<char*>(gathered_ptr);
   const size_t shard_pitch = static_cast<size_t>(rows) * k * es;  // one outer of a shard
   JAXOVERLAP_RETURN_IF_ERROR(CheckSlot(c, "the shard of x", outer * shard_pitch));
-  const int chunks = Chunks(opt, rows);
+  // Chunks are rows of the shard without batch dims (outer == 1) and whole
+  // batch entries with them, so that each chunk is one contiguous range of x
+  // and of the slot: one 1-D copy (CopyRows says why not 2-D).
+  const bool by_batch = outer > 1;
+  const int chunks = Chunks(opt, by_batch ? outer : rows);
+  struct Piece {
+    size_t offset, bytes;  // in the shard (x) and in the slot
+    int64_t out_offset;    // elements of out, for rank 0's shard
+    int64_t rows, batch;
+  };
+  auto piece = [&](int q) {
+    if (by_batch) {
+      const int64_t o0 = ChunkStart(outer, chunks, q), o1 = ChunkStart(outer, chunks, q + 1);
+      return Piece{o0 * shard_pitch, (o1 - o0) * shard_pitch, o0 * size * rows * n, rows,
+                   o1 - o0};
+    }
+    const int64_t q0 = ChunkStart(rows, chunks, q), q1 = ChunkStart(rows, chunks, q + 1);
+    return Piece{q0 * k * es, (q1 - q0) * k * es, q0 * n, q1 - q0, 1};
+  };
 
   JAXOVERLAP_RETURN_IF_ERROR(Begin(c));
   // Comm stream: this rank's shard to ranks r+1, r+2, ... chunk by chunk.
@@ -515,17 +581,15 @@ ffi::Error AllGatherMatmul(cudaStream_t stream, const Group& group, const Option
     const int dest = (r + i) % size;
     JAXOVERLAP_RETURN_IF_ERROR(WaitAck(c, dest));
     for (int q = 0; q < chunks; ++q) {
-      const int64_t q0 = ChunkStart(rows, chunks, q), q1 = ChunkStart(rows, chunks, q + 1);
-      JAXOVERLAP_RETURN_IF_ERROR(Send(c, dest, Slot(s, c.my_local()) + q0 * k * es,
-                                      x + q0 * k * es, (q1 - q0) * k * es, outer, shard_pitch,
-                                      shard_pitch,
+      const Piece p = piece(q);
+      JAXOVERLAP_RETURN_IF_ERROR(Send(c, dest, Slot(s, c.my_local()) + p.offset, x + p.offset,
+                                      p.bytes, 1, p.bytes, p.bytes,
                                       DataFlag(s, c.my_local(), kPhaseMain, q)));
     }
   }
   if (gathered != nullptr) {
-    JAXOVERLAP_CUDA_RETURN_IF_ERROR(cudaMemcpy2DAsync(
-        gathered + r * shard_pitch, size * shard_pitch, x, shard_pitch, shard_pitch, outer,
-        cudaMemcpyDeviceToDevice, s.comm_stream));
+    JAXOVERLAP_RETURN_IF_ERROR(CopyRows(s.comm_stream, gathered + r * shard_pitch,
+                                        size * shard_pitch, x, shard_pitch, shard_pitch, outer));
   }
   // Compute stream: the local shard first, then the others as they arrive.
   JAXOVERLAP_RETURN_IF_ERROR(gemm::Run(
@@ -535,18 +599,19 @@ ffi::Error AllGatherMatmul(cudaStream_t stream, const Group& group, const Option
     const int src = (r - i + size) % size;
     const char* slot = Slot(s, group.local[src]);
     for (int q = 0; q < chunks; ++q) {
-      const int64_t q0 = ChunkStart(rows, chunks, q), q1 = ChunkStart(rows, chunks, q + 1);
+      const Piece p = piece(q);
       JAXOVERLAP_RETURN_IF_ERROR(
           Wait(c, stream, DataFlag(s, group.local[src], kPhaseMain, q), 1, src, 0, i, q));
       JAXOVERLAP_RETURN_IF_ERROR(gemm::Run(
-          stream, ShardGemm(c, dtype, slot + q0 * k * es, w, out + (src * rows + q0) * n * es,
-                            q1 - q0, k, n, outer, rows * k, size * rows * n)));
+          stream, ShardGemm(c, dtype, slot + p.offset, w,
+                            out + (p.out_offset + src * rows * n) * es, p.rows, k, n, p.batch,
+                            rows * k, size * rows * n)));
     }
     if (gathered != nullptr) {
       JAXOVERLAP_RETURN_IF_ERROR(Handoff(s.events[0], stream, s.comm_stream));
-      JAXOVERLAP_CUDA_RETURN_IF_ERROR(cudaMemcpy2DAsync(
-          gathered + src * shard_pitch, size * shard_pitch, slot, shard_pitch, shard_pitch, outer,
-          cudaMemcpyDeviceToDevice, s.comm_stream));
+      JAXOVERLAP_RETURN_IF_ERROR(CopyRows(s.comm_stream, gathered + src * shard_pitch,
+                                          size * shard_pitch, slot, shard_pitch, shard_pitch,
+                                          outer));
     }
   }
   return End(c);
