@@ -278,10 +278,10 @@ def _fused_lowering(target, op, ctx, x, w, *, axis_name, transport, chunks, shap
   del fused_decisions[:-_MAX_DECISIONS]
   logger.info("jaxoverlap: %s over %r: transport %s, %d chunks (%s), %s", op, axis_name,
               transport, chunks, source, shape_attrs)
-  if os.environ.get("JAXOVERLAP_FUSED_CMD_BUFFER", "1") != "0":
+  if os.environ.get("JAXOVERLAP_FUSED_CMD_BUFFER") == "1":
     # The handler variant with XLA's command-buffer trait: XLA may record the
-    # call into its CUDA graphs (ffi/overlap/overlap_ffi.cc). "0" runs the
-    # calls as thunks of their own between the graphs.
+    # call into its CUDA graphs. Opt-in: it failed under jax.profiler tracing
+    # (ffi/overlap/overlap_ffi.cc, NOTES.md "CUDA graphs").
     target += "_cmdbuf"
   fused_decisions[-1]["target"] = target
   rule = jax.ffi.ffi_lowering(target)

@@ -145,9 +145,9 @@ if [ "$WHAT" = ovquick ]; then
     quick rotation multi errors
 fi
 if [ "$WHAT" = ovgraphs ]; then  # the CUDA-graph question (NOTES.md): plain handlers, then captured ones
-  run ovgraphs_plain 150 JAXOVERLAP_FUSED_CMD_BUFFER=0 $PY -m jaxoverlap.launch $LAUNCH --timeout_s 140 \
-    tests/multiprocess/check_overlap.py graphs
-  run ovgraphs 150 $PY -m jaxoverlap.launch $LAUNCH --timeout_s 140 tests/multiprocess/check_overlap.py graphs rotation
+  run ovgraphs 150 $PY -m jaxoverlap.launch $LAUNCH --timeout_s 140 tests/multiprocess/check_overlap.py graphs
+  run ovgraphs_cmdbuf 150 JAXOVERLAP_FUSED_CMD_BUFFER=1 $PY -m jaxoverlap.launch $LAUNCH --timeout_s 140 \
+    tests/multiprocess/check_overlap.py graphs rotation
 fi
 if [ "$WHAT" = ovsanitize ]; then
   for tool in ${SANITIZE_TOOLS:-memcheck racecheck}; do

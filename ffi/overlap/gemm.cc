@@ -10,6 +10,7 @@
 
 #include <array>
 #include <cstdint>
+#include <cstdlib>
 #include <map>
 #include <mutex>
 #include <string>
@@ -57,10 +58,26 @@ ffi::Error BlasError(cublasStatus_t st, const char* expr, const char* file, int 
     }                                                                      \
   } while (0)
 
-// The alignment of `p` (bytes, up to 256) that the plan may assume.
+// The most alignment (bytes) a plan assumes: 16, what cuBLASLt's tensor-core
+// kernels need. Plans must not depend on where XLA placed a buffer beyond
+// that: XLA records the fused calls into CUDA graphs and updates them for new
+// addresses, which fails when a new alignment picks a plan with another
+// kernel sequence (CUDA_ERROR_GRAPH_EXEC_UPDATE_FAILURE). XLA's buffers are
+// at least 16-byte aligned, so the assumed alignment depends on the shapes
+// only. JAXOVERLAP_GEMM_ALIGNMENT_CAP (a power of two, 1..256) overrides it.
+int64_t AlignmentCap() {
+  static const int64_t cap = [] {
+    const char* env = std::getenv("JAXOVERLAP_GEMM_ALIGNMENT_CAP");
+    const int64_t v = env != nullptr ? std::atoll(env) : 16;
+    return (v >= 1 && v <= 256 && (v & (v - 1)) == 0) ? v : 16;
+  }();
+  return cap;
+}
+
+// The alignment of `p` (bytes, up to AlignmentCap()) that the plan may assume.
 int64_t Alignment(const void* p) {
   const auto v = reinterpret_cast<uintptr_t>(p);
-  int64_t a = 256;
+  int64_t a = AlignmentCap();
   while (a > 1 && v % a != 0) a /= 2;
   return a;
 }

@@ -135,15 +135,18 @@ ffi::Error MatmulAllReduceExecute(cudaStream_t stream, ffi::AnyBuffer x, ffi::An
 
 // The fused handlers are registered twice. The plain targets carry no
 // xla::ffi::Traits::kCmdBufferCompatible, so XLA runs them as thunks of their
-// own between its CUDA graphs; jaxoverlap uses these. With the trait, a jit'd
-// GEMM chain replayed correctly from a graph while the buffer addresses stayed
-// the same (tests/multiprocess/check_overlap.py "rotation"), but in a training
-// step, whose buffers move from step to step, XLA's re-recording for new
-// addresses failed with CUDA_ERROR_GRAPH_EXEC_UPDATE_FAILURE ("Failed to set
-// CUDA graph child node params"). The "_cmdbuf" targets carry the trait; the
-// lowering uses them only with JAXOVERLAP_FUSED_CMD_BUFFER=1, to find the cause
-// (check_overlap.py "graphs"; NOTES.md). The ops last milliseconds, so a graph
-// launch would save little.
+// own between its CUDA graphs; jaxoverlap uses these by default. The "_cmdbuf"
+// targets carry the trait, and the lowering uses them with
+// JAXOVERLAP_FUSED_CMD_BUFFER=1: XLA then records each call into its graphs
+// and, when buffers move, re-records it and updates the graph in place. For
+// that, no call enqueues a 2-D memcpy on an XLA buffer (CUDA cannot update one;
+// overlap.cu, CopyRows) and cuBLASLt plans do not depend on where XLA placed a
+// buffer (gemm.cc, AlignmentCap). So captured, the checks of
+// tests/multiprocess/check_overlap.py ("graphs", "rotation", all sections) and
+// 200-step training runs pass, but a training step under jax.profiler tracing
+// still failed to update (CUDA_ERROR_GRAPH_EXEC_UPDATE_FAILURE; NOTES.md "CUDA
+// graphs"), hence opt-in. The ops last milliseconds, so a graph launch saves
+// little.
 //
 // Attributes shared by the fused ops (computed by jaxoverlap/_cuda.py):
 //   groups [num_groups * group_size] PEs, each group in rank order;

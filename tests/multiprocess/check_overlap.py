@@ -21,17 +21,17 @@ Sections (default: all but quick):
   gradients of the pure expressions; all_gather_matmul's backward runs the
   fused GEMM+RS and vice versa.
 * rotation: 24 calls in one jit'd lax.scan, each with fresh inputs and 4
-  chunks per shard, every output checked on the host (XLA replays the scan
-  body from a CUDA graph).
+  chunks per shard, every output checked on the host (with
+  JAXOVERLAP_FUSED_CMD_BUFFER=1, XLA replays the scan body from a CUDA graph).
   Slots keep the previous call's data, so waiting on one chunk and reading
   another, or reading a rank's slot for another rank, gives wrong rows.
 * graphs: one jit'd step (three calls of an op among elementwise work) run
   four times on new buffers each time, for each op, 1-D and batched, and the
-  gathered AG variant. XLA records the calls into a CUDA graph and updates
-  it for the new addresses (the default handlers, with the command-buffer
-  trait); with JAXOVERLAP_FUSED_CMD_BUFFER=0 the same step runs the calls
-  outside the graphs. Before the fix in NOTES.md ("CUDA graphs"), the
-  batched and gathered AG failed here with CUDA_ERROR_GRAPH_EXEC_UPDATE_FAILURE.
+  gathered AG variant. With JAXOVERLAP_FUSED_CMD_BUFFER=1 (the handlers with
+  the command-buffer trait) XLA records the calls into a CUDA graph and
+  updates it for the new addresses; by default the calls run between the
+  graphs. Before the fix in NOTES.md ("CUDA graphs"), the batched and
+  gathered AG failed here with CUDA_ERROR_GRAPH_EXEC_UPDATE_FAILURE.
 * multi: an MLP step with AG+GEMM, GEMM+RS, GEMM+AR and jaxoverlap.all_reduce
   in flight in one jit, checked against float64.
 * errors: a shard larger than the fused-op slot raises ValueError at lowering,
@@ -354,7 +354,7 @@ def main(argv) -> int:
 
   if "graphs" in sections:
     t0 = time.time()
-    target = "plain" if os.environ.get("JAXOVERLAP_FUSED_CMD_BUFFER") == "0" else "cmdbuf"
+    target = "cmdbuf" if os.environ.get("JAXOVERLAP_FUSED_CMD_BUFFER") == "1" else "plain"
     gcases = [("ag", (64, 96), (96, 40), 0), ("ag", (2, 32, 96), (96, 40), 1),
               ("rs", (64 * P_, 96), (96, 40), 0), ("rs", (2, 32 * P_, 96), (96, 40), 1),
               ("ar", (64 * P_, 96), (96, 40), None), ("ag_gathered", (2, 32, 96), (96, 40), 1)]
