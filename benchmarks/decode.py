@@ -786,10 +786,7 @@ def main(argv):
     if cuda is not None:
       extra["auto_choices"] = sorted({(d["bytes"], d["algorithm"], d["protocol"])
                                       for d in cuda.decisions})
-    args = shlex.join(sys.argv[1:])
-    command = (f"python -m jaxoverlap.launch --nproc {jax.process_count()} "
-               f"benchmarks/decode.py {args}" if "JAXOVERLAP_COORDINATOR" in os.environ
-               else f"python benchmarks/decode.py {args}")
+    command = launch.reproduce_command("benchmarks/decode.py")
     method = METHOD.format(reps=flags_.reps, tokens=flags_.tokens, prompt_len=flags_.prompt_len)
     path, png = write_results(flags_.out, flags_.machine, records, rejected, command=command,
                               method=method, versions=tuning.package_versions(), extra=extra)

@@ -75,7 +75,6 @@ from __future__ import annotations
 import functools
 import json
 import os
-import shlex
 import statistics
 import sys
 import time
@@ -742,10 +741,7 @@ def main(argv):
   log(f"overlap: world {world} ({platform}), ranks_per_node {rpn}, chain {FLAGS.chain}, "
       f"reps {FLAGS.reps}, XLA_FLAGS={os.environ['XLA_FLAGS']!r}", flush=True)
 
-  args = shlex.join(sys.argv[1:])
-  command = (f"python -m jaxoverlap.launch --nproc {jax.process_count()} "
-             f"benchmarks/overlap.py {args}" if "JAXOVERLAP_COORDINATOR" in os.environ
-             else f"python benchmarks/overlap.py {args}")
+  command = launch.reproduce_command("benchmarks/overlap.py")
   path = result_path(FLAGS.out, FLAGS.machine, FLAGS.windowed_einsum)
   old = None
   if FLAGS.merge and os.path.exists(path):

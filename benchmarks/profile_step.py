@@ -57,7 +57,6 @@ import gzip
 import json
 import os
 import re
-import shlex
 import shutil
 import statistics
 import sys
@@ -538,7 +537,7 @@ def _report(fl, config, setup, impl: str, resolved: Mapping[str, str], logdir: s
   """Rank 0: analyzes its trace, writes the JSON and PNG, prints the summary; the exit code."""
   import jax
 
-  from jaxoverlap import tuning
+  from jaxoverlap import launch, tuning
 
   path = find_trace_file(logdir)
   if path is None:
@@ -560,10 +559,7 @@ def _report(fl, config, setup, impl: str, resolved: Mapping[str, str], logdir: s
             "overlap_us": round(s["overlap_us"], 1),
             "overlap_fraction": round(s["overlap_fraction"], 4),
             "backend": fl.backend, "algorithm": config.algorithm, "resolved": resolved}
-  args = shlex.join(sys.argv[1:])
-  command = (f"python -m jaxoverlap.launch --nproc {jax.process_count()} "
-             f"benchmarks/profile_step.py {args}" if "JAXOVERLAP_COORDINATOR" in os.environ
-             else f"python benchmarks/profile_step.py {args}")
+  command = launch.reproduce_command("benchmarks/profile_step.py")
   result = {
       "benchmark": BENCHMARK, "machine": fl.machine, "command": command,
       "method": (f"{fl.warmup} warm-up steps, then {fl.steps_traced} steps under "

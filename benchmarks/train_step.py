@@ -61,7 +61,6 @@ import datetime
 import gc
 import json
 import os
-import shlex
 import shutil
 import sys
 from typing import Any, Mapping, Sequence
@@ -411,7 +410,7 @@ def main(argv):
   from jax.experimental import multihost_utils
   import train
 
-  from jaxoverlap import tuning
+  from jaxoverlap import launch, tuning
 
   rank = jax.process_index()
   records: list[dict] = []
@@ -442,10 +441,7 @@ def main(argv):
 
   code = 0
   if rank == 0:
-    args = shlex.join(sys.argv[1:])
-    command = (f"python -m jaxoverlap.launch --nproc {jax.process_count()} "
-               f"benchmarks/train_step.py {args}" if "JAXOVERLAP_COORDINATOR" in os.environ
-               else f"python benchmarks/train_step.py {args}")
+    command = launch.reproduce_command("benchmarks/train_step.py")
     extra = {"world": jax.process_count(), "platform": jax.devices()[0].platform,
              "steps": fl.steps, "backends": backends}
     path, png, result = write_results(fl.out, fl.machine, records, command=command,

@@ -46,6 +46,36 @@ def launched() -> bool:
       "SLURM_PROCID" in env and int(env.get("SLURM_NTASKS", "1") or 1) > 1)
 
 
+# Settings that change what a run measures; recorded in results' commands.
+SETTINGS = ("FUSED_CMD_BUFFER", "GEMM_ALIGNMENT_CAP", "OVERLAP_HEAP_BYTES", "HEAP_BYTES",
+            "RANKS_PER_NODE", "FORCE_NVSHMEM_PUT", "TUNING_FILE", "NET_ALPHA_US",
+            "NET_BETA_GBPS", "TIMEOUT_S")
+
+
+def reproduce_command(script: str, argv: list[str] | None = None) -> str:
+  """The command line that reruns this process group, for a result file's "command".
+
+  Args:
+    script: the script's path as run from the repository root, e.g.
+      "benchmarks/overlap.py".
+    argv: its arguments (default ``sys.argv[1:]``).
+
+  Returns:
+    ``"[JAXOVERLAP_X=v ...] python -m jaxoverlap.launch --nproc N <script> <args>"``
+    under the launcher (N = ``JAXOVERLAP_NUM_PROCESSES``), else
+    ``"... python <script> <args>"``; the prefix lists the ``SETTINGS`` that
+    are set in the environment.
+  """
+  env = os.environ
+  args = shlex.join(sys.argv[1:] if argv is None else argv)
+  prefix = "".join(f"{_ENV_PREFIX}{k}={shlex.quote(env[_ENV_PREFIX + k])} "
+                   for k in SETTINGS if _ENV_PREFIX + k in env)
+  if _ENV_PREFIX + "COORDINATOR" in env:
+    nproc = env.get(_ENV_PREFIX + "NUM_PROCESSES", "?")
+    return f"{prefix}python -m jaxoverlap.launch --nproc {nproc} {script} {args}".rstrip()
+  return f"{prefix}python {script} {args}".rstrip()
+
+
 def initialize_from_env(
     *, nvshmem: bool | None = None, heap_bytes: int | None = None
 ) -> dict[str, Any]:

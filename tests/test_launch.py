@@ -78,3 +78,19 @@ def test_launched_reads_the_launcher_and_slurm(monkeypatch):
   monkeypatch.delenv("SLURM_PROCID")
   monkeypatch.setenv("JAXOVERLAP_COORDINATOR", "localhost:1234")
   assert launch.launched()
+
+
+def test_reproduce_command_names_the_launcher_and_the_settings(monkeypatch):
+  from jaxoverlap import launch
+  for k in launch.SETTINGS + ("COORDINATOR", "NUM_PROCESSES"):
+    monkeypatch.delenv("JAXOVERLAP_" + k, raising=False)
+  assert (launch.reproduce_command("benchmarks/x.py", ["--out", "a b"])
+          == "python benchmarks/x.py --out 'a b'")
+  assert launch.reproduce_command("benchmarks/x.py", []) == "python benchmarks/x.py"
+  monkeypatch.setenv("JAXOVERLAP_COORDINATOR", "127.0.0.1:1")
+  monkeypatch.setenv("JAXOVERLAP_NUM_PROCESSES", "2")
+  monkeypatch.setenv("JAXOVERLAP_FUSED_CMD_BUFFER", "1")
+  monkeypatch.setenv("JAXOVERLAP_PROCESS_ID", "1")  # the launcher's own: not a setting
+  assert (launch.reproduce_command("benchmarks/x.py", ["--quick"])
+          == "JAXOVERLAP_FUSED_CMD_BUFFER=1 python -m jaxoverlap.launch --nproc 2 "
+             "benchmarks/x.py --quick")
