@@ -3,6 +3,7 @@
 # multi-process GPU checks and/or the benchmarks; logs and JSON go to $OUT.
 #   bash scripts/gpu_check.sh [check|verify|verify2|sanitize|bench|bench2|autobench|fold|tune|multigpu|all]
 #   fused ops (issue 4): ovcheck (all sections) | ovquick | ovgraphs | ovsanitize | ovbench | ovbenchfull
+#   issue 5: ovcalibrate (CAL_PART=ag_rs or ar) | train | profile | decode
 #   (several steps in one call: bash scripts/gpu_check.sh verify bench)
 # Uses the machine's preinstalled packages (nothing is downloaded). Needs 2
 # GPUs for NCCL-based references (psum); with 1 GPU the checks run as 2
@@ -170,6 +171,25 @@ fi
 if [ "$WHAT" = ovwindowed ] && [ "$NGPU" -ge 2 ]; then
   run ovbench_windowed 200 $PY -m jaxoverlap.launch --nproc 2 --timeout_s 190 benchmarks/overlap.py \
     --out "$OUT" --windowed_einsum
+fi
+# ---- issue 5: the fused ops' auto choices against a chunk sweep (two parts, one call each)
+if [ "$WHAT" = ovcalibrate ] && [ "$NGPU" -ge 2 ]; then
+  PART=${CAL_PART:-ag_rs}
+  if [ "$PART" = ar ]; then
+    SHAPES="ar:2048,14336,4096;ar:8192,14336,4096;ar:32768,14336,4096;ar:2048,28672,8192"
+    SHAPES="$SHAPES;ar:128,4096,4096;ar:256,4096,4096;ar:512,4096,4096;ar:1024,4096,4096"
+    SHAPES="$SHAPES;ar:4096,4096,4096;ar:512,14336,4096;ar:1024,14336,4096"
+    IMPLS=xla:local_gemm,jaxoverlap:copy_engine,jaxoverlap:gemm_all_reduce,jaxoverlap:copy_engine/c1,jaxoverlap:copy_engine/c2,jaxoverlap:copy_engine/c4
+  else
+    SHAPES="ag:16384,4096,4096;rs:16384,4096,4096;ag:8192,8192,28672;rs:8192,8192,28672"
+    for m in 2048 8192 32768; do SHAPES="$SHAPES;ag:$m,4096,14336;rs:$m,14336,4096"; done
+    SHAPES="$SHAPES;ag:2048,8192,28672;rs:2048,28672,8192"
+    IMPLS=xla:local_gemm,jaxoverlap:copy_engine,jaxoverlap:copy_engine/c1,jaxoverlap:copy_engine/c2,jaxoverlap:copy_engine/c4,jaxoverlap:copy_engine/c8
+  fi
+  run "ovcalibrate_$PART" 560 $PY -m jaxoverlap.launch --nproc 2 --timeout_s 550 benchmarks/overlap.py \
+    --out "$OUT/calibrate_$PART" --shapes "$SHAPES" --impls "$IMPLS"
+  $PY benchmarks/calibrate_fused.py --results "$OUT/calibrate_$PART/overlap-2x_H200_NV18.json" \
+    --out "$OUT/calibrate_$PART" | tee "$OUT/calibrate_$PART.txt"
 fi
 # ---- issue 5: the training example (xla vs cuda), a step profile, decode
 if [ "$WHAT" = train ] && [ "$NGPU" -ge 2 ]; then
