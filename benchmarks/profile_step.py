@@ -445,6 +445,9 @@ def define_flags():
   flags.DEFINE_string("algorithm", None, "jaxoverlap algorithm (default: the preset's)")
   flags.DEFINE_integer("warmup", 3, "untraced steps first (compilation, autotuning)")
   flags.DEFINE_integer("steps_traced", 2, "traced steps; the last one is drawn and measured")
+  flags.DEFINE_bool("trace", True, "--notrace: run the same steps (batches made beforehand) "
+                    "without jax.profiler and report nothing: tells a failure of the profiler "
+                    "apart from one of the steps themselves")
   flags.DEFINE_string("logdir", "/tmp/jaxoverlap_profile", "profiler output; rank r traces "
                       "into <logdir>/rank<r> (emptied first)")
   flags.DEFINE_string("out", "benchmarks/results", "folder for the JSON and PNG")
@@ -515,6 +518,14 @@ def main(argv):
     jax.block_until_ready((state, loss))
   batches = [setup.train_batch(corpus, fl.warmup + i) for i in range(fl.steps_traced)]
   jax.block_until_ready(batches)
+  if not fl.trace:
+    for batch in batches:
+      state, loss = setup.train_step(state, batch)
+      jax.block_until_ready((state, loss))
+    multihost_utils.sync_global_devices("profile_step:end")
+    if rank == 0:
+      print(f"profile_step --notrace: {fl.warmup} + {len(batches)} steps ran", flush=True)
+    return 0
   logdir = os.path.join(os.path.abspath(fl.logdir), f"rank{rank}")
   shutil.rmtree(logdir, ignore_errors=True)
   os.makedirs(logdir, exist_ok=True)

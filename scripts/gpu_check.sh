@@ -3,7 +3,7 @@
 # multi-process GPU checks and/or the benchmarks; logs and JSON go to $OUT.
 #   bash scripts/gpu_check.sh [check|verify|verify2|sanitize|bench|bench2|autobench|fold|tune|multigpu|all]
 #   fused ops (issue 4): ovcheck (all sections) | ovquick | ovgraphs | ovsanitize | ovbench | ovbenchfull
-#   issue 5: ovcalibrate (CAL_PART=ag_rs or ar) | train | profile | decode
+#   issue 5: ovcalibrate (CAL_PART=ag_rs or ar) | train | profile | ovprofilegraphs | decode
 #   (several steps in one call: bash scripts/gpu_check.sh verify bench)
 # Uses the machine's preinstalled packages (nothing is downloaded). Needs 2
 # GPUs for NCCL-based references (psum); with 1 GPU the checks run as 2
@@ -202,6 +202,12 @@ if [ "$WHAT" = profile ] && [ "$NGPU" -ge 2 ]; then
     run "profile_$b" 100 $PY -m jaxoverlap.launch --nproc 2 --timeout_s 90 benchmarks/profile_step.py \
       --out "$OUT" --backend "$b"
   done
+fi
+if [ "$WHAT" = ovprofilegraphs ] && [ "$NGPU" -ge 2 ]; then  # NOTES.md "CUDA graphs": profiler or addresses?
+  run profile_cmdbuf_notrace 100 JAXOVERLAP_FUSED_CMD_BUFFER=1 $PY -m jaxoverlap.launch --nproc 2 \
+    --timeout_s 90 benchmarks/profile_step.py --out "$OUT/notrace" --backend cuda --notrace
+  run profile_cmdbuf 100 JAXOVERLAP_FUSED_CMD_BUFFER=1 $PY -m jaxoverlap.launch --nproc 2 \
+    --timeout_s 90 benchmarks/profile_step.py --out "$OUT/cmdbuf" --backend cuda
 fi
 if [ "$WHAT" = decode ] && [ "$NGPU" -ge 2 ]; then
   run decode 150 $PY -m jaxoverlap.launch --nproc 2 --timeout_s 140 benchmarks/decode.py \

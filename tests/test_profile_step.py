@@ -229,3 +229,17 @@ def test_script_end_to_end_on_cpu(tmp_path):
   assert 0.0 <= s["overlap_fraction"] <= 1.0
   assert len(result["traced_step_us"]) == 2 and len(result["traced_losses"]) == 2
   assert os.path.exists(result["trace_file"])
+
+
+@pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (simulated) devices")
+def test_notrace_runs_the_steps_and_writes_nothing(tmp_path):
+  out, logdir = tmp_path / "out", tmp_path / "log"
+  env = {k: v for k, v in os.environ.items() if not k.startswith("JAXOVERLAP_")}
+  env.setdefault("JAX_PLATFORMS", "cpu")
+  cmd = [sys.executable, _PATH, "--preset", "tiny", "--backend", "xla", "--mesh", "4,2",
+         "--warmup", "1", "--steps_traced", "2", "--logdir", str(logdir), "--out", str(out),
+         "--notrace"]
+  proc = subprocess.run(cmd, env=env, cwd=_ROOT, capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+  assert "profile_step --notrace: 1 + 2 steps ran" in proc.stdout
+  assert not out.exists() and not logdir.exists()
