@@ -50,7 +50,7 @@ def test_02_tp_mlp():
   assert out_err < 1e-4 and grad_err < 1e-4
 
 
-def test_train_writes_outputs_and_resumes(tmp_path):
+def test_train_writes_outputs_and_resumes(tmp_path, capsys):
   workdir = str(tmp_path / "run")
   tiny = config_lib.get_config("tiny")  # 4 steps, checkpoints every 2
   assert tiny.mesh == (4, 2)
@@ -82,3 +82,10 @@ def test_train_writes_outputs_and_resumes(tmp_path):
   assert again["start_step"] == 6 and again["steps"] == 8
   assert again["val_loss"] == second["val_loss"]
   assert again["train_loss"] == second["train_loss"]
+
+  # Nothing left to train: it evaluates the checkpoint and says so.
+  capsys.readouterr()
+  done = train.train_and_evaluate(longer, workdir)
+  assert done["start_step"] == 8 and done["step_time_ms"] is None
+  assert done["val_loss"] == pytest.approx(second["val_loss"])
+  assert "already holds a checkpoint at step 8 of 8: nothing to train" in capsys.readouterr().out

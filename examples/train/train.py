@@ -281,6 +281,10 @@ def train_and_evaluate(config: Config, workdir: str) -> dict[str, Any]:
           f"sequence_parallel={config.sequence_parallel}; backends {backends['resolved']}")
     if start_step:
       print(f"resumed from {manager.directory} at step {start_step}")
+    if start_step >= config.steps:
+      print(f"WARNING: {workdir} already holds a checkpoint at step {start_step} of "
+            f"{config.steps}: nothing to train; this run only evaluates it. Use a new "
+            "--workdir for a fresh run, or --steps to train on.", flush=True)
 
   if start_step == 0:
     history["val"].append((0, evaluate(state)))
