@@ -71,6 +71,11 @@ def is_initialized() -> bool:
   return _initialized
 
 
+def _valid_alignment_cap(text: str) -> bool:
+  """JAXOVERLAP_GEMM_ALIGNMENT_CAP's rule (ffi/overlap/gemm.cc): a power of two in 1..256."""
+  return text.isdigit() and 1 <= int(text) <= 256 and int(text) & (int(text) - 1) == 0
+
+
 def _parse_bytes(text: str, what: str) -> int:
   m = re.fullmatch(r"\s*(\d+)\s*([kKmMgG]?)(i?[bB])?\s*", text)
   if not m:
@@ -162,7 +167,8 @@ def initialize(
     RuntimeError: the CUDA extension is missing, XLA's own NVSHMEM is switched
       on, the process does not own exactly one GPU, NVSHMEM fails to start or
       the heap does not fit. Messages say which.
-    ValueError: a size or timeout is malformed.
+    ValueError: a size or timeout is malformed, or JAXOVERLAP_GEMM_ALIGNMENT_CAP
+      is not a power of two from 1 to 256.
   """
   global _initialized, _generation, _info
   with _lock:
@@ -198,6 +204,10 @@ def initialize(
       timeout_s = float(os.environ.get("JAXOVERLAP_TIMEOUT_S", DEFAULT_TIMEOUT_S))
     if not timeout_s > 0:
       raise ValueError(f"timeout_s must be positive, got {timeout_s}")
+    cap = os.environ.get("JAXOVERLAP_GEMM_ALIGNMENT_CAP")
+    if cap is not None and not _valid_alignment_cap(cap):
+      raise ValueError(f"JAXOVERLAP_GEMM_ALIGNMENT_CAP={cap!r}: expected a power of two "
+                       "from 1 to 256 (bytes)")
 
     if len(devices) != 1 or devices[0].platform != "gpu":
       raise RuntimeError(

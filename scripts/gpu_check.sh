@@ -197,7 +197,8 @@ if [ "$WHAT" = ovcalibrate ] && [ "$NGPU" -ge 2 ]; then
   run "ovcalibrate_$PART" 560 $PY -m jaxoverlap.launch --nproc 2 --timeout_s 550 benchmarks/overlap.py \
     --out "$OUT/calibrate_$PART" --shapes "$SHAPES" --impls "$IMPLS"
   $PY benchmarks/calibrate_fused.py --results "$OUT/calibrate_$PART/overlap-2x_H200_NV18.json" \
-    --out "$OUT/calibrate_$PART" | tee "$OUT/calibrate_$PART.txt"
+    --out "$OUT/calibrate_$PART" | tee "$OUT/calibrate_$PART.txt" \
+    || { echo "!! calibrate_fused: a constant of jaxoverlap/_cuda.py should change (or it failed)"; status=1; }
 fi
 # ---- issue 5: the training example (xla vs cuda), a step profile, decode
 if [ "$WHAT" = train ] && [ "$NGPU" -ge 2 ]; then

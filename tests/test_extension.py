@@ -70,6 +70,21 @@ def test_initialize_refuses_without_one_gpu_per_process():
     jaxoverlap.initialize()
 
 
+@needs_extension
+@pytest.mark.parametrize("cap", ["0", "24", "512", "16 ", "x"])
+def test_initialize_refuses_a_bad_gemm_alignment_cap(monkeypatch, cap):
+  monkeypatch.setenv("JAXOVERLAP_GEMM_ALIGNMENT_CAP", cap)
+  with pytest.raises(ValueError, match="JAXOVERLAP_GEMM_ALIGNMENT_CAP=.*power of two"):
+    jaxoverlap.initialize()
+
+
+@needs_extension
+def test_initialize_accepts_a_good_gemm_alignment_cap(monkeypatch):
+  monkeypatch.setenv("JAXOVERLAP_GEMM_ALIGNMENT_CAP", "256")
+  with pytest.raises(RuntimeError, match="needs exactly one GPU per process"):
+    jaxoverlap.initialize()  # got past the check; refused for the CPU
+
+
 def test_initialize_refuses_xla_nvshmem(monkeypatch):
   monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", "") +
                      " --xla_gpu_experimental_enable_nvshmem=true")

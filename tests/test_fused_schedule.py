@@ -21,9 +21,16 @@ as operations on two streams per rank, and runs them in random interleavings:
   is checked, and a run where no stream can move is a deadlock;
 * several calls of mixed ops in a row share the slots, as in a training step.
 
-The last tests break the schedule on purpose (no ack wait, a chunk read
-before its flag, a staging buffer reused without its event) and check that the
+Groups of some ranks of a node (local rank != group rank, the spare slot
+at index ranks_per_node) are covered too. The last tests break the schedule
+on purpose (no ack wait, a chunk read before its flag, a staging buffer
+reused without its event, an ack indexed by group rank) and check that the
 simulation catches each.
+
+A chunk here is a range of rows; all_gather_matmul's chunks of whole batch
+entries (outer > 1) follow the same schedule over other units. The copy
+engine's copy then signal kernel is modelled; the 'nvshmem' transport (one
+kernel that puts, then raises the flag) orders the same two steps.
 
 It checks the schedule's design, mirrored here in Python, not the CUDA code
 itself; tests/multiprocess/check_overlap.py checks the code on GPUs.
@@ -56,12 +63,12 @@ class Op:
 class Rank:
   """One PE: its symmetric memory (slots, flags, acks, epochs) and two streams."""
 
-  def __init__(self, rank: int, size: int, rows: int):
+  def __init__(self, rank: int, size: int, rows: int, rpn: int):
     self.rank, self.size, self.rows = rank, size, rows
-    # Slot(index): a sender's slot is indexed by its local rank; index `size`
-    # (= ranks_per_node) is the spare one. Each slot has a main part and, for
-    # GEMM+AR, the all-gather half at offset `half`.
-    self.slots = {(i, part): [None] * rows for i in range(size + 1) for part in ("main", "half")}
+    # Slot(index): a sender's slot is indexed by its local rank (0..rpn-1);
+    # index rpn (= ranks_per_node) is the spare one. Each slot has a main part
+    # and, for GEMM+AR, the all-gather half at offset `half`.
+    self.slots = {(i, part): [None] * rows for i in range(rpn + 1) for part in ("main", "half")}
     self.flags = collections.defaultdict(int)  # (sender_local, phase, chunk) -> epoch
     self.acks = collections.defaultdict(int)   # sender_local -> epoch
     self.overlap_epochs = collections.defaultdict(int)  # peer -> pair epoch
@@ -74,9 +81,15 @@ class Rank:
 class Sim:
   """The group of ranks, with a seeded scheduler that interleaves their streams."""
 
-  def __init__(self, size: int, rows: int, seed: int, bugs: frozenset = frozenset()):
+  def __init__(self, size: int, rows: int, seed: int, bugs: frozenset = frozenset(),
+               local: list[int] | None = None, rpn: int | None = None):
     self.size, self.rows, self.bugs = size, rows, bugs
-    self.ranks = [Rank(r, size, rows) for r in range(size)]
+    # Group rank -> local rank (PE % ranks_per_node): a TP group of `size`
+    # ranks on a node of `rpn` GPUs, e.g. ranks 1 and 3 of 4.
+    self.local = list(range(size)) if local is None else list(local)
+    self.rpn = size if rpn is None else rpn
+    assert len(set(self.local)) == size and all(0 <= l < self.rpn for l in self.local)
+    self.ranks = [Rank(r, size, rows, self.rpn) for r in range(size)]
     self.rng = random.Random(seed)
 
   def run(self, max_ops: int = 10**6) -> None:
@@ -106,6 +119,7 @@ class Call:
 
   def __init__(self, sim: Sim, me: Rank):
     self.sim, self.me, self.size, self.r = sim, me, sim.size, me.rank
+    self.my_local = sim.local[me.rank]
 
   def enqueue(self, stream: str, what: str, run=lambda: None, ready=lambda: True):
     self.me.streams[stream].append(Op(f"{what}", ready, run))
@@ -135,16 +149,18 @@ class Call:
   def end(self) -> None:
     self.handoff("comm", "compute")
 
+    index = self.r if "ack_by_group_rank" in self.sim.bugs else self.my_local
+
     def run():
       for j in range(self.size):
         if j != self.r:
-          self.sim.ranks[j].acks[self.r] = self.me.call_epochs[j]
+          self.sim.ranks[j].acks[index] = self.me.call_epochs[j]
     self.enqueue("compute", "AckKernel", run)
 
   def wait(self, stream: str, key, j: int, lag: int, what: str) -> None:
     """WaitKernel: this rank's flag `key` from rank j >= (epoch with j) - lag."""
     flags = self.me.acks if key == "ack" else self.me.flags
-    k = j if key == "ack" else key
+    k = self.sim.local[j] if key == "ack" else key
 
     def ready():
       return flags[k] >= self.me.call_epochs[j] - lag
@@ -167,24 +183,25 @@ class Call:
 
 def all_gather_matmul(sim, me, call_id, chunks, x, out, gathered=None):
   """AllGatherMatmul(): x = this rank's rows; out/gathered[src] = rows of rank src."""
-  c, size, r, rows = Call(sim, me), sim.size, me.rank, sim.rows
+  c, size, r, rows, local = Call(sim, me), sim.size, me.rank, sim.rows, sim.local
   pieces = chunks_of(rows, chunks)
   c.begin()
   for i in range(1, size):
     dest = (r + i) % size
     c.wait_ack(dest)
     for q, q0, q1 in pieces:
-      c.send(dest, (r, "main"), q0, q1, lambda q0=q0, q1=q1: x[q0:q1], (r, MAIN, q))
+      c.send(dest, (c.my_local, "main"), q0, q1, lambda q0=q0, q1=q1: x[q0:q1],
+             (c.my_local, MAIN, q))
   if gathered is not None:
     c.enqueue("comm", "copy x to gathered", lambda: gathered[r].__setitem__(slice(None), x))
   c.enqueue("compute", "GEMM local shard",
             lambda: out[r].__setitem__(slice(None), [("y", v) for v in x]))
   for i in range(1, size):
     src = (r - i) % size
-    slot = me.slots[(src, "main")]
+    slot = me.slots[(local[src], "main")]
     for q, q0, q1 in pieces:
       wq = max(q - 1, 0) if "early_read" in sim.bugs else q
-      c.wait("compute", (src, MAIN, wq), src, 0, f"AG chunk {wq}")
+      c.wait("compute", (local[src], MAIN, wq), src, 0, f"AG chunk {wq}")
       c.enqueue("compute", f"GEMM chunk {q} of rank {src}",
                 lambda src=src, slot=slot, q0=q0, q1=q1:
                 out[src].__setitem__(slice(q0, q1), [("y", v) for v in slot[q0:q1]]))
@@ -201,9 +218,9 @@ def _partial(call_id, r, block, row):
 
 def reduce_scatter_phase(sim, me, c, call_id, chunks, own, all_gather):
   """ReduceScatterPhase(): own = this rank's block; with all_gather, GEMM+AR's sends."""
-  size, r, rows = sim.size, me.rank, sim.rows
+  size, r, rows, local = sim.size, me.rank, sim.rows, sim.local
   pieces = chunks_of(rows, chunks)
-  staging = [(r, "main"), (size, "main")]  # Slot(my_local), Slot(ranks_per_node)
+  staging = [(c.my_local, "main"), (sim.rpn, "main")]  # Slot(my_local), Slot(ranks_per_node)
   staging_free = {}
   for i in range(1, size):
     dest = (r + i) % size
@@ -217,14 +234,14 @@ def reduce_scatter_phase(sim, me, c, call_id, chunks, own, all_gather):
                 lambda buf=buf, dest=dest, q0=q0, q1=q1: buf.__setitem__(
                     slice(q0, q1), [_partial(call_id, r, dest, row) for row in range(q0, q1)]))
       c.handoff("compute", "comm")
-      c.send(dest, (r, "main"), q0, q1, lambda buf=buf, q0=q0, q1=q1: list(buf[q0:q1]),
-             (r, MAIN, q))
+      c.send(dest, (c.my_local, "main"), q0, q1,
+             lambda buf=buf, q0=q0, q1=q1: list(buf[q0:q1]), (c.my_local, MAIN, q))
     if i + 2 < size:
       staging_free[b] = c.record("comm")
   first = (r - 1) % size
-  first_slot = me.slots[(first, "main")]
+  first_slot = me.slots[(local[first], "main")]
   for q, q0, q1 in pieces:
-    c.wait("compute", (first, MAIN, q), first, 0, f"RS chunk {q}")
+    c.wait("compute", (local[first], MAIN, q), first, 0, f"RS chunk {q}")
 
     def gemm(q0=q0, q1=q1):  # D = A @ B + C: the own partial plus rank r-1's
       own[q0:q1] = [_partial(call_id, r, r, row) + first_slot[row] for row in range(q0, q1)]
@@ -235,11 +252,11 @@ def reduce_scatter_phase(sim, me, c, call_id, chunks, own, all_gather):
     srcs = [(r - i) % size for i in range(2, size)]
     for src in srcs:
       for q, _, _ in pieces:
-        c.wait("compute", (src, MAIN, q), src, 0, f"RS chunk {q}")
+        c.wait("compute", (local[src], MAIN, q), src, 0, f"RS chunk {q}")
 
     def add():
       for row in range(rows):
-        own[row] = own[row] + sum((me.slots[(s, "main")][row] for s in srcs),
+        own[row] = own[row] + sum((me.slots[(local[s], "main")][row] for s in srcs),
                                   collections.Counter())
     c.enqueue("compute", "AddKernel", add)
     if all_gather:
@@ -251,8 +268,8 @@ def send_reduced_chunk(sim, me, c, own, q, q0, q1):
   c.handoff("compute", "comm")
   for i in range(1, sim.size):
     dest = (me.rank + i) % sim.size
-    c.send(dest, (me.rank, "half"), q0, q1, lambda q0=q0, q1=q1: list(own[q0:q1]),
-           (me.rank, ALL_GATHER, q))
+    c.send(dest, (c.my_local, "half"), q0, q1, lambda q0=q0, q1=q1: list(own[q0:q1]),
+           (c.my_local, ALL_GATHER, q))
 
 
 def matmul_reduce_scatter(sim, me, call_id, chunks, out):
@@ -269,9 +286,9 @@ def matmul_all_reduce(sim, me, call_id, chunks, out):
   reduce_scatter_phase(sim, me, c, call_id, chunks, out[r], all_gather=True)
   for i in range(1, size):
     src = (r - i) % size
-    slot = me.slots[(src, "half")]
+    slot = me.slots[(sim.local[src], "half")]
     for q, q0, q1 in chunks_of(sim.rows, chunks):
-      c.wait("compute", (src, ALL_GATHER, q), src, 0, f"AR chunk {q}")
+      c.wait("compute", (sim.local[src], ALL_GATHER, q), src, 0, f"AR chunk {q}")
       c.enqueue("compute", f"copy reduced chunk {q} of rank {src} into place",
                 lambda src=src, slot=slot, q0=q0, q1=q1:
                 out[src].__setitem__(slice(q0, q1), list(slot[q0:q1])))
@@ -283,12 +300,12 @@ def matmul_all_reduce(sim, me, call_id, chunks, out):
 OPS = ("ag", "ag_gathered", "rs", "ar")
 
 
-def run_calls(size, rows, chunks, ops, seed, bugs=frozenset()):
+def run_calls(size, rows, chunks, ops, seed, bugs=frozenset(), local=None, rpn=None):
   """Enqueues the calls `ops` (in order, on every rank), runs them, checks every row.
 
   Returns the list of wrong rows (empty when all are right).
   """
-  sim = Sim(size, rows, seed, bugs)
+  sim = Sim(size, rows, seed, bugs, local, rpn)
   checks = []
   for call_id, op in enumerate(ops):
     for me in sim.ranks:
@@ -326,7 +343,7 @@ def run_calls(size, rows, chunks, ops, seed, bugs=frozenset()):
   return wrong
 
 
-@pytest.mark.parametrize("size", [2, 3, 4, 5, 8])
+@pytest.mark.parametrize("size", [2, 3, 4, 5, 6, 7, 8])
 @pytest.mark.parametrize("chunks", [1, 2, 3])
 def test_every_op_every_rank_every_row(size, chunks):
   rng = random.Random(size * 100 + chunks)
@@ -346,11 +363,24 @@ def test_one_op_many_calls_in_a_row(op):
       assert not wrong, (size, seed, wrong[:5])
 
 
-def _finds(bug, size, ops, chunks=2, seeds=60):
+@pytest.mark.parametrize("local,rpn", [([3, 1], 4), ([2, 0, 3], 4), ([6, 2, 4, 0], 8),
+                                       ([1, 5, 3, 7, 0, 2], 8)])
+def test_a_group_of_some_ranks_of_a_node(local, rpn):
+  # Several TP groups per node: slots, flags and acks are indexed by the
+  # local rank (PE % ranks_per_node), the spare slot is index ranks_per_node.
+  rng = random.Random(rpn * 10 + len(local))
+  for seed in range(8):
+    ops = [rng.choice(OPS) for _ in range(5)]
+    wrong = run_calls(len(local), rows=4, chunks=2, ops=ops, seed=seed, local=local, rpn=rpn)
+    assert not wrong, (ops, wrong[:5])
+
+
+def _finds(bug, size, ops, chunks=2, seeds=60, local=None, rpn=None):
   """True when some interleaving shows a wrong row or a deadlock under `bug`."""
   for seed in range(seeds):
     try:
-      if run_calls(size, rows=4, chunks=chunks, ops=ops, seed=seed, bugs=frozenset({bug})):
+      if run_calls(size, rows=4, chunks=chunks, ops=ops, seed=seed, bugs=frozenset({bug}),
+                   local=local, rpn=rpn):
         return True
     except Deadlock:
       return True
@@ -372,3 +402,9 @@ def test_the_simulation_catches_staging_reused_without_its_event():
   # Only groups of 4 or more ranks reuse a staging buffer within a call.
   assert _finds("staging_no_event", 4, ["rs"] * 2)
   assert not _finds("staging_no_event", 3, ["rs"] * 2, seeds=20)
+
+
+def test_the_simulation_catches_an_ack_indexed_by_group_rank():
+  # Harmless while group rank = local rank; a group of ranks 2 and 0 of a node deadlocks.
+  assert not _finds("ack_by_group_rank", 2, ["ag"] * 3, seeds=10)
+  assert _finds("ack_by_group_rank", 2, ["ag"] * 3, local=[2, 0], rpn=4)

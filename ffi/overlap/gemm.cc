@@ -59,18 +59,24 @@ ffi::Error BlasError(cublasStatus_t st, const char* expr, const char* file, int 
   } while (0)
 
 // The most alignment (bytes) a plan assumes: 16, what cuBLASLt's tensor-core
-// kernels need. Plans must not depend on where XLA placed a buffer beyond
-// that: XLA records the fused calls into CUDA graphs and updates them for new
-// addresses, which fails when a new alignment picks a plan with another
-// kernel sequence (CUDA_ERROR_GRAPH_EXEC_UPDATE_FAILURE). XLA's buffers are
-// at least 16-byte aligned, so the assumed alignment depends on the shapes
-// only. JAXOVERLAP_GEMM_ALIGNMENT_CAP (a power of two, 1..256) overrides it.
+// kernels need. A precaution for CUDA graphs: with
+// JAXOVERLAP_FUSED_CMD_BUFFER=1, XLA records the fused calls into its graphs
+// and updates them in place for new addresses, which needs the same kernel
+// sequence; a plan chosen by where XLA placed a buffer could change it. XLA's
+// buffers are at least 16-byte aligned, so plans depend on the shapes only.
+// (It was not the cause of the update failures seen so far: NOTES.md.)
+// JAXOVERLAP_GEMM_ALIGNMENT_CAP (a power of two, 1..256) overrides it; Init()
+// rejects other values, and jaxoverlap.initialize() checks them first.
+int64_t ParseAlignmentCap() {
+  const char* env = std::getenv("JAXOVERLAP_GEMM_ALIGNMENT_CAP");
+  if (env == nullptr) return 16;
+  char* end = nullptr;
+  const long long v = std::strtoll(env, &end, 10);
+  return (end != env && *end == '\0' && v >= 1 && v <= 256 && (v & (v - 1)) == 0) ? v : 0;
+}
+
 int64_t AlignmentCap() {
-  static const int64_t cap = [] {
-    const char* env = std::getenv("JAXOVERLAP_GEMM_ALIGNMENT_CAP");
-    const int64_t v = env != nullptr ? std::atoll(env) : 16;
-    return (v >= 1 && v <= 256 && (v & (v - 1)) == 0) ? v : 16;
-  }();
+  static const int64_t cap = ParseAlignmentCap();
   return cap;
 }
 
@@ -186,6 +192,10 @@ ffi::Error Init(int device) {
   State& s = S();
   std::lock_guard<std::mutex> lock(s.mu);
   if (s.handle != nullptr) return ffi::Error::Success();
+  if (AlignmentCap() == 0) {
+    return ffi::Error::InvalidArgument(
+        "JAXOVERLAP_GEMM_ALIGNMENT_CAP must be a power of two from 1 to 256 (bytes)");
+  }
   JAXOVERLAP_CUDA_RETURN_IF_ERROR(cudaSetDevice(device));
   JAXOVERLAP_CUBLAS_RETURN_IF_ERROR(cublasLtCreate(&s.handle));
   JAXOVERLAP_CUDA_RETURN_IF_ERROR(cudaMalloc(&s.workspace, kWorkspaceBytes));
