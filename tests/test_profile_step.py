@@ -201,15 +201,21 @@ def test_find_trace_file_prefers_perfetto(tmp_path):
 # ------------------------------------------------------------------ end to end
 
 
-@pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (simulated) devices")
-def test_script_end_to_end_on_cpu(tmp_path):
+def _run_tiny(tmp_path, *extra):
+  """profile_step.py on the tiny preset (xla, dp=4 x tp=2): (process, out dir, log dir)."""
   out, logdir = tmp_path / "out", tmp_path / "log"
   env = {k: v for k, v in os.environ.items() if not k.startswith("JAXOVERLAP_")}
   env.setdefault("JAX_PLATFORMS", "cpu")
   cmd = [sys.executable, _PATH, "--preset", "tiny", "--backend", "xla", "--mesh", "4,2",
          "--warmup", "1", "--steps_traced", "2", "--logdir", str(logdir), "--out", str(out),
-         "--machine", "cpu test"]
+         *extra]
   proc = subprocess.run(cmd, env=env, cwd=_ROOT, capture_output=True, text=True, timeout=300)
+  return proc, out, logdir
+
+
+@pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (simulated) devices")
+def test_script_end_to_end_on_cpu(tmp_path):
+  proc, out, _ = _run_tiny(tmp_path, "--machine", "cpu test")
   if proc.returncode == ps.NO_TRACE_EXIT and "NO_PERFETTO_TRACE" in proc.stdout:
     pytest.skip("jax.profiler.trace wrote no perfetto trace on this CPU build")
   assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -233,13 +239,7 @@ def test_script_end_to_end_on_cpu(tmp_path):
 
 @pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (simulated) devices")
 def test_notrace_runs_the_steps_and_writes_nothing(tmp_path):
-  out, logdir = tmp_path / "out", tmp_path / "log"
-  env = {k: v for k, v in os.environ.items() if not k.startswith("JAXOVERLAP_")}
-  env.setdefault("JAX_PLATFORMS", "cpu")
-  cmd = [sys.executable, _PATH, "--preset", "tiny", "--backend", "xla", "--mesh", "4,2",
-         "--warmup", "1", "--steps_traced", "2", "--logdir", str(logdir), "--out", str(out),
-         "--notrace"]
-  proc = subprocess.run(cmd, env=env, cwd=_ROOT, capture_output=True, text=True, timeout=300)
+  proc, out, logdir = _run_tiny(tmp_path, "--notrace")
   assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
   assert "profile_step --notrace: 1 + 2 steps ran" in proc.stdout
   assert not out.exists() and not logdir.exists()
