@@ -25,14 +25,20 @@ def rec(op, shape, impl, us, **extra):
           "ranks_per_node": 2, "time_us": us, **extra}
 
 
-def ar_rows(threshold_bytes):
-  """matmul_all_reduce at 1, 4, 16 MiB per rank; the fused kernel wins from threshold_bytes."""
+AR_SIZES = sorted({1 * MIB, 4 * MIB, 16 * MIB, 64 * MIB, _cuda.FUSED_ALL_REDUCE_MIN_BYTES})
+
+
+def ar_rows(threshold_bytes, tie_bytes=None):
+  """matmul_all_reduce at AR_SIZES per rank; the fused kernel wins from threshold_bytes.
+
+  At tie_bytes the two are 2% apart (fused slower), within the 5% limit.
+  """
   out = []
-  for m in (256, 1024, 4096):  # [M, 2048] bf16 = M * 4 KiB
+  for m in (b // 4096 for b in AR_SIZES):  # [M, 2048] bf16 = M * 4 KiB
     shape = (m, 4096, 2048)
     wins = m * 2048 * 2 >= threshold_bytes
-    out += [rec("matmul_all_reduce", shape, "jaxoverlap:copy_engine", 90.0 if wins else 110.0,
-                chunks=1),
+    fused = 102.0 if m * 4096 == tie_bytes else 90.0 if wins else 110.0
+    out += [rec("matmul_all_reduce", shape, "jaxoverlap:copy_engine", fused, chunks=1),
             rec("matmul_all_reduce", shape, "jaxoverlap:gemm_all_reduce", 100.0)]
   return out
 
@@ -66,15 +72,15 @@ def test_auto_against_the_best_chunk_count():
 @pytest.mark.parametrize("threshold", [1 * MIB, 4 * MIB, 16 * MIB])
 def test_all_reduce_threshold_is_the_smallest_size_won_from_there_on(threshold):
   rows = cal.all_reduce_rows(records(threshold_bytes=threshold), world=2)
-  assert [r["out_bytes"] for r in rows] == [1 * MIB, 4 * MIB, 16 * MIB]
+  assert [r["out_bytes"] for r in rows] == AR_SIZES
   assert cal.all_reduce_threshold(rows) == threshold
 
 
 def test_all_reduce_threshold_needs_a_win_at_every_larger_size():
   rows = cal.all_reduce_rows(records(threshold_bytes=1 * MIB), world=2)
-  rows[1]["fused_wins"] = False  # loses at 4 MiB, wins at 1 and 16
+  rows[1]["fused_wins"] = False  # loses at 4 MiB, wins at 1 and from 16 on
   assert cal.all_reduce_threshold(rows) == 16 * MIB
-  rows[2]["fused_wins"] = False
+  rows[-1]["fused_wins"] = False  # loses at the largest size
   assert cal.all_reduce_threshold(rows) is None
 
 
@@ -83,16 +89,72 @@ def test_gemm_rate_is_the_per_rank_rate_of_the_local_gemm():
   assert cal.gemm_rate(records(), world=2) == pytest.approx(2 * 16384 * 4096 * 4096 / 2 / 200e-6)
 
 
-def test_analyze_says_when_the_constants_need_to_change():
+def _other_threshold(current):
+  return 4 * MIB if current != 4 * MIB else 16 * MIB
+
+
+def test_rule_inputs_are_the_lowerings_values():
+  # AG 16384x4096x4096 on 2 ranks: shard [8192, 4096], local GEMM 8192x4096x2048
+  assert cal.rule_inputs("all_gather_matmul", (16384, 4096, 4096), 2) == {
+      "payload_bytes": 64 * MIB, "rows": 8192, "gemm_flops": 2.0 * 8192 * 4096 * 2048}
+  # RS/AR 2048x14336x4096: x [2048, 7168], block [1024, 4096] (8 MiB), its GEMM 1024x7168x4096
+  for op in ("matmul_reduce_scatter", "matmul_all_reduce"):
+    assert cal.rule_inputs(op, (2048, 14336, 4096), 2) == {
+        "payload_bytes": 8 * MIB, "rows": 1024, "gemm_flops": 2.0 * 1024 * 7168 * 4096}
+
+
+def test_rule_rows_time_the_current_rules_pick():
+  chunks = cal.chunk_rows(records(rs_auto_us=120.0))
+  rule = {r["op"]: r for r in cal.rule_rows(chunks, world=2)}
+  ag, rs = rule["all_gather_matmul"], rule["matmul_reduce_scatter"]
+  k_ag = _cuda.auto_chunks("all_gather_matmul",
+                           **cal.rule_inputs("all_gather_matmul", (16384, 4096, 4096), 2))
+  assert ag["rule_chunks"] == k_ag
+  assert ag["rule_us"] == {1: 100.5, 2: 98.0, 4: 110.0}.get(k_ag)
+  assert ag["regret"] == round(ag["rule_us"] / 98.0 - 1, 4)
+  # RS's sweep measured only 1 chunk; the run's auto (4 chunks) is used when the rule picks 4
+  k_rs = _cuda.auto_chunks("matmul_reduce_scatter",
+                           **cal.rule_inputs("matmul_reduce_scatter", (16384, 4096, 8192), 2))
+  expected = {1: 100.0, 4: 120.0}.get(k_rs)
+  assert rs["rule_us"] == expected
+  assert rs["regret"] == (None if expected is None else round(expected / 100.0 - 1, 4))
+
+
+def test_repeat_spread_pairs_auto_with_its_own_chunk_count():
+  chunks = cal.chunk_rows(records())
+  # AG: auto (1 chunk) 100.0 and c1 100.5; RS's auto (4 chunks) has no c4 twin
+  assert cal.repeat_spread(chunks) == [round(1 - 100.0 / 100.5, 4)]
+  report = cal.analyze([{"world": 2, "records": records()}], 0.05)
+  assert report["repeat_spread"]["pairs"] == 1
+
+
+def test_analyze_says_when_the_constants_need_to_change(monkeypatch):
   current = _cuda.FUSED_ALL_REDUCE_MIN_BYTES
+  # Pin the rule for these records: AG one chunk, RS four.
+  monkeypatch.setattr(_cuda, "auto_chunks",
+                      lambda op, payload_bytes, rows, gemm_flops:
+                      1 if op == "all_gather_matmul" else 4)
   good = cal.analyze([{"world": 2, "records": records(threshold_bytes=current)}], 0.05)
   assert not good["changes_needed"] and good["recommended"]["FUSED_ALL_REDUCE_MIN_BYTES"] == current
+  assert good["rule_unmeasured"] == []
   slow = cal.analyze([{"world": 2, "records": records(rs_auto_us=120.0,
                                                        threshold_bytes=current)}], 0.05)
   assert slow["changes_needed"]
   assert slow["shapes_over_regret_limit"] == [("matmul_reduce_scatter", [16384, 4096, 8192])]
-  other = cal.analyze([{"world": 2, "records": records(threshold_bytes=16 * MIB)}], 0.05)
-  assert other["changes_needed"] and other["recommended"]["FUSED_ALL_REDUCE_MIN_BYTES"] == 16 * MIB
+  other = _other_threshold(current)
+  moved = cal.analyze([{"world": 2, "records": records(threshold_bytes=other)}], 0.05)
+  assert moved["changes_needed"] and moved["recommended"]["FUSED_ALL_REDUCE_MIN_BYTES"] == other
+  # A size just below the current threshold where the two tie (2% apart) fits either way.
+  below = max(b for b in AR_SIZES if b < current)
+  tie = [r for r in records(threshold_bytes=current) if r["op"] != "matmul_all_reduce"]
+  tie += ar_rows(current, tie_bytes=below)
+  tied = cal.analyze([{"world": 2, "records": tie}], 0.05)
+  assert not tied["changes_needed"]
+  assert [r["out_bytes"] for r in tied["all_reduce"] if r["tie"]] == [below]
+  # A rule that picks a count the sweep did not measure is listed, not counted as a regret.
+  monkeypatch.setattr(_cuda, "auto_chunks", lambda op, payload_bytes, rows, gemm_flops: 8)
+  blind = cal.analyze([{"world": 2, "records": records(threshold_bytes=current)}], 0.05)
+  assert len(blind["rule_unmeasured"]) == 2 and blind["shapes_over_regret_limit"] == []
   with pytest.raises(ValueError, match="different world sizes"):
     cal.analyze([{"world": 2, "records": []}, {"world": 4, "records": []}], 0.05)
 
@@ -108,10 +170,15 @@ def test_command_line(tmp_path):
          "--results", f"{a},{b}", "--out", str(tmp_path / "out")]
   ok = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
   assert ok.returncode == 0, ok.stdout + ok.stderr
-  assert "| all_gather_matmul | 16384x4096x4096 | 1 | 100.0 | 2 | 98.0 | 2.0% |" in ok.stdout
+  k = _cuda.auto_chunks("all_gather_matmul",
+                       **cal.rule_inputs("all_gather_matmul", (16384, 4096, 4096), 2))
+  us = {1: 100.5, 2: 98.0, 4: 110.0}[k]
+  assert (f"| all_gather_matmul | 16384x4096x4096 | 1 | 100.0 | 2 | 98.0 | 2.0% | {k} | "
+          f"{us:.1f} | {100 * (us / 98.0 - 1):.1f}% |") in ok.stdout, ok.stdout
+  assert "repeat spread" in ok.stdout
   result = json.load(open(tmp_path / "out" / "fused_calibration-cpu_test.json"))
   assert result["benchmark"] == "fused_calibration" and len(result["sources"]) == 2
   assert result["recommended"]["FUSED_ALL_REDUCE_MIN_BYTES"] == current
-  b.write_text(json.dumps({**base, "records": ar_rows(16 * MIB)}))
+  b.write_text(json.dumps({**base, "records": ar_rows(_other_threshold(current))}))
   changed = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
   assert changed.returncode == 1 and "CHANGES NEEDED" in changed.stdout
