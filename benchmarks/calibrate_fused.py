@@ -1,45 +1,48 @@
-"""Checks the fused ops' automatic choices against a chunk sweep of benchmarks/overlap.py.
+"""Checks the fused ops' automatic choices against chunk sweeps of benchmarks/overlap.py.
 
-Input: overlap JSON files (benchmarks/overlap.py) of a run with chunk variants
-(``--chunks 1,2,4,8``) and, for matmul_all_reduce, ``jaxoverlap:gemm_all_reduce``.
-The sweep is one command per part on the 2-GPU machine:
+Input: overlap JSON files (benchmarks/overlap.py) of runs with chunk variants
+(``jaxoverlap:copy_engine/c<k>``) and, for matmul_all_reduce,
+``jaxoverlap:gemm_all_reduce``. One sweep is one command per part on the
+2-GPU machine:
 
   CAL_PART=ag_rs bash scripts/gpu_check.sh ovcalibrate
   CAL_PART=ar bash scripts/gpu_check.sh ovcalibrate
 
-and then, wherever the JSON files are:
+and then, over the files of one or several runs:
 
-  python benchmarks/calibrate_fused.py --results a.json,b.json --out benchmarks/results
+  python benchmarks/calibrate_fused.py --results a.json,b.json,... --out benchmarks/results
 
-What it reports (rank 0's times from the files; nothing is re-measured):
+Every time of one configuration (op, shape, chunk count) counts as one
+measurement: ``copy_engine/c<k>``, and ``copy_engine`` (auto) under the chunk
+count it ran with (recorded in the file). Times are rank 0's; nothing is
+re-measured. Where a configuration was measured more than once (the same run,
+or several runs), its time is the median of its measurements.
 
-* chunks: for every (op, shape), the time of ``jaxoverlap:copy_engine`` (the
-  chunk count auto chose in that run, recorded in the file) against the
-  fastest measured ``jaxoverlap:copy_engine/c<k>``: the best k and auto's
-  regret = t_auto / t_best - 1.
-* the current rule: the chunk count ``_cuda.auto_chunks`` picks NOW for each
-  shape (computed here from the shape, as the lowering does; the constants may
-  have changed since the run) and the measured time of that count from the
-  sweep. Its regret above --regret_limit (5 %) is a shape where the rule
-  should change; a pick the sweep did not measure is listed as unmeasured.
-* repeat spread: ``jaxoverlap:copy_engine`` and ``copy_engine/c<k>`` with the
-  same k are the same configuration measured twice in one run; their
-  relative difference is the run's noise, printed beside the regrets.
-* matmul_all_reduce's threshold: per shape, the fused kernel against the GEMM
-  then jaxoverlap.all_reduce, with the output bytes per rank; the smallest
-  size from which the fused kernel wins at every measured size is the value
-  ``_cuda.FUSED_ALL_REDUCE_MIN_BYTES`` should have (below it auto takes the
-  GEMM then the all-reduce). A size where the two are within --regret_limit
-  of each other is a tie: the current value is consistent with it either way.
+What it reports:
+
+* chunks: per (op, shape), the chunk count ``_cuda.auto_chunks`` picks NOW
+  (computed here from the shape as the lowering does, so a changed rule is
+  checked against old sweeps) and its time, against the fastest measured
+  count: regret = t_rule / t_best - 1. A regret above --regret_limit (5 %) is
+  a shape where the rule should change; a pick no sweep measured is listed.
+* repeat spread: max / min - 1 over the measurements of one configuration,
+  the noise the regrets stand beside.
+* matmul_all_reduce's threshold: per shape, the fused kernel (the rule's
+  chunk count) against the GEMM then jaxoverlap.all_reduce, with the output
+  bytes per rank; the smallest size from which the fused kernel wins at every
+  measured size is the value ``_cuda.FUSED_ALL_REDUCE_MIN_BYTES`` should have
+  (below it auto takes the GEMM then the all-reduce). A size where the two are
+  within --regret_limit of each other is a tie: the current value is
+  consistent with it either way.
 * the GEMM rate behind auto_chunks' cost model: per shape, the per-rank GEMM
   flops (2 M K N / P for all three ops) over the time of xla:local_gemm; the
   median against ``_cuda._GEMM_FLOPS_PER_S``.
 
-Output: a table on stdout and <out>/fused_calibration-<machine>.json (the rows,
+Output: tables on stdout and <out>/fused_calibration-<machine>.json (the rows,
 the recommended values beside the current ones, the source files). Exit code
-1 when a recommendation differs from the current value (auto's regret above
-the limit on some shape, or a different all-reduce threshold), so a run says
-at once whether the constants in jaxoverlap/_cuda.py need to change.
+1 when a recommendation differs from the current value (the rule's regret
+above the limit on some shape, or a different all-reduce threshold), so a run
+says at once whether the constants in jaxoverlap/_cuda.py need to change.
 """
 
 from __future__ import annotations
@@ -64,36 +67,22 @@ def _key(r: Mapping[str, Any]) -> tuple[str, tuple[int, ...]]:
   return r["op"], tuple(r["shape"])
 
 
-def _by_shape(records: Sequence[Mapping[str, Any]]) -> dict:
+def measurements(records: Sequence[Mapping[str, Any]]) -> dict:
+  """``{(op, shape): {"chunks": {k: [us, ...]}, impl: [us, ...]}}`` over all records.
+
+  Auto's records count as measurements of the chunk count they ran with.
+  """
   out: dict = {}
   for r in records:
-    out.setdefault(_key(r), {})[r["impl"]] = r
+    entry = out.setdefault(_key(r), {"chunks": {}})
+    m = _CHUNKED.match(r["impl"])
+    if m:
+      entry["chunks"].setdefault(int(m.group(1)), []).append(r["time_us"])
+    elif r["impl"] == AUTO and r.get("chunks"):
+      entry["chunks"].setdefault(int(r["chunks"]), []).append(r["time_us"])
+    else:
+      entry.setdefault(r["impl"], []).append(r["time_us"])
   return out
-
-
-def chunk_rows(records: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
-  """Per (op, shape) with auto and at least one chunk variant: auto against the best.
-
-  Returns rows ``{"op", "shape", "auto_chunks", "auto_us", "best_chunks",
-  "best_us", "regret", "times_us": {k: us}}``, regret = auto_us / best_us - 1
-  (0 when auto is the best; the best includes auto itself).
-  """
-  rows = []
-  for (op, shape), impls in _by_shape(records).items():
-    auto = impls.get(AUTO)
-    times = {int(m.group(1)): r["time_us"] for impl, r in impls.items()
-             if (m := _CHUNKED.match(impl))}
-    if auto is None or not times:
-      continue
-    best_k = min(times, key=times.get)
-    best_us = min(times[best_k], auto["time_us"])
-    if auto["time_us"] <= times[best_k]:
-      best_k = auto.get("chunks", best_k)
-    rows.append({"op": op, "shape": list(shape), "auto_chunks": auto.get("chunks"),
-                 "auto_us": auto["time_us"], "best_chunks": best_k, "best_us": best_us,
-                 "regret": round(auto["time_us"] / best_us - 1.0, 4),
-                 "times_us": {str(k): times[k] for k in sorted(times)}})
-  return rows
 
 
 def rule_inputs(op: str, shape: Sequence[int], world: int, itemsize: int = 2) -> dict[str, Any]:
@@ -114,55 +103,65 @@ def rule_inputs(op: str, shape: Sequence[int], world: int, itemsize: int = 2) ->
           "gemm_flops": 2.0 * rows * (k // world) * n}
 
 
-def rule_rows(chunks: Sequence[Mapping[str, Any]], world: int) -> list[dict[str, Any]]:
-  """The current ``_cuda.auto_chunks`` pick per chunk row, with its measured time.
+def chunk_rows(records: Sequence[Mapping[str, Any]], world: int) -> list[dict[str, Any]]:
+  """Per (op, shape) with a measured chunk count: the current rule's pick against the best.
 
-  Returns ``{"op", "shape", "rule_chunks", "rule_us", "best_us", "regret"}``;
-  rule_us (and regret) None where the sweep has no time for that chunk count.
+  Returns rows ``{"op", "shape", "times_us": {k: median us}, "counts": {k: n},
+  "best_chunks", "best_us", "rule_chunks", "rule_us", "regret"}`` (keys of
+  times_us and counts are strings, as in JSON); rule_us and regret are None
+  where no measurement has the rule's chunk count.
   """
   from jaxoverlap import _cuda
 
+  rows = []
+  for (op, shape), entry in measurements(records).items():
+    if not entry["chunks"]:
+      continue
+    times = {k: statistics.median(v) for k, v in sorted(entry["chunks"].items())}
+    best_k = min(times, key=times.get)
+    rule_k = _cuda.auto_chunks(op, **rule_inputs(op, shape, world))
+    rule_us = times.get(rule_k)
+    rows.append({"op": op, "shape": list(shape),
+                 "times_us": {str(k): round(t, 2) for k, t in times.items()},
+                 "counts": {str(k): len(v) for k, v in sorted(entry["chunks"].items())},
+                 "best_chunks": best_k, "best_us": times[best_k],
+                 "rule_chunks": rule_k, "rule_us": rule_us,
+                 "regret": None if rule_us is None else round(rule_us / times[best_k] - 1.0, 4)})
+  return rows
+
+
+def repeat_spread(records: Sequence[Mapping[str, Any]]) -> list[float]:
+  """max / min - 1 of every configuration measured more than once (its noise)."""
   out = []
-  for r in chunks:
-    k = _cuda.auto_chunks(r["op"], **rule_inputs(r["op"], r["shape"], world))
-    us = r["times_us"].get(str(k))
-    if us is None and r["auto_chunks"] == k:
-      us = r["auto_us"]
-    out.append({"op": r["op"], "shape": r["shape"], "rule_chunks": k, "rule_us": us,
-                "best_us": r["best_us"],
-                "regret": None if us is None else round(us / r["best_us"] - 1.0, 4)})
+  for entry in measurements(records).values():
+    for times in entry["chunks"].values():
+      if len(times) > 1:
+        out.append(round(max(times) / min(times) - 1.0, 4))
   return out
 
 
-def repeat_spread(chunks: Sequence[Mapping[str, Any]]) -> list[float]:
-  """|t_auto / t_c<k> - 1| for the rows where auto ran with a measured k (same config twice)."""
-  out = []
-  for r in chunks:
-    again = r["times_us"].get(str(r["auto_chunks"]))
-    if again:
-      out.append(round(abs(r["auto_us"] / again - 1.0), 4))
-  return out
-
-
-def all_reduce_rows(records: Sequence[Mapping[str, Any]], world: int,
+def all_reduce_rows(chunks: Sequence[Mapping[str, Any]], records: Sequence[Mapping[str, Any]],
                     tie_limit: float = 0.05) -> list[dict[str, Any]]:
-  """matmul_all_reduce shapes with both the fused kernel and gemm_all_reduce, by output size.
+  """matmul_all_reduce shapes with the fused kernel (at the rule's chunks) and gemm_all_reduce.
 
   Output bytes per rank = M * N * itemsize (the full [M, N] result on every
   rank). Returns rows ``{"shape", "out_bytes", "fused_us", "gemm_all_reduce_us",
-  "fused_wins", "tie"}`` sorted by out_bytes; tie: the two within tie_limit
-  of each other (either choice costs at most that much).
+  "fused_wins", "tie"}`` sorted by out_bytes (medians over the measurements);
+  tie: the two within tie_limit of each other (either choice costs at most
+  that much).
   """
-  del world
+  meas = measurements(records)
+  dtypes = {_key(r): r.get("dtype", "bfloat16") for r in records}
   rows = []
-  for (op, shape), impls in _by_shape(records).items():
-    if op != "matmul_all_reduce" or AUTO not in impls or GEMM_AR not in impls:
+  for r in chunks:
+    key = (r["op"], tuple(r["shape"]))
+    plain = meas[key].get(GEMM_AR)
+    if r["op"] != "matmul_all_reduce" or not plain or r["rule_us"] is None:
       continue
-    m, _, n = shape
-    itemsize = _ITEMSIZE.get(impls[AUTO].get("dtype", "bfloat16"), 2)
-    fused, plain = impls[AUTO]["time_us"], impls[GEMM_AR]["time_us"]
-    rows.append({"shape": list(shape), "out_bytes": m * n * itemsize, "fused_us": fused,
-                 "gemm_all_reduce_us": plain, "fused_wins": fused < plain,
+    m, _, n = r["shape"]
+    fused, plain = r["rule_us"], statistics.median(plain)
+    rows.append({"shape": r["shape"], "out_bytes": m * n * _ITEMSIZE.get(dtypes[key], 2),
+                 "fused_us": fused, "gemm_all_reduce_us": plain, "fused_wins": fused < plain,
                  "tie": abs(fused / plain - 1.0) <= tie_limit})
   return sorted(rows, key=lambda r: (r["out_bytes"], r["shape"]))
 
@@ -195,7 +194,7 @@ def _fmt_bytes(b: int | None) -> str:
 
 
 def analyze(results: Sequence[Mapping[str, Any]], regret_limit: float) -> dict[str, Any]:
-  """The calibration of the files ``results`` (loaded overlap JSON dicts)."""
+  """The calibration of the files ``results`` (loaded overlap JSON dicts, one or more runs)."""
   from jaxoverlap import _cuda
 
   records = [r for res in results for r in res["records"]]
@@ -203,13 +202,12 @@ def analyze(results: Sequence[Mapping[str, Any]], regret_limit: float) -> dict[s
   if len(worlds) != 1:
     raise ValueError(f"the files come from runs with different world sizes: {sorted(worlds)}")
   world = worlds.pop()
-  chunks = chunk_rows(records)
-  ar = all_reduce_rows(records, world, regret_limit)
+  chunks = chunk_rows(records, world)
+  ar = all_reduce_rows(chunks, records, regret_limit)
   threshold = all_reduce_threshold(ar)
   rate = gemm_rate(records, world)
-  rule = rule_rows(chunks, world)
-  over = [r for r in rule if r["regret"] is not None and r["regret"] > regret_limit]
-  spread = repeat_spread(chunks)
+  over = [r for r in chunks if r["regret"] is not None and r["regret"] > regret_limit]
+  spread = repeat_spread(records)
   current = {"FUSED_ALL_REDUCE_MIN_BYTES": _cuda.FUSED_ALL_REDUCE_MIN_BYTES,
              "_GEMM_FLOPS_PER_S": _cuda._GEMM_FLOPS_PER_S}
   # The current threshold is consistent with the data if no measured size
@@ -221,12 +219,11 @@ def analyze(results: Sequence[Mapping[str, Any]], regret_limit: float) -> dict[s
               or r["fused_wins"] == (r["out_bytes"] >= current["FUSED_ALL_REDUCE_MIN_BYTES"])
               for r in ar))
   return {
-      "world": world, "chunks": chunks, "rule": rule, "all_reduce": ar,
-      "regret_limit": regret_limit,
+      "world": world, "chunks": chunks, "all_reduce": ar, "regret_limit": regret_limit,
       "repeat_spread": {"max": max(spread), "median": statistics.median(spread),
-                        "pairs": len(spread)} if spread else None,
+                        "configurations": len(spread)} if spread else None,
       "shapes_over_regret_limit": [(r["op"], r["shape"]) for r in over],
-      "rule_unmeasured": [(r["op"], r["shape"], r["rule_chunks"]) for r in rule
+      "rule_unmeasured": [(r["op"], r["shape"], r["rule_chunks"]) for r in chunks
                           if r["regret"] is None],
       "recommended": {"FUSED_ALL_REDUCE_MIN_BYTES": threshold, "_GEMM_FLOPS_PER_S": rate},
       "current": current,
@@ -235,15 +232,14 @@ def analyze(results: Sequence[Mapping[str, Any]], regret_limit: float) -> dict[s
 
 
 def table(report: Mapping[str, Any]) -> str:
-  lines = ["| op | shape | run's auto chunks | us | best chunks | best us | regret | "
-           "rule now | its us | its regret |",
-           "|---|---|---|---|---|---|---|---|---|---|"]
-  for r, n in zip(report["chunks"], report["rule"]):
-    now = ("unmeasured", "-") if n["regret"] is None else (f"{n['rule_us']:.1f}",
-                                                          f"{100 * n['regret']:.1f}%")
-    lines.append(f"| {r['op']} | {'x'.join(map(str, r['shape']))} | {r['auto_chunks']} | "
-                 f"{r['auto_us']:.1f} | {r['best_chunks']} | {r['best_us']:.1f} | "
-                 f"{100 * r['regret']:.1f}% | {n['rule_chunks']} | {now[0]} | {now[1]} |")
+  lines = ["| op | shape | rule's chunks | its us | best chunks | best us | regret | "
+           "us per chunk count (measurements) |", "|---|---|---|---|---|---|---|---|"]
+  for r in report["chunks"]:
+    its = ("unmeasured", "-") if r["regret"] is None else (f"{r['rule_us']:.1f}",
+                                                          f"{100 * r['regret']:.1f}%")
+    per = ", ".join(f"{k}: {t:.0f} ({r['counts'][k]})" for k, t in r["times_us"].items())
+    lines.append(f"| {r['op']} | {'x'.join(map(str, r['shape']))} | {r['rule_chunks']} | "
+                 f"{its[0]} | {r['best_chunks']} | {r['best_us']:.1f} | {its[1]} | {per} |")
   if report["all_reduce"]:
     lines += ["", "| matmul_all_reduce shape | out per rank | fused us | GEMM + all_reduce us | "
               "faster |", "|---|---|---|---|---|"]
@@ -264,9 +260,9 @@ def table(report: Mapping[str, Any]) -> str:
             f"{len(report['rule_unmeasured'])}"]
   spread = report["repeat_spread"]
   if spread:
-    lines.append(f"repeat spread (the same configuration twice in the run): median "
+    lines.append(f"repeat spread (max / min - 1 of one configuration's measurements): median "
                  f"{100 * spread['median']:.1f}%, max {100 * spread['max']:.1f}% over "
-                 f"{spread['pairs']} pairs")
+                 f"{spread['configurations']} configurations")
   return "\n".join(lines)
 
 

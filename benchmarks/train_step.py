@@ -130,14 +130,16 @@ def impl_name(backend: str, resolved: Mapping[str, str] | None) -> str:
   return f"{'jaxoverlap' if uses_cuda else 'xla'}:{backend}"
 
 
-def make_record(preset: str, metrics: Mapping[str, Any], history: Mapping[str, Any]
-                ) -> dict[str, Any]:
+def make_record(preset: str, metrics: Mapping[str, Any], history: Mapping[str, Any],
+                decisions: Sequence[Mapping[str, Any]] = ()) -> dict[str, Any]:
   """One BRIEF section 7 record from a run's metrics (``train_and_evaluate``'s return value).
 
   Args:
     preset: the preset's name.
     metrics: the run's metrics (``config``, ``mesh``, ``backend``, ``step_time_ms``, ...).
     history: the run's ``history.json`` (``train``: ``(step, loss)`` points).
+    decisions: the fused-op lowerings of the run (``_cuda.fused_decisions``);
+      each distinct (op, transport, chunks, chunks_source, shape) is kept once.
 
   Returns:
     The record; ``loss_curve`` holds the ``(step, loss)`` points of ``history["train"]``.
@@ -167,8 +169,20 @@ def make_record(preset: str, metrics: Mapping[str, Any], history: Mapping[str, A
       "backend": cfg["backend"],
       "algorithm": cfg["algorithm"],
       "resolved": dict(backend.get("resolved") or {}),
+      "fused_decisions": distinct_decisions(decisions),
       "loss_curve": curve,
   }
+
+
+def distinct_decisions(decisions: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+  """The distinct fused-op choices of a run, in first-seen order (what auto picked, and where)."""
+  keys = ("op", "transport", "chunks", "chunks_source", "shape")
+  out: list[dict[str, Any]] = []
+  for d in decisions:
+    kept = {k: d[k] for k in keys if k in d}
+    if kept not in out:
+      out.append(kept)
+  return out
 
 
 def group_by_preset(records: Sequence[Mapping[str, Any]]) -> dict[str, list[Mapping[str, Any]]]:
@@ -410,7 +424,7 @@ def main(argv):
   from jax.experimental import multihost_utils
   import train
 
-  from jaxoverlap import launch, tuning
+  from jaxoverlap import _cuda, launch, tuning
 
   rank = jax.process_index()
   records: list[dict] = []
@@ -428,11 +442,12 @@ def main(argv):
       multihost_utils.sync_global_devices(f"train_step:{preset}:{i}:start")
       if rank == 0:
         print(f"=== {preset}, backend {backend}: {fl.steps} steps into {workdir}", flush=True)
+      _cuda.fused_decisions.clear()
       metrics = train.train_and_evaluate(config, workdir)
       multihost_utils.sync_global_devices(f"train_step:{preset}:{i}:end")
       if rank == 0:
         with open(os.path.join(workdir, train.HISTORY_FILE)) as f:
-          records.append(make_record(preset, metrics, json.load(f)))
+          records.append(make_record(preset, metrics, json.load(f), _cuda.fused_decisions))
         if not fl.keep_checkpoints:
           shutil.rmtree(os.path.join(workdir, train.CHECKPOINT_DIR), ignore_errors=True)
       del metrics

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import math
 import os
 
 import jax
@@ -186,39 +185,38 @@ FUSED_TRANSPORTS = tuple(_TRANSPORT_IDS)
 DEFAULT_TRANSPORT = "copy_engine"
 # matmul_all_reduce(algorithm="auto") takes the fused kernel from this output
 # size per rank (bytes) on; below it the GEMM then jaxoverlap.all_reduce.
-# Calibrated on 2x H200 (benchmarks/results/fused_calibration-*.json, two
-# runs): the fused kernel lost by 35-80 us at 1-8 MiB (its two dependent
-# transfers and their flag waits; NOTES.md), tied or lost at 16 MiB, and won
-# by 10-20% at every measured size from 32 MiB.
+# Calibrated on 2x H200 (benchmarks/results/fused_calibration-*.json, three
+# runs): the fused kernel lost by 37-78 us at 1-8 MiB (its two dependent
+# transfers and their flag waits; NOTES.md), tied at 16 MiB (medians 1% apart;
+# the runs 10% either way), and won by 10-29% at every measured size from
+# 32 MiB.
 FUSED_ALL_REDUCE_MIN_BYTES = 32 << 20
 MAX_CHUNKS = 32  # kMaxChunks in runtime.h
 
 # What the lowering chose for each fused call site, newest last.
 fused_decisions: list[dict] = []
 
-# Auto chunking, calibrated on 2x H200 by two chunk sweeps (1, 2, (3,) 4, 8
-# chunks over 27 shapes; benchmarks/calibrate_fused.py, NOTES.md "fused
-# calibration"):
+# Auto chunking, calibrated on 2x H200 by three chunk sweeps (1, 2, 3, 4, 8
+# chunks over 27 shapes; every configuration's median over its measurements;
+# benchmarks/calibrate_fused.py, NOTES.md "fused calibration"). No shape ran
+# more than 2.7% faster with more than two chunks, so auto uses one or two:
 # * all_gather_matmul: ratio = the shard's transfer time over the local
 #   shard's GEMM time (estimated with the rates below). Up to
 #   _AG_ONE_CHUNK_RATIO that GEMM hides the transfer whole and cutting the
-#   GEMM only costs: one chunk (2048x4096x14336, ratio 0.27: two chunks 5-10%
-#   slower). From about 0.5 the transfer, slowed by the GEMM beside it, is
-#   exposed: at 0.47 two chunks were 3-6% faster, at 0.93 9-10% (both runs).
-#   Above the limit: ceil(ratio) + 1 chunks, rounded up to a power of two
-#   (3 chunks cut the rows into pieces that are no tile multiples; they were
-#   never faster than 2 or 4 and up to 22% slower), at most 4.
+#   GEMM only costs: one chunk (ratios 0.14 and 0.27: two chunks 1-5% slower
+#   on four shapes, 1.5% faster on one).
+#   From 0.47 on the transfer, slowed by the GEMM beside it, is exposed and
+#   two chunks win: 6% at 0.47, 9-15% at 0.93, 10% at 1.87 (larger ratios
+#   were not measured).
 # * matmul_reduce_scatter / matmul_all_reduce: this rank's block GEMM adds the
 #   partial of rank r-1 chunk by chunk, so that partial must arrive in chunks
 #   ahead of it, but each chunk adds a dependent transfer: one chunk for blocks
-#   under 8 MiB (two cost 9-52% at 1-4 MiB), two up to 128 MiB, then four
-#   (two and four within 3% of each other from 32 MiB on).
+#   under _RS_TWO_CHUNK_BYTES (two cost 10-63% at 0.5-4 MiB), two from there
+#   (8-224 MiB: the best count or within 1.1% of it).
 _LINK_BYTES_PER_S = 350e9    # one copy-engine stream over NV18 (a 64 MiB shard hid in 185 us)
 _GEMM_FLOPS_PER_S = 680e12   # bf16 cuBLASLt on one H200: median of the sweeps' local GEMMs
 _AG_ONE_CHUNK_RATIO = 0.4    # t_comm / t_gemm up to which AG sends its shard whole
 _RS_TWO_CHUNK_BYTES = 8 << 20
-_RS_FOUR_CHUNK_BYTES = 128 << 20
-_AUTO_MAX_CHUNKS = 4
 
 
 def auto_chunks(op: str, payload_bytes: int, rows: int, gemm_flops: float) -> int:
@@ -234,15 +232,10 @@ def auto_chunks(op: str, payload_bytes: int, rows: int, gemm_flops: float) -> in
   """
   if op == "all_gather_matmul":
     ratio = (payload_bytes / _LINK_BYTES_PER_S) / max(gemm_flops / _GEMM_FLOPS_PER_S, 1e-12)
-    wanted = math.ceil(ratio) + 1
-    chunks = 1 if ratio <= _AG_ONE_CHUNK_RATIO else 1 << (wanted - 1).bit_length()  # power of 2
-  elif payload_bytes < _RS_TWO_CHUNK_BYTES:
-    chunks = 1
-  elif payload_bytes < _RS_FOUR_CHUNK_BYTES:
-    chunks = 2
+    chunks = 1 if ratio <= _AG_ONE_CHUNK_RATIO else 2
   else:
-    chunks = 4
-  return int(max(1, min(_AUTO_MAX_CHUNKS, rows, chunks)))
+    chunks = 1 if payload_bytes < _RS_TWO_CHUNK_BYTES else 2
+  return int(max(1, min(rows, chunks)))
 
 
 def record_fused_decision(op: str, axis_name, algorithm: str, why: str) -> None:

@@ -203,3 +203,16 @@ def test_script_end_to_end_on_cpu(tmp_path):
   assert not (workdir / "tiny-0-xla" / "stale").exists()
   assert not (workdir / "tiny-0-xla" / "checkpoints").exists()  # deleted after the run
   assert (workdir / "tiny-1-xla" / "history.json").exists()
+
+
+def test_record_keeps_each_distinct_fused_decision_once():
+  ag = {"op": "all_gather_matmul", "axis_name": "tp", "transport": "copy_engine", "chunks": 2,
+        "chunks_source": "auto", "shape": {"outer": 16, "rows": 1024, "k": 4096, "n": 6144},
+        "target": "jaxoverlap_all_gather_matmul"}
+  rs = dict(ag, op="matmul_reduce_scatter", chunks=1, target="jaxoverlap_matmul_reduce_scatter")
+  record = ts.make_record("gpu_small", _metrics("cuda", {}, 100.0), {"train": _curve([4.0])},
+                          [ag, rs, dict(ag), dict(ag, axis_name="other")])
+  keep = ("op", "transport", "chunks", "chunks_source", "shape")
+  assert record["fused_decisions"] == [{k: ag[k] for k in keep}, {k: rs[k] for k in keep}]
+  assert ts.make_record("gpu_small", _metrics("xla", {}, 100.0),
+                        {"train": _curve([4.0])})["fused_decisions"] == []
