@@ -192,10 +192,11 @@ def all_gather_matmul(x, w, axis_name, *, gather_dimension=0, backend="auto",
       engines, no SMs taken from the GEMM) or ``"nvshmem"`` (NVSHMEM block
       puts from a kernel).
     chunks: backend "cuda" only: pieces each shard transfer is cut into (1 to
-      32; None: chosen from the shapes by ``_cuda.auto_chunks``, which cuts
-      only when the shard's transfer is estimated to outlast the local
-      shard's GEMM). Each arriving chunk's GEMM starts as soon as that chunk
-      is in. Chunks cut the shard's rows, or, where dimensions precede
+      32; None: chosen from the shapes by ``_cuda.auto_chunks``: one, or two
+      where the shard's transfer is estimated at over 0.4x the local shard's
+      GEMM; calibrated on 2x H200, README "Calibration of the automatic
+      choices"). Each arriving chunk's GEMM starts as soon as that chunk is
+      in. Chunks cut the shard's rows, or, where dimensions precede
       ``gather_dimension``, whole entries of those (so at most their product:
       each chunk is one contiguous copy, which a CUDA graph can update).
 
@@ -298,7 +299,8 @@ def matmul_reduce_scatter(x, w, axis_name, *, scatter_dimension=0, backend="auto
       ``"copy_engine"``), ``"copy_engine"`` or ``"nvshmem"`` (how partial
       blocks move, as in ``all_gather_matmul``).
     chunks: backend "cuda" only: pieces each partial block is computed and
-      sent in (1 to 32; None: chosen from the block's size).
+      sent in (1 to 32; None: one chunk for blocks
+      under 8 MiB, else two).
 
   Returns:
     ``x @ w`` summed over the ranks, of which this rank keeps block ``rank``
@@ -403,11 +405,12 @@ def matmul_all_reduce(x, w, axis_name, *, backend="auto", algorithm="auto", chun
       all leading dimensions flattened, must divide by the axis size), or
       ``"gemm_all_reduce"`` (the GEMM, then ``jaxoverlap.all_reduce``).
       ``"auto"`` takes the fused kernel when the rows divide and the output
-      has at least ``_cuda.FUSED_ALL_REDUCE_MIN_BYTES`` per rank, else
-      ``"gemm_all_reduce"``; the choice is logged (logger ``jaxoverlap``,
-      INFO) and kept in ``runtime_info()["fused_decisions"]``.
+      has at least ``_cuda.FUSED_ALL_REDUCE_MIN_BYTES`` (32 MiB, calibrated
+      on 2x H200) per rank, else ``"gemm_all_reduce"``; the choice is logged
+      (logger ``jaxoverlap``, INFO) and kept in ``runtime_info()["fused_decisions"]``.
     chunks: backend "cuda", fused algorithms only: pieces each partial block
-      is computed and sent in (1 to 32; None: chosen from the block's size).
+      is computed and sent in (1 to 32; None: one chunk for blocks
+      under 8 MiB, else two).
 
   Returns:
     ``[..., n]`` in x's dtype, the same on every rank (bit-identical).
