@@ -39,10 +39,18 @@ What it reports:
   median against ``_cuda._GEMM_FLOPS_PER_S``.
 
 Output: tables on stdout and <out>/fused_calibration-<machine>.json (the rows,
-the recommended values beside the current ones, the source files). Exit code
-1 when a recommendation differs from the current value (the rule's regret
-above the limit on some shape, or a different all-reduce threshold), so a run
-says at once whether the constants in jaxoverlap/_cuda.py need to change.
+the recommended values beside the current ones, the source files, and
+``constants_from``: the _cuda.py whose constants were checked, which is the
+installed jaxoverlap's). Exit code 1 when the data contradict
+jaxoverlap/_cuda.py: the rule's regret above the limit on some shape, or a
+measured size on the wrong side of ``FUSED_ALL_REDUCE_MIN_BYTES`` by more than
+a tie. The measured threshold and GEMM rate are printed beside the current
+values for information; a different but consistent threshold (e.g. 16 MiB
+where 16 MiB is a tie) does not count.
+
+One sweep alone is noisy (see the repeat spread): a regret or a threshold near
+the limit can flip between runs, so check a change against several sweeps
+pooled (pass all their files) before changing a constant.
 """
 
 from __future__ import annotations
@@ -68,13 +76,14 @@ def _key(r: Mapping[str, Any]) -> tuple[str, tuple[int, ...]]:
 
 
 def measurements(records: Sequence[Mapping[str, Any]]) -> dict:
-  """``{(op, shape): {"chunks": {k: [us, ...]}, impl: [us, ...]}}`` over all records.
+  """``{(op, shape): {"chunks": {k: [us, ...]}, "itemsize", impl: [us, ...]}}`` over records.
 
   Auto's records count as measurements of the chunk count they ran with.
   """
   out: dict = {}
   for r in records:
-    entry = out.setdefault(_key(r), {"chunks": {}})
+    entry = out.setdefault(_key(r), {
+        "chunks": {}, "itemsize": _ITEMSIZE.get(r.get("dtype", "bfloat16"), 2)})
     m = _CHUNKED.match(r["impl"])
     if m:
       entry["chunks"].setdefault(int(m.group(1)), []).append(r["time_us"])
@@ -119,7 +128,7 @@ def chunk_rows(records: Sequence[Mapping[str, Any]], world: int) -> list[dict[st
       continue
     times = {k: statistics.median(v) for k, v in sorted(entry["chunks"].items())}
     best_k = min(times, key=times.get)
-    rule_k = _cuda.auto_chunks(op, **rule_inputs(op, shape, world))
+    rule_k = _cuda.auto_chunks(op, **rule_inputs(op, shape, world, entry["itemsize"]))
     rule_us = times.get(rule_k)
     rows.append({"op": op, "shape": list(shape),
                  "times_us": {str(k): round(t, 2) for k, t in times.items()},
@@ -131,7 +140,10 @@ def chunk_rows(records: Sequence[Mapping[str, Any]], world: int) -> list[dict[st
 
 
 def repeat_spread(records: Sequence[Mapping[str, Any]]) -> list[float]:
-  """max / min - 1 of every configuration measured more than once (its noise)."""
+  """max / min - 1 of every fused configuration (op, shape, chunks) measured more than once.
+
+  The baselines (local GEMM, GEMM then all-reduce) are not included.
+  """
   out = []
   for entry in measurements(records).values():
     for times in entry["chunks"].values():
@@ -213,11 +225,9 @@ def analyze(results: Sequence[Mapping[str, Any]], regret_limit: float) -> dict[s
   # The current threshold is consistent with the data if no measured size
   # below it wins and none above it loses, by more than the regret limit (a
   # tie fits either side).
-  consistent_threshold = (not ar) or (
-      threshold is not None
-      and all(r["tie"]
-              or r["fused_wins"] == (r["out_bytes"] >= current["FUSED_ALL_REDUCE_MIN_BYTES"])
-              for r in ar))
+  consistent_threshold = all(
+      r["tie"] or r["fused_wins"] == (r["out_bytes"] >= current["FUSED_ALL_REDUCE_MIN_BYTES"])
+      for r in ar)
   return {
       "world": world, "chunks": chunks, "all_reduce": ar, "regret_limit": regret_limit,
       "repeat_spread": {"max": max(spread), "median": statistics.median(spread),
@@ -226,7 +236,7 @@ def analyze(results: Sequence[Mapping[str, Any]], regret_limit: float) -> dict[s
       "rule_unmeasured": [(r["op"], r["shape"], r["rule_chunks"]) for r in chunks
                           if r["regret"] is None],
       "recommended": {"FUSED_ALL_REDUCE_MIN_BYTES": threshold, "_GEMM_FLOPS_PER_S": rate},
-      "current": current,
+      "current": current, "constants_from": _cuda.__file__,
       "changes_needed": bool(over) or not consistent_threshold,
   }
 
@@ -260,7 +270,7 @@ def table(report: Mapping[str, Any]) -> str:
             f"{len(report['rule_unmeasured'])}"]
   spread = report["repeat_spread"]
   if spread:
-    lines.append(f"repeat spread (max / min - 1 of one configuration's measurements): median "
+    lines.append(f"repeat spread (max / min - 1 of one fused configuration's measurements): median "
                  f"{100 * spread['median']:.1f}%, max {100 * spread['max']:.1f}% over "
                  f"{spread['configurations']} configurations")
   return "\n".join(lines)

@@ -188,8 +188,8 @@ DEFAULT_TRANSPORT = "copy_engine"
 # Calibrated on 2x H200 (benchmarks/results/fused_calibration-*.json, three
 # runs): the fused kernel lost by 37-78 us at 1-8 MiB (its two dependent
 # transfers and their flag waits; NOTES.md), tied at 16 MiB (medians 1% apart;
-# the runs 10% either way), and won by 10-29% at every measured size from
-# 32 MiB.
+# single runs from 10% faster to 15% slower), and won by 10-29% at every
+# measured size from 32 MiB.
 FUSED_ALL_REDUCE_MIN_BYTES = 32 << 20
 MAX_CHUNKS = 32  # kMaxChunks in runtime.h
 
@@ -206,15 +206,15 @@ fused_decisions: list[dict] = []
 #   GEMM only costs: one chunk (ratios 0.14 and 0.27: two chunks 1-5% slower
 #   on four shapes, 1.5% faster on one).
 #   From 0.47 on the transfer, slowed by the GEMM beside it, is exposed and
-#   two chunks win: 6% at 0.47, 9-15% at 0.93, 10% at 1.87 (larger ratios
-#   were not measured).
+#   two chunks win: 6% at 0.47, 3.5% at 0.63, 9-15% at 0.95, 10% at 1.90
+#   (larger ratios were not measured).
 # * matmul_reduce_scatter / matmul_all_reduce: this rank's block GEMM adds the
 #   partial of rank r-1 chunk by chunk, so that partial must arrive in chunks
 #   ahead of it, but each chunk adds a dependent transfer: one chunk for blocks
-#   under _RS_TWO_CHUNK_BYTES (two cost 10-63% at 0.5-4 MiB), two from there
+#   under _RS_TWO_CHUNK_BYTES (two cost 9-63% at 0.5-4 MiB), two from there
 #   (8-224 MiB: the best count or within 1.1% of it).
 _LINK_BYTES_PER_S = 350e9    # one copy-engine stream over NV18 (a 64 MiB shard hid in 185 us)
-_GEMM_FLOPS_PER_S = 680e12   # bf16 cuBLASLt on one H200: median of the sweeps' local GEMMs
+_GEMM_FLOPS_PER_S = 680e12   # bf16 GEMM on one H200 (the sweeps' local GEMMs: median 692 TF/s)
 _AG_ONE_CHUNK_RATIO = 0.4    # t_comm / t_gemm up to which AG sends its shard whole
 _RS_TWO_CHUNK_BYTES = 8 << 20
 

@@ -208,3 +208,28 @@ def test_command_line(tmp_path):
   b.write_text(json.dumps({**base, "records": ar_rows(_other_threshold(current))}))
   changed = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
   assert changed.returncode == 1 and "CHANGES NEEDED" in changed.stdout
+
+
+def test_losing_everywhere_below_the_threshold_is_consistent(rule):
+  """Decode-size sweeps only: the fused kernel loses at every size, all below the constant."""
+  current = _cuda.FUSED_ALL_REDUCE_MIN_BYTES
+  small = [r for r in ar_rows(current) if r["shape"][0] * 4096 < current]
+  report = cal.analyze([{"world": 2, "records": small}], 0.05)
+  assert report["recommended"]["FUSED_ALL_REDUCE_MIN_BYTES"] is None
+  assert not report["changes_needed"]
+  assert report["constants_from"] == _cuda.__file__
+
+
+def test_rule_inputs_follow_the_records_dtype(rule):
+  seen = []
+  rule_fn = _cuda.auto_chunks
+  def spy(op, payload_bytes, rows, gemm_flops):
+    seen.append(payload_bytes)
+    return rule_fn(op, payload_bytes, rows, gemm_flops)
+  _cuda.auto_chunks = spy
+  try:
+    f32 = [dict(r, dtype="float32") for r in records() if r["op"] == "all_gather_matmul"]
+    cal.chunk_rows(f32, world=2)
+  finally:
+    _cuda.auto_chunks = rule_fn
+  assert seen == [8192 * 4096 * 4]  # the shard [8192, 4096] in float32
