@@ -270,8 +270,8 @@ def table(report: Mapping[str, Any]) -> str:
             f"{len(report['rule_unmeasured'])}"]
   spread = report["repeat_spread"]
   if spread:
-    lines.append(f"repeat spread (max / min - 1 of one fused configuration's measurements): median "
-                 f"{100 * spread['median']:.1f}%, max {100 * spread['max']:.1f}% over "
+    lines.append("repeat spread (max / min - 1 of one fused configuration's measurements): "
+                 f"median {100 * spread['median']:.1f}%, max {100 * spread['max']:.1f}% over "
                  f"{spread['configurations']} configurations")
   return "\n".join(lines)
 
