@@ -221,16 +221,10 @@ def test_losing_everywhere_below_the_threshold_is_consistent(rule):
   assert report["constants_from"] == _cuda.__file__
 
 
-def test_rule_inputs_follow_the_records_dtype(rule):
+def test_rule_inputs_follow_the_records_dtype(monkeypatch):
   seen = []
-  rule_fn = _cuda.auto_chunks
-  def spy(op, payload_bytes, rows, gemm_flops):
-    seen.append(payload_bytes)
-    return rule_fn(op, payload_bytes, rows, gemm_flops)
-  _cuda.auto_chunks = spy
-  try:
-    f32 = [dict(r, dtype="float32") for r in records() if r["op"] == "all_gather_matmul"]
-    cal.chunk_rows(f32, world=2)
-  finally:
-    _cuda.auto_chunks = rule_fn
+  monkeypatch.setattr(_cuda, "auto_chunks",
+                      lambda op, payload_bytes, rows, gemm_flops: seen.append(payload_bytes) or 1)
+  f32 = [dict(r, dtype="float32") for r in records() if r["op"] == "all_gather_matmul"]
+  cal.chunk_rows(f32, world=2)
   assert seen == [8192 * 4096 * 4]  # the shard [8192, 4096] in float32
