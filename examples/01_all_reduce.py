@@ -8,7 +8,7 @@ On a CPU-only machine the devices are simulated host devices:
 
 ``backend="auto"`` runs the CUDA kernels when they are usable (GPUs,
 extension built, ``jaxoverlap.initialize()`` called) and XLA otherwise;
-``jaxoverlap.select_backend`` says which one ran.
+``jaxoverlap.decisions()`` says which one ran and why.
 """
 
 import os
@@ -31,14 +31,16 @@ def main(rows: int = 4, cols: int = 1024) -> float:
   def both(x_shard):  # x_shard: this rank's [rows, cols]
     return jaxoverlap.all_reduce(x_shard, "tp"), lax.psum(x_shard, "tp")
 
+  jaxoverlap.clear_decisions()
   ours, reference = jax.jit(jax.shard_map(
       both, mesh=mesh, in_specs=P("tp"), out_specs=(P(), P())))(x)
+  plan = jaxoverlap.decisions("all_reduce")[-1]  # planned when the call was compiled
   err = float(jnp.max(jnp.abs(ours - reference)))
   expected = np.asarray(x).reshape(num_ranks, rows, cols).sum(0)
   np.testing.assert_allclose(np.asarray(ours), expected, rtol=1e-5, atol=1e-5)
   print(f"all_reduce of [{rows}, {cols}] float32 over {num_ranks} {jax.devices()[0].platform} "
-        f"ranks (backend {jaxoverlap.select_backend('all_reduce', 'auto')!r}): "
-        f"max |ours - psum| = {err:.2e}")
+        f"ranks: max |ours - psum| = {err:.2e}\n  ran as: {plan.backend} {plan.algorithm} "
+        f"({plan.reason('backend')})")
   return err
 
 

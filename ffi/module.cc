@@ -38,6 +38,32 @@ NB_MODULE(_jaxoverlap_cuda, m) {
   using namespace jaxoverlap;
   m.doc() = "jaxoverlap CUDA backend: XLA FFI handlers and the NVSHMEM runtime";
 
+  // The enums the handlers decode, under the names of jaxoverlap/names.py.
+  nb::enum_<all_reduce::Algorithm>(m, "AllReduceAlgorithm")
+      .value("one_shot", all_reduce::Algorithm::kOneShot)
+      .value("two_shot", all_reduce::Algorithm::kTwoShot)
+      .value("hierarchical", all_reduce::Algorithm::kHierarchical);
+  nb::enum_<all_reduce::Protocol>(m, "Protocol")
+      .value("ll", all_reduce::Protocol::kLL)
+      .value("simple", all_reduce::Protocol::kSimple);
+  nb::enum_<overlap::Transport>(m, "Transport")
+      .value("copy_engine", overlap::Transport::kCopyEngine)
+      .value("nvshmem", overlap::Transport::kNvshmem);
+  nb::enum_<gemm::Precision>(m, "Precision")
+      .value("default", gemm::Precision::kDefault)
+      .value("highest", gemm::Precision::kHighest);
+
+  // The compile-time limits of the kernels and the heap layout (runtime.h).
+  m.def("limits", []() {
+    nb::dict d;
+    d["max_group_size"] = kMaxGroupSize;
+    d["max_nodes"] = kMaxNodes;
+    d["max_pes"] = kMaxPes;
+    d["max_chunks"] = kMaxChunks;
+    d["max_blocks"] = kMaxBlocks;
+    return d;
+  });
+
   m.def("registrations", []() {
     nb::dict d;
     d["jaxoverlap_all_reduce"] = EncapsulateFfiHandler(JaxoverlapAllReduce);
@@ -92,11 +118,8 @@ NB_MODULE(_jaxoverlap_cuda, m) {
     d["ranks_per_node"] = s.ranks_per_node;
     d["force_nvshmem_put"] = s.force_put;
     d["timeout_ns"] = s.timeout_ns;
-    d["max_group_size"] = kMaxGroupSize;
-    d["max_nodes"] = kMaxNodes;
     d["overlap_heap_bytes"] = s.overlap_bytes;
     d["overlap_slot_bytes"] = s.overlap_slot_bytes;
-    d["max_chunks"] = kMaxChunks;
     d["gemm_plans"] = gemm::CachedPlans();
     return d;
   });

@@ -10,25 +10,28 @@ Public ops (call inside ``jax.shard_map``; each a ``jax.custom_vjp``):
 * ``matmul_all_reduce(x, w, axis_name)`` == ``lax.psum(x @ w, axis_name)``
 
 Runtime: ``initialize()`` (NVSHMEM, for ``backend="cuda"``), ``finalize()``,
-``runtime_info()``. Importing the package needs no GPU and loads no extension.
+``runtime_info()``. How each call ran: ``decisions()`` (``jaxoverlap.dispatch``).
+The names of backends, algorithms, protocols and transports: ``jaxoverlap.names``.
+Importing the package needs no GPU and loads no extension.
 """
 
-from jaxoverlap.backend import BACKENDS, select_backend
 from jaxoverlap.collectives import all_reduce
+from jaxoverlap.dispatch import Plan, clear_decisions, decisions
 from jaxoverlap.overlap import all_gather_matmul, matmul_all_reduce, matmul_reduce_scatter
 from jaxoverlap.runtime import finalize, initialize, is_initialized, runtime_info
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "BACKENDS",
+    "Plan",
     "all_gather_matmul",
     "all_reduce",
+    "clear_decisions",
+    "decisions",
     "finalize",
     "initialize",
     "is_initialized",
     "matmul_all_reduce",
     "matmul_reduce_scatter",
     "runtime_info",
-    "select_backend",
 ]

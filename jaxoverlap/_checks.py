@@ -10,11 +10,13 @@ Algorithm:
   Each check raises ``ValueError`` whose message starts with the op's name and
   states the offending values, e.g. ``all_gather_matmul: x.shape[-1]=96 does
   not match w.shape[0]=64 (the contracted dimension k)``. Only shapes, dtypes,
-  static arguments and the sizes of the bound mesh axes are read.
+  static arguments and the bound mesh axes are read. What depends on the
+  devices and the runtime is checked by the dispatcher (``jaxoverlap.dispatch``)
+  when the call is lowered.
 
 Example:
   >>> num_ranks = axis_size("all_reduce", "tp")          # inside shard_map
-  >>> backend, algorithm = resolve_algorithm("all_reduce", "auto", "auto")
+  >>> check_options("all_reduce", backend="auto", algorithm="one_shot", protocol="ll")
 """
 
 from __future__ import annotations
@@ -25,31 +27,19 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxoverlap import backend as _backend
+from jaxoverlap import names
 
 __all__ = [
     "DTYPES",
-    "XLA_ALGORITHMS",
-    "CUDA_ALGORITHMS",
     "axis_size",
     "check_array",
     "check_matmul_operands",
+    "check_divisible",
+    "check_options",
     "normalize_dimension",
-    "resolve_algorithm",
 ]
 
 DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-
-XLA_ALGORITHMS = ("auto", "collective", "ppermute")
-
-# Algorithms of the CUDA kernels, per op (ops without a kernel have none).
-CUDA_ALGORITHMS = {
-    "all_reduce": ("auto", "one_shot", "one_shot_ll", "one_shot_simple", "two_shot",
-                   "hierarchical", "hierarchical_ll", "hierarchical_simple"),
-    "all_gather_matmul": ("auto", "copy_engine", "nvshmem"),
-    "matmul_reduce_scatter": ("auto", "copy_engine", "nvshmem"),
-    "matmul_all_reduce": ("auto", "copy_engine", "nvshmem", "gemm_all_reduce"),
-}
 
 
 def _axis_names(op: str, axis_name) -> tuple[str, ...]:
@@ -65,7 +55,7 @@ def _axis_names(op: str, axis_name) -> tuple[str, ...]:
 
 
 def axis_size(op: str, axis_name) -> int:
-  """Number of ranks along ``axis_name``, which must be bound by ``shard_map``.
+  """Number of ranks along ``axis_name``, which must be a manual axis of ``shard_map``.
 
   Args:
     op: the public op's name, for the message.
@@ -75,19 +65,29 @@ def axis_size(op: str, axis_name) -> int:
     The size of the axis (the product of the sizes, for a tuple).
 
   Raises:
-    ValueError: ``axis_name`` is not a str or tuple of str, or names an axis
-      that is not bound here (the message lists the bound mesh axes).
+    ValueError: ``axis_name`` is not a str or tuple of str; names an axis of
+      no mesh in scope (the message lists the mesh's axes); or names a mesh
+      axis outside ``jax.shard_map`` (e.g. under ``jax.set_mesh`` only), where
+      the op cannot run.
   """
-  names = _axis_names(op, axis_name)
-  try:
-    return int(lax.axis_size(axis_name))
-  except NameError:
-    bound = tuple(jax.sharding.get_abstract_mesh().axis_names)
-    missing = [a for a in names if a not in bound]
+  names_ = _axis_names(op, axis_name)
+  mesh = jax.sharding.get_abstract_mesh()
+  mesh_axes = tuple(getattr(mesh, "axis_names", ()) or ())
+  manual = {a for a, t in zip(mesh_axes, getattr(mesh, "axis_types", ()) or ())
+            if t == jax.sharding.AxisType.Manual}
+  missing = [a for a in names_ if a not in mesh_axes]
+  if missing:
     raise ValueError(
-        f"{op}: axis_name={axis_name!r} is not a mesh axis bound here "
-        f"(unbound: {tuple(missing) or names}; bound mesh axes: {bound}); call "
-        f"{op} inside jax.shard_map over a mesh that has that axis") from None
+        f"{op}: axis_name={axis_name!r} names {tuple(missing)}, which the mesh in scope "
+        f"(axes {mesh_axes}) does not have; call {op} inside jax.shard_map over a mesh "
+        "with that axis")
+  outside = [a for a in names_ if a not in manual]
+  if outside:
+    raise ValueError(
+        f"{op}: axis {tuple(outside)} of the mesh is not manual here: {op} must be called "
+        f"inside jax.shard_map (a per-rank function over mesh axes {mesh_axes}), not under "
+        "jax.set_mesh or jit alone")
+  return int(lax.axis_size(axis_name))
 
 
 def check_array(op: str, name: str, a) -> jnp.dtype:
@@ -162,41 +162,69 @@ def check_divisible(op: str, name: str, dim: int, size: int, axis_name,
         f"divisible by the size {num_ranks} of axis {axis_name!r}")
 
 
-def resolve_algorithm(op: str, backend: str, algorithm: str) -> tuple[str, str]:
-  """Resolves ``backend`` and checks ``algorithm`` against it.
+def _valid(op: str) -> str:
+  return (f"valid: 'auto'; {names.algorithms(op, names.XLA)} (backend 'xla'); "
+          f"{names.algorithms(op, names.CUDA)} (backend 'cuda')")
+
+
+def check_options(op: str, *, backend, algorithm, protocol=names.AUTO, transport=names.AUTO,
+                  chunks=None) -> None:
+  """Checks the op's choices against the vocabulary (``jaxoverlap.names``) and each other.
+
+  Only what is wrong whatever the runtime is checked here; what needs the
+  devices (a CUDA-only choice where the kernels cannot run, a group that spans
+  nodes, workspace) is checked by ``jaxoverlap.dispatch`` at lowering.
 
   Args:
-    op: the public op's name, one of ``jaxoverlap.backend.OPS``.
-    backend: ``"auto"``, ``"xla"`` or ``"cuda"``.
-    algorithm: ``"auto"`` or an algorithm of the resolved backend.
-
-  Returns:
-    ``(backend, algorithm)`` with backend ``"xla"`` or ``"cuda"``; for
-    ``"xla"``, ``"auto"`` becomes ``"collective"``. CUDA's ``"auto"`` is passed
-    on to the kernel's own choice.
+    op: the public op's name.
+    backend, algorithm, protocol, transport: as passed to the op ("auto" or a
+      name of ``jaxoverlap.names``).
+    chunks: the fused ops' chunks per shard transfer, or None.
 
   Raises:
-    ValueError: unknown backend, or an algorithm that the resolved backend
-      does not have (the message lists the valid ones).
-    RuntimeError: ``backend="cuda"`` but the CUDA path is not usable
-      (from ``jaxoverlap.backend.select_backend``).
+    ValueError: an unknown value (with the new spelling of a value of version
+      0.1, where there is one), a choice of one backend with the other backend
+      requested, or a protocol, transport or chunks that the algorithm lacks.
   """
-  if backend not in _backend.BACKENDS:
-    raise ValueError(f"{op}: backend={backend!r} is not one of {_backend.BACKENDS}")
-  cuda_algorithms = CUDA_ALGORITHMS[op]
-  if not isinstance(algorithm, str) or (
-      algorithm not in XLA_ALGORITHMS and algorithm not in cuda_algorithms):
-    raise ValueError(
-        f"{op}: algorithm={algorithm!r} is unknown; valid: {XLA_ALGORITHMS} "
-        f"(backend 'xla')" + (f", {cuda_algorithms} (backend 'cuda')"
-                              if cuda_algorithms else ""))
-  resolved = _backend.select_backend(op, backend)
-  valid = XLA_ALGORITHMS if resolved == "xla" else cuda_algorithms
-  if algorithm not in valid:
-    how = (f"backend='auto' resolved to {resolved!r}" if backend == "auto"
-           else f"backend={resolved!r}")
-    raise ValueError(
-        f"{op}: algorithm={algorithm!r} is not available with {how}; valid: {valid}")
-  if resolved == "xla" and algorithm == "auto":
-    algorithm = "collective"
-  return resolved, algorithm
+  if backend not in names.BACKENDS:
+    raise ValueError(f"{op}: backend={backend!r} is not one of {names.BACKENDS}")
+  for key, value in (("algorithm", algorithm), ("protocol", protocol), ("transport", transport)):
+    if not isinstance(value, str):
+      raise ValueError(f"{op}: {key} must be a str, got {value!r}")
+  if algorithm != names.AUTO and algorithm not in names.algorithms(op):
+    renamed = names.renamed_value(op, algorithm)
+    if renamed is not None:
+      raise ValueError(f"{op}: algorithm={algorithm!r} is now spelled {renamed}")
+    raise ValueError(f"{op}: algorithm={algorithm!r} is unknown; {_valid(op)}")
+  on = names.backend_of_algorithm(op, algorithm)
+  if backend != names.AUTO and on not in (None, backend):
+    raise ValueError(f"{op}: algorithm={algorithm!r} belongs to backend {on!r}, but "
+                     f"backend={backend!r} was requested; {_valid(op)}")
+  xla_only = backend == names.XLA or on == names.XLA
+  if protocol != names.AUTO:
+    valid = names.PROTOCOLS if op == names.ALL_REDUCE else ()
+    if protocol not in valid:
+      raise ValueError(f"{op}: protocol={protocol!r} is unknown; valid: 'auto'" +
+                       (f", {valid} (backend 'cuda')" if valid else " (no protocols)"))
+    if xla_only:
+      raise ValueError(f"{op}: protocol={protocol!r} applies to backend 'cuda' only")
+    if on == names.CUDA and protocol not in names.protocols(algorithm):
+      raise ValueError(f"{op}: algorithm={algorithm!r} has no protocol {protocol!r}; valid: "
+                       f"{names.protocols(algorithm)}")
+  if transport != names.AUTO:
+    if transport not in names.transports(op):
+      raise ValueError(f"{op}: transport={transport!r} is unknown; valid: 'auto', "
+                       f"{names.transports(op)} (backend 'cuda')")
+    if xla_only:
+      raise ValueError(f"{op}: transport={transport!r} applies to backend 'cuda' only")
+    if algorithm == names.UNFUSED:
+      raise ValueError(f"{op}: transport={transport!r} applies to the fused algorithm, not to "
+                       "'unfused' (whose all-reduce uses its own)")
+  if chunks is not None:
+    if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
+      raise ValueError(f"{op}: chunks must be None or a positive int, got {chunks!r}")
+    if xla_only:
+      raise ValueError(f"{op}: chunks={chunks} applies to backend 'cuda' only")
+    if algorithm == names.UNFUSED:
+      raise ValueError(f"{op}: chunks={chunks} applies to the fused algorithm, not to "
+                       "'unfused'")

@@ -10,6 +10,7 @@ Algorithm:
   two-shot, or NVRAR's hierarchical reduce-scatter / recursive doubling /
   all-gather). ``backend="xla"`` runs ``lax.psum`` ("collective") or a ring
   reduce-scatter by ``lax.ppermute`` followed by an all-gather ("ppermute").
+  Which one runs is planned when the call is lowered (``jaxoverlap.dispatch``).
   The op is a ``jax.custom_vjp``: its backward pass is the transpose of
   ``psum`` (a cast to varying under ``check_vma=True``).
 
@@ -30,24 +31,23 @@ from typing import NamedTuple
 
 import jax
 
-from jaxoverlap import _checks, _xla
+from jaxoverlap import _checks, _primitives, _xla, names
+from jaxoverlap.dispatch import Request
 
 __all__ = ["all_reduce"]
 
 
 class _Config(NamedTuple):
-  axis_name: str | tuple[str, ...]
-  backend: str
-  algorithm: str
+  request: Request
+  num_ranks: int
   checked: bool  # shard_map(check_vma=True)
   x_vma: frozenset
 
 
 def _all_reduce_impl(x, cfg: _Config):
-  if cfg.backend == "cuda":
-    from jaxoverlap import _cuda  # lazy: loads the extension only when used
-    return _cuda.all_reduce(x, cfg.axis_name, algorithm=cfg.algorithm)
-  return _xla.all_reduce(x, cfg.axis_name, cfg.algorithm)
+  # psum of a value that is the same on every rank is num_ranks * x.
+  x = _xla.to_varying(x, cfg.request.axis_name)
+  return _primitives.bind_all_reduce(x, cfg.request, cfg.num_ranks)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
@@ -60,11 +60,12 @@ def _all_reduce_fwd(x, cfg):
 
 
 def _all_reduce_bwd(cfg, _, ct):
+  axis_name = cfg.request.axis_name
   if cfg.checked:
     # psum's output is invariant over the axis; its transpose is the cast to
     # varying. An x that was itself invariant entered psum through pvary,
     # whose transpose (in cast_to_vma) sums: d psum(x) / dx = num_ranks.
-    return (_xla.cast_to_vma(_xla.to_varying(ct, cfg.axis_name), cfg.x_vma),)
+    return (_xla.cast_to_vma(_xla.to_varying(ct, axis_name), cfg.x_vma),)
   # check_vma=False: every value counts as per-rank and psum transposes to psum.
   return (_all_reduce_impl(ct, cfg),)
 
@@ -72,7 +73,8 @@ def _all_reduce_bwd(cfg, _, ct):
 _all_reduce.defvjp(_all_reduce_fwd, _all_reduce_bwd)
 
 
-def all_reduce(x, axis_name, *, backend="auto", algorithm="auto"):
+def all_reduce(x, axis_name, *, backend="auto", algorithm="auto", protocol="auto",
+               transport="auto"):
   """Sums ``x`` over the ranks of ``axis_name``; call inside ``jax.shard_map``.
 
   Equals ``reference.all_reduce(x, axis_name)``, i.e. ``lax.psum(x,
@@ -83,24 +85,38 @@ def all_reduce(x, axis_name, *, backend="auto", algorithm="auto"):
     x: this rank's array, any shape, float32, bfloat16 or float16. Its size
       in bytes is the message size.
     axis_name: the mesh axis to reduce over (str), or a tuple of axes.
-    backend: ``"auto"``, ``"xla"`` or ``"cuda"`` (see ``jaxoverlap.backend``).
-    algorithm: ``"auto"``; with backend "xla" also ``"collective"`` or
-      ``"ppermute"``; with backend "cuda" also ``"one_shot"``, ``"two_shot"``
-      or ``"hierarchical"``, the first and last with a protocol suffix
-      ``"_ll"`` or ``"_simple"`` (default: chosen by size). "auto" on cuda
-      asks the tuning policy (``jaxoverlap.tuning``), which may hand over to
-      ``lax.psum`` where NCCL is faster; the choice is logged.
+    backend: ``"auto"``, ``"xla"`` or ``"cuda"``. "auto" runs the CUDA
+      kernels where they can run (GPUs, ``jaxoverlap.initialize()`` called,
+      a group the kernels take) and XLA elsewhere, and logs why.
+    algorithm: ``"auto"``; backend "xla": ``"collective"`` (``lax.psum``) or
+      ``"ppermute"``; backend "cuda": ``"one_shot"``, ``"two_shot"`` or
+      ``"hierarchical"``. "auto" asks the tuning policy
+      (``jaxoverlap.tuning.policy``: the measured table, else the cost
+      model), which may hand the call to ``lax.psum`` where NCCL is faster.
+    protocol: backend "cuda": ``"auto"``, ``"ll"`` (8-byte cells of data and
+      flag, no separate signal) or ``"simple"`` (data, then a flag); two_shot
+      has only "simple".
+    transport: ``"auto"`` or the runtime's transport, ``"nvshmem"``.
 
   Returns:
     An array of x's shape and dtype: the sum over all ranks, the same on each.
+    ``jaxoverlap.decisions()`` says how it ran (a plan is made when the call
+    is lowered).
 
   Raises:
-    ValueError: unsupported dtype, an axis name not bound by the enclosing
-      ``shard_map``, unknown backend, or an algorithm the resolved backend
-      lacks.
-    RuntimeError: ``backend="cuda"`` while the CUDA path is not usable (the
-      message says why). Errors of the CUDA kernels reach Python as XLA errors
-      that carry the C++ message.
+    ValueError: unsupported dtype; an axis name that is not a manual axis of
+      the enclosing ``shard_map``; an unknown or contradictory backend,
+      algorithm, protocol or transport (values of version 0.1 such as
+      ``"one_shot_ll"`` name their new spelling); at lowering, a CUDA-only
+      choice for a group the kernels do not take (e.g. "one_shot" across
+      nodes).
+    RuntimeError: at lowering, backend "cuda" (or a CUDA-only choice) while
+      the CUDA kernels cannot run in this process; the message says why.
+      Errors of the kernels reach Python as XLA errors that carry the C++
+      message.
+
+  Forward-mode differentiation (``jax.jvp``, ``jax.jacfwd``) is not
+  available: the op is a ``jax.custom_vjp``.
 
   Algorithm:
     "collective" is ``lax.psum``. "ppermute" flattens ``x``, zero-pads it to a
@@ -118,9 +134,12 @@ def all_reduce(x, axis_name, *, backend="auto", algorithm="auto"):
     all-reduce; Megatron-LM, arXiv 1909.08053, for where TP all-reduces
     occur.
   """
-  _checks.check_array("all_reduce", "x", x)
-  _checks.axis_size("all_reduce", axis_name)
-  backend, algorithm = _checks.resolve_algorithm("all_reduce", backend, algorithm)
-  cfg = _Config(axis_name, backend, algorithm, _xla.vma_checked(axis_name),
-                _xla.varying_axes(x))
+  op = names.ALL_REDUCE
+  _checks.check_array(op, "x", x)
+  num_ranks = _checks.axis_size(op, axis_name)
+  _checks.check_options(op, backend=backend, algorithm=algorithm, protocol=protocol,
+                        transport=transport)
+  request = Request(op, axis_name, backend=backend, algorithm=algorithm, protocol=protocol,
+                    transport=transport)
+  cfg = _Config(request, num_ranks, _xla.vma_checked(axis_name), _xla.varying_axes(x))
   return _all_reduce(x, cfg)

@@ -17,12 +17,13 @@ Algorithm:
   an all-gather. Backend "xla" implements this with ``lax.ppermute``
   (algorithm "ppermute") next to the plain collective ("collective", the
   default); see ``jaxoverlap._xla``. Backend "cuda" runs it as one XLA FFI
-  custom call per op (``ffi/overlap/overlap.cu``): cuBLASLt shard GEMMs on
-  XLA's stream, shard transfers by the copy engines (or NVSHMEM puts) on a
-  second stream, synchronised by events and flags in symmetric memory; see
-  each op's docstring. Every op is a ``jax.custom_vjp`` whose
-  backward pass runs the paired fused op with the same backend and
-  algorithm.
+  custom call per op (algorithm "fused", ``ffi/overlap/overlap.cu``):
+  cuBLASLt shard GEMMs on XLA's stream, shard transfers by the copy engines
+  (or NVSHMEM puts: ``transport=``) on a second stream, synchronised by
+  events and flags in symmetric memory; see each op's docstring. How a call
+  runs is planned when it is lowered (``jaxoverlap.dispatch``). Every op is a
+  ``jax.custom_vjp`` whose backward pass runs the paired op with the same
+  backend, algorithm, transport and chunks.
 
 Example:
   >>> import jax, jax.numpy as jnp, jaxoverlap
@@ -40,27 +41,55 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-import math
 from typing import NamedTuple
 
 import jax
 
-from jaxoverlap import _checks, _cuda, _xla
-from jaxoverlap import backend as _backend
+from jaxoverlap import _checks, _primitives, _xla, names
+from jaxoverlap.dispatch import Request
 
 __all__ = ["all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce"]
 
 
 class _Config(NamedTuple):
-  axis_name: str | tuple[str, ...]
-  dim: int | None  # gather/scatter dimension, normalised to >= 0
-  backend: str
-  algorithm: str  # xla: collective/ppermute; cuda: copy_engine/nvshmem/gemm_all_reduce
-  chunks: int | None  # cuda: chunks per shard transfer (None: chosen from the shapes)
+  request: Request  # what the caller asked for; the backward pass derives its own
+  num_ranks: int
   checked: bool  # shard_map(check_vma=True)
   x_vma: frozenset
   w_vma: frozenset
+
+
+def _config(op, x, w, axis_name, dim, backend, algorithm, transport, chunks) -> _Config:
+  """Checks the choices and records what the backward pass needs."""
+  _checks.check_options(op, backend=backend, algorithm=algorithm, transport=transport,
+                        chunks=chunks)
+  request = Request(op, axis_name, backend=backend, algorithm=algorithm, transport=transport,
+                    chunks=chunks, dim=dim)
+  return _Config(request, int(jax.lax.axis_size(axis_name)), _xla.vma_checked(axis_name),
+                 _xla.varying_axes(x), _xla.varying_axes(w))
+
+
+def _paired(request: Request, op: str, dim: int | None, gathered: bool = False) -> Request:
+  """The request of the backward pass's op: the same backend, transport and chunks."""
+  algorithm = request.algorithm
+  if algorithm not in (names.AUTO,) + names.algorithms(op):  # e.g. "unfused" has no pair
+    algorithm = names.AUTO
+  transport = request.transport if request.transport in names.transports(op) else names.AUTO
+  return dataclasses.replace(request, op=op, dim=dim, gathered=gathered, algorithm=algorithm,
+                             transport=transport,
+                             chunks=request.chunks if op in names.FUSED_OPS else None)
+
+
+def _axes(axis_name) -> frozenset:
+  return frozenset(axis_name) if isinstance(axis_name, tuple) else frozenset((axis_name,))
+
+
+def _same_vma(x, w, axis_name):
+  """Casts x and w to varying over the union of their axes and ``axis_name``."""
+  vma = _xla.varying_axes(x) | _xla.varying_axes(w) | _axes(axis_name)
+  return _xla.cast_to_vma(x, vma), _xla.cast_to_vma(w, vma)
 
 
 def _check_operands(op, x, w, axis_name) -> int:
@@ -69,72 +98,25 @@ def _check_operands(op, x, w, axis_name) -> int:
   return _checks.axis_size(op, axis_name)
 
 
-def _check_chunks(op, chunks):
-  if chunks is None:
-    return
-  if (isinstance(chunks, bool) or not isinstance(chunks, int)
-      or not 1 <= chunks <= _cuda.MAX_CHUNKS):
-    raise ValueError(
-        f"{op}: chunks must be None or an int in 1..{_cuda.MAX_CHUNKS}, got {chunks!r}")
-
-
-def _config(op, x, w, axis_name, dim, backend, algorithm, chunks,
-            cuda_unsupported=None) -> _Config:
-  """Resolves backend and algorithm and records what the backward pass needs.
-
-  ``cuda_unsupported`` is None, or why the CUDA kernel cannot take this call
-  (a shape it does not cover). Then ``backend="cuda"`` raises, and
-  ``backend="auto"`` runs the xla backend and logs why.
-  """
-  _check_chunks(op, chunks)
-  requested = backend
-  backend, algorithm = _checks.resolve_algorithm(op, backend, algorithm)
-  if backend == "cuda":
-    if cuda_unsupported is not None:
-      if requested == "cuda" or algorithm != "auto":
-        raise ValueError(f"{op}: the CUDA kernel does not take this call: {cuda_unsupported}; "
-                         "use backend='xla'")
-      _backend.log_once(op, f"runs on backend 'xla' (auto): {cuda_unsupported}")
-      backend, algorithm = "xla", "collective"
-    elif algorithm == "auto":
-      algorithm = _cuda.DEFAULT_TRANSPORT
-  if backend == "xla" and chunks is not None:
-    raise ValueError(f"{op}: chunks={chunks} applies to backend 'cuda' only (this call runs on "
-                     "backend 'xla')")
-  return _Config(axis_name, dim, backend, algorithm, chunks, _xla.vma_checked(axis_name),
-                 _xla.varying_axes(x), _xla.varying_axes(w))
-
-
 # ----------------------------------------------------------------------------
-# Implementations shared by forward and backward passes (no custom_vjp).
+# Implementations shared by forward and backward passes (no custom_vjp): each
+# binds the op's primitive, whose lowering plans how it runs.
 
 
-def _ag_matmul_impl(x, w, cfg, gathered=True):
-  """``(AG(x) @ w, AG(x))`` along ``cfg.dim``; AG(x) is None when not ``gathered`` (cuda)."""
-  if cfg.backend == "xla" or x.size == 0 or w.size == 0:
-    return _xla.all_gather_matmul(x, w, cfg.axis_name, cfg.dim, _xla_algorithm(cfg))
-  return _cuda.all_gather_matmul(x, w, cfg.axis_name, cfg.dim, cfg.algorithm, cfg.chunks,
-                                 gathered)
+def _ag_matmul_impl(x, w, request, num_ranks):
+  """``(AG(x) @ w, AG(x) or None)`` along ``request.dim``."""
+  x, w = _same_vma(x, w, request.axis_name)
+  return _primitives.bind_all_gather_matmul(x, w, request, num_ranks)
 
 
-def _matmul_rs_impl(x, w, cfg):
-  if cfg.backend == "xla" or x.size == 0 or w.size == 0:
-    return _xla.matmul_reduce_scatter(x, w, cfg.axis_name, cfg.dim, _xla_algorithm(cfg))
-  return _cuda.matmul_reduce_scatter(x, w, cfg.axis_name, cfg.dim, cfg.algorithm, cfg.chunks)
+def _matmul_rs_impl(x, w, request, num_ranks):
+  x, w = _same_vma(x, w, request.axis_name)
+  return _primitives.bind_matmul_reduce_scatter(x, w, request, num_ranks)
 
 
-def _matmul_ar_impl(x, w, cfg):
-  if cfg.backend == "xla" or x.size == 0 or w.size == 0:
-    return _xla.matmul_all_reduce(x, w, cfg.axis_name, _xla_algorithm(cfg))
-  if cfg.algorithm == "gemm_all_reduce":
-    return _cuda.all_reduce(_xla.matmul(x, w).astype(x.dtype), cfg.axis_name)
-  return _cuda.matmul_all_reduce(x, w, cfg.axis_name, cfg.algorithm, cfg.chunks)
-
-
-def _xla_algorithm(cfg):
-  # Empty operands move no data on either backend: the xla expression gives
-  # the (empty or zero) result without a kernel.
-  return cfg.algorithm if cfg.backend == "xla" else "collective"
+def _matmul_ar_impl(x, w, request, num_ranks):
+  x, w = _same_vma(x, w, request.axis_name)
+  return _primitives.bind_matmul_all_reduce(x, w, request, num_ranks)
 
 
 def _grads(cfg, dx, dw, dtype):
@@ -148,18 +130,20 @@ def _grads(cfg, dx, dw, dtype):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def _all_gather_matmul(x, w, cfg):
-  return _ag_matmul_impl(x, w, cfg, gathered=False)[0]
+  return _ag_matmul_impl(x, w, cfg.request, cfg.num_ranks)[0]
 
 
 def _all_gather_matmul_fwd(x, w, cfg):
-  y, xg = _ag_matmul_impl(x, w, cfg)
+  request = dataclasses.replace(cfg.request, gathered=True)
+  y, xg = _ag_matmul_impl(x, w, request, cfg.num_ranks)
   return y, (xg, w)
 
 
 def _all_gather_matmul_bwd(cfg, res, dy):
   xg, w = res
   # dX = RS(dY @ w^T) along the gathered dimension; dW = AG(X)^T @ dY.
-  dx = _matmul_rs_impl(dy, w.T, cfg)
+  request = _paired(cfg.request, names.MATMUL_REDUCE_SCATTER, cfg.request.dim)
+  dx = _matmul_rs_impl(dy, w.T, request, cfg.num_ranks)
   dw = _xla.contract_leading(xg, dy)
   return _grads(cfg, dx, dw, w.dtype)
 
@@ -168,7 +152,7 @@ _all_gather_matmul.defvjp(_all_gather_matmul_fwd, _all_gather_matmul_bwd)
 
 
 def all_gather_matmul(x, w, axis_name, *, gather_dimension=0, backend="auto",
-                      algorithm="auto", chunks=None):
+                      algorithm="auto", transport="auto", chunks=None):
   """All-gathers ``x`` along ``gather_dimension`` and multiplies by ``w``.
 
   Equals ``reference.all_gather_matmul``, i.e. ``lax.all_gather(x, axis_name,
@@ -185,18 +169,21 @@ def all_gather_matmul(x, w, axis_name, *, gather_dimension=0, backend="auto",
     axis_name: the mesh axis to gather over (str), or a tuple of axes.
     gather_dimension: the dimension of ``x`` to gather; negative counts from
       the end; must not be the last (contracted) one.
-    backend: ``"auto"``, ``"xla"`` or ``"cuda"`` (see ``jaxoverlap.backend``).
-    algorithm: backend "xla": ``"auto"`` (= ``"collective"``),
-      ``"collective"`` or ``"ppermute"``; backend "cuda": ``"auto"`` (=
-      ``"copy_engine"``), ``"copy_engine"`` (shards moved by the copy
-      engines, no SMs taken from the GEMM) or ``"nvshmem"`` (NVSHMEM block
-      puts from a kernel).
-    chunks: backend "cuda" only: pieces each shard transfer is cut into (1 to
-      32; None: chosen from the shapes by ``_cuda.auto_chunks``: one, or two
-      where the shard's transfer is estimated at over 0.4x the local shard's
-      GEMM; calibrated on 2x H200, README "Calibration of the automatic
-      choices"). Each arriving chunk's GEMM starts as soon as that chunk is
-      in. Chunks cut the shard's rows, or, where dimensions precede
+    backend: ``"auto"``, ``"xla"`` or ``"cuda"``. "auto" runs the CUDA
+      kernel where it can run (GPUs, ``jaxoverlap.initialize()`` called, the
+      group within one node) and XLA elsewhere, and logs why.
+    algorithm: ``"auto"``; backend "xla": ``"collective"`` (``lax.all_gather``
+      then one GEMM) or ``"ppermute"`` (the rank-adaptive ring); backend
+      "cuda": ``"fused"`` (one custom call).
+    transport: backend "cuda": ``"auto"`` (= ``"copy_engine"``),
+      ``"copy_engine"`` (shards moved by the copy engines, no SMs taken from
+      the GEMM) or ``"nvshmem"`` (NVSHMEM block puts from a kernel).
+    chunks: backend "cuda" only: pieces each shard transfer is cut into (a
+      positive int up to the kernels' limit, 32; None: chosen from the
+      shapes by ``jaxoverlap.tuning.policy.fused_chunks``: one, or two where
+      the shard's transfer is estimated at over 0.4x the local shard's GEMM;
+      calibrated on 2x H200, docs/results.md). Each arriving chunk's GEMM
+      starts as soon as that chunk is in. Chunks cut the shard's rows, or, where dimensions precede
       ``gather_dimension``, whole entries of those (so at most their product:
       each chunk is one contiguous copy, which a CUDA graph can update).
 
@@ -207,12 +194,16 @@ def all_gather_matmul(x, w, axis_name, *, gather_dimension=0, backend="auto",
   Raises:
     ValueError: unsupported or mismatched dtypes, ``w`` not 2-D,
       ``x.shape[-1] != w.shape[0]``, ``gather_dimension`` out of range or the
-      contracted dimension, an unbound axis name, unknown backend or
-      algorithm, ``chunks`` out of range or given for backend "xla"; with
-      backend "cuda", at lowering: a group that spans nodes, or a shard
+      contracted dimension, an axis that is not a manual axis of the
+      enclosing ``shard_map``, an unknown or contradictory backend, algorithm
+      or transport, ``chunks`` out of range or with backend "xla"; at
+      lowering, with backend "cuda": a group that spans nodes, or a shard
       larger than the fused-op slot (``runtime_info()["overlap_slot_bytes"]``).
-    RuntimeError: ``backend="cuda"`` but the CUDA path is not usable (the
-      message says why).
+    RuntimeError: at lowering, backend "cuda" while the CUDA kernels cannot
+      run in this process (the message says why).
+
+  Forward-mode differentiation (``jax.jvp``, ``jax.jacfwd``) is not
+  available: the op is a ``jax.custom_vjp``.
 
   Algorithm:
     "ppermute": a ring of ``num_ranks - 1`` ``ppermute`` steps. Each rank
@@ -227,7 +218,7 @@ def all_gather_matmul(x, w, axis_name, *, gather_dimension=0, backend="auto",
     one node (the TP group); empty operands take the xla expression.
     Backward: dX =
     ``matmul_reduce_scatter(dY, w.T, scatter_dimension=gather_dimension)``
-    with the same backend and algorithm, dW = ``AG(x)^T @ dY`` with ``AG(x)``
+    with the same backend, algorithm, transport and chunks, dW = ``AG(x)^T @ dY`` with ``AG(x)``
     saved by the forward pass (summed over the axis when ``w`` is invariant
     over it).
 
@@ -243,7 +234,7 @@ def all_gather_matmul(x, w, axis_name, *, gather_dimension=0, backend="auto",
         f"{op}: gather_dimension={gather_dimension} is x's last dimension, the "
         f"contracted dimension k (x.shape={tuple(x.shape)}); gather a leading "
         f"dimension instead")
-  cfg = _config(op, x, w, axis_name, g, backend, algorithm, chunks)
+  cfg = _config(op, x, w, axis_name, g, backend, algorithm, transport, chunks)
   return _all_gather_matmul(x, w, cfg)
 
 
@@ -253,7 +244,7 @@ def all_gather_matmul(x, w, axis_name, *, gather_dimension=0, backend="auto",
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def _matmul_reduce_scatter(x, w, cfg):
-  return _matmul_rs_impl(x, w, cfg)
+  return _matmul_rs_impl(x, w, cfg.request, cfg.num_ranks)
 
 
 def _matmul_reduce_scatter_fwd(x, w, cfg):
@@ -265,7 +256,8 @@ def _matmul_reduce_scatter_bwd(cfg, res, dy):
   # dX = AG(dY) @ w^T, gathered along the scattered dimension. When that is
   # the last one (w's columns), AG(dY) @ w^T contracts over the gathered
   # dimension: the same ring sums the shard products instead of placing them.
-  dx, dy_full = _ag_matmul_impl(dy, w.T, cfg)
+  request = _paired(cfg.request, names.ALL_GATHER_MATMUL, cfg.request.dim, gathered=True)
+  dx, dy_full = _ag_matmul_impl(dy, w.T, request, cfg.num_ranks)
   dw = _xla.contract_leading(x, dy_full)
   return _grads(cfg, dx, dw, w.dtype)
 
@@ -274,7 +266,7 @@ _matmul_reduce_scatter.defvjp(_matmul_reduce_scatter_fwd, _matmul_reduce_scatter
 
 
 def matmul_reduce_scatter(x, w, axis_name, *, scatter_dimension=0, backend="auto",
-                          algorithm="auto", chunks=None):
+                          algorithm="auto", transport="auto", chunks=None):
   """Multiplies ``x @ w`` and reduce-scatters the product over ``axis_name``.
 
   Equals ``reference.matmul_reduce_scatter``, i.e. ``lax.psum_scatter(x @ w,
@@ -293,14 +285,16 @@ def matmul_reduce_scatter(x, w, axis_name, *, scatter_dimension=0, backend="auto
       from the end. Its size must be divisible by the axis size. Backend
       "cuda" scatters any dimension but the last (``"auto"`` runs the xla
       backend for the last and logs so).
-    backend: ``"auto"``, ``"xla"`` or ``"cuda"`` (see ``jaxoverlap.backend``).
-    algorithm: backend "xla": ``"auto"`` (= ``"collective"``),
-      ``"collective"`` or ``"ppermute"``; backend "cuda": ``"auto"`` (=
-      ``"copy_engine"``), ``"copy_engine"`` or ``"nvshmem"`` (how partial
-      blocks move, as in ``all_gather_matmul``).
+    backend: ``"auto"``, ``"xla"`` or ``"cuda"``, as in ``all_gather_matmul``.
+    algorithm: ``"auto"``; backend "xla": ``"collective"`` (one GEMM, then
+      ``lax.psum_scatter``) or ``"ppermute"`` (the rank-adaptive ring);
+      backend "cuda": ``"fused"``.
+    transport: backend "cuda": ``"auto"`` (= ``"copy_engine"``),
+      ``"copy_engine"`` or ``"nvshmem"`` (how partial blocks move, as in
+      ``all_gather_matmul``).
     chunks: backend "cuda" only: pieces each partial block is computed and
-      sent in (1 to 32; None: one chunk for blocks
-      under 8 MiB, else two).
+      sent in (a positive int up to 32; None: one chunk for blocks under
+      8 MiB, else two).
 
   Returns:
     ``x @ w`` summed over the ranks, of which this rank keeps block ``rank``
@@ -311,12 +305,17 @@ def matmul_reduce_scatter(x, w, axis_name, *, scatter_dimension=0, backend="auto
   Raises:
     ValueError: unsupported or mismatched dtypes, ``w`` not 2-D,
       ``x.shape[-1] != w.shape[0]``, ``scatter_dimension`` out of range, the
-      scattered size not divisible by the axis size, an unbound axis name,
-      unknown backend or algorithm, ``chunks`` out of range or given for
-      backend "xla"; backend "cuda" with the last dimension scattered; at
-      lowering: a group that spans nodes, or a partial block larger than the
+      scattered size not divisible by the axis size, an axis that is not a
+      manual axis of the enclosing ``shard_map``, an unknown or contradictory
+      backend, algorithm or transport, ``chunks`` out of range or with
+      backend "xla"; at lowering, with backend "cuda": the last dimension
+      scattered, a group that spans nodes, or a partial block larger than the
       fused-op slot.
-    RuntimeError: ``backend="cuda"`` but the CUDA path is not usable.
+    RuntimeError: at lowering, backend "cuda" while the CUDA kernels cannot
+      run in this process.
+
+  Forward-mode differentiation (``jax.jvp``, ``jax.jacfwd``) is not
+  available: the op is a ``jax.custom_vjp``.
 
   Algorithm:
     "ppermute": the accumulator of output block ``d`` starts on rank ``d + 1``
@@ -349,9 +348,7 @@ def matmul_reduce_scatter(x, w, axis_name, *, scatter_dimension=0, backend="auto
                                   "the output x @ w")
   _checks.check_divisible(op, "scatter_dimension", scatter_dimension, out_shape[s], axis_name,
                           num_ranks, f"the output x @ w (shape {out_shape})")
-  unsupported = ("it scatters any output dimension but the last (scatter_dimension="
-                 f"{scatter_dimension} is the last)") if s == len(out_shape) - 1 else None
-  cfg = _config(op, x, w, axis_name, s, backend, algorithm, chunks, unsupported)
+  cfg = _config(op, x, w, axis_name, s, backend, algorithm, transport, chunks)
   return _matmul_reduce_scatter(x, w, cfg)
 
 
@@ -361,7 +358,7 @@ def matmul_reduce_scatter(x, w, axis_name, *, scatter_dimension=0, backend="auto
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def _matmul_all_reduce(x, w, cfg):
-  return _matmul_ar_impl(x, w, cfg)
+  return _matmul_ar_impl(x, w, cfg.request, cfg.num_ranks)
 
 
 def _matmul_all_reduce_fwd(x, w, cfg):
@@ -370,13 +367,14 @@ def _matmul_all_reduce_fwd(x, w, cfg):
 
 def _matmul_all_reduce_bwd(cfg, res, dy):
   x, w = res
+  axis_name = cfg.request.axis_name
   if cfg.checked:
     # The output is invariant over the axis; psum transposes to a cast.
-    dy = _xla.to_varying(dy, cfg.axis_name)
+    dy = _xla.to_varying(dy, axis_name)
   else:
     # check_vma=False: every value counts as per-rank; psum transposes to psum.
-    dy = (_cuda.all_reduce(dy, cfg.axis_name) if cfg.backend == "cuda"
-          else _xla.all_reduce(dy, cfg.axis_name, cfg.algorithm))
+    request = _paired(cfg.request, names.ALL_REDUCE, None)
+    dy = _primitives.bind_all_reduce(_xla.to_varying(dy, axis_name), request, cfg.num_ranks)
   dx = _xla.matmul(dy, w.T)
   dw = _xla.contract_leading(x, dy)
   return _grads(cfg, dx, dw, w.dtype)
@@ -385,7 +383,8 @@ def _matmul_all_reduce_bwd(cfg, res, dy):
 _matmul_all_reduce.defvjp(_matmul_all_reduce_fwd, _matmul_all_reduce_bwd)
 
 
-def matmul_all_reduce(x, w, axis_name, *, backend="auto", algorithm="auto", chunks=None):
+def matmul_all_reduce(x, w, axis_name, *, backend="auto", algorithm="auto", transport="auto",
+                      chunks=None):
   """Multiplies ``x @ w`` and sums the product over the ranks of ``axis_name``.
 
   Equals ``reference.matmul_all_reduce``, i.e. ``lax.psum(x @ w,
@@ -398,31 +397,39 @@ def matmul_all_reduce(x, w, axis_name, *, backend="auto", algorithm="auto", chun
       dimensions.
     w: ``[k_local, n]``, x's dtype.
     axis_name: the mesh axis to reduce over (str), or a tuple of axes.
-    backend: ``"auto"``, ``"xla"`` or ``"cuda"`` (see ``jaxoverlap.backend``).
-    algorithm: backend "xla": ``"auto"`` (= ``"collective"``),
-      ``"collective"`` or ``"ppermute"``; backend "cuda": ``"auto"``,
-      ``"copy_engine"`` or ``"nvshmem"`` (the fused kernel; the rows of x,
-      all leading dimensions flattened, must divide by the axis size), or
-      ``"gemm_all_reduce"`` (the GEMM, then ``jaxoverlap.all_reduce``).
-      ``"auto"`` takes the fused kernel when the rows divide and the output
-      has at least ``_cuda.FUSED_ALL_REDUCE_MIN_BYTES`` (32 MiB, calibrated
-      on 2x H200) per rank, else ``"gemm_all_reduce"``; the choice is logged
-      (logger ``jaxoverlap``, INFO) and kept in ``runtime_info()["fused_decisions"]``.
-    chunks: backend "cuda", fused algorithms only: pieces each partial block
-      is computed and sent in (1 to 32; None: one chunk for blocks
-      under 8 MiB, else two).
+    backend: ``"auto"``, ``"xla"`` or ``"cuda"``, as in ``all_gather_matmul``.
+    algorithm: ``"auto"``; backend "xla": ``"collective"`` (one GEMM, then
+      ``lax.psum``) or ``"ppermute"``; backend "cuda": ``"fused"`` (one
+      custom call; the rows of x, all leading dimensions flattened, must
+      divide by the axis size) or ``"unfused"`` (the GEMM, then the CUDA
+      ``all_reduce`` with its own automatic choice). ``"auto"`` on the CUDA
+      kernels takes "fused" when the rows divide and the output has at least
+      ``jaxoverlap.tuning.policy.FUSED_ALL_REDUCE_MIN_BYTES`` (32 MiB,
+      calibrated on 2x H200) per rank, else "unfused"; the plan
+      (``jaxoverlap.decisions()``) says which and why.
+    transport: "fused" only: ``"auto"`` (= ``"copy_engine"``),
+      ``"copy_engine"`` or ``"nvshmem"``.
+    chunks: "fused" only: pieces each partial block is computed and sent in
+      (a positive int up to 32; None: one chunk for blocks under 8 MiB, else
+      two). Given while "auto" picks "unfused", it is unused, and the plan
+      says so.
 
   Returns:
     ``[..., n]`` in x's dtype, the same on every rank (bit-identical).
 
   Raises:
     ValueError: unsupported or mismatched dtypes, ``w`` not 2-D,
-      ``x.shape[-1] != w.shape[0]``, an unbound axis name, unknown backend or
-      algorithm, ``chunks`` out of range or given for backend "xla" or with
-      ``"gemm_all_reduce"``; a fused CUDA algorithm with rows not divisible
-      by the axis size; at lowering: a group that spans nodes or has more
-      than 8 ranks, or a block larger than half a fused-op slot.
-    RuntimeError: ``backend="cuda"`` but the CUDA path is not usable.
+      ``x.shape[-1] != w.shape[0]``, an axis that is not a manual axis of the
+      enclosing ``shard_map``, an unknown or contradictory backend,
+      algorithm or transport, ``chunks`` out of range or given for backend
+      "xla" or with "unfused"; at lowering: "fused" with rows not divisible
+      by the axis size; with backend "cuda", a group that spans nodes or has
+      more than 8 ranks, or a block larger than half a fused-op slot.
+    RuntimeError: at lowering, backend "cuda" while the CUDA kernels cannot
+      run in this process.
+
+  Forward-mode differentiation (``jax.jvp``, ``jax.jacfwd``) is not
+  available: the op is a ``jax.custom_vjp``.
 
   Algorithm:
     "ppermute": views ``x`` as ``[rows, k_local]`` and runs the
@@ -442,28 +449,6 @@ def matmul_all_reduce(x, w, axis_name, *, backend="auto", algorithm="auto", chun
     layers).
   """
   op = "matmul_all_reduce"
-  num_ranks = _check_operands(op, x, w, axis_name)
-  cfg = _config(op, x, w, axis_name, None, backend, algorithm, chunks)
-  if cfg.backend == "cuda" and cfg.algorithm != "gemm_all_reduce":
-    rows = math.prod(x.shape[:-1])
-    out_bytes = rows * w.shape[1] * jax.numpy.dtype(x.dtype).itemsize
-    why = None
-    if rows % num_ranks:
-      if algorithm != "auto":
-        raise ValueError(
-            f"{op}: algorithm={algorithm!r} needs the rows of x (all leading dimensions, "
-            f"{rows}) to divide by the size {num_ranks} of axis {axis_name!r}; use "
-            "'gemm_all_reduce' or 'auto'")
-      why = f"{rows} rows do not divide by {num_ranks} ranks"
-    elif algorithm == "auto" and out_bytes < _cuda.FUSED_ALL_REDUCE_MIN_BYTES:
-      why = (f"the output has {out_bytes} bytes per rank, under "
-             f"{_cuda.FUSED_ALL_REDUCE_MIN_BYTES} (FUSED_ALL_REDUCE_MIN_BYTES)")
-    if why is not None:
-      cfg = cfg._replace(algorithm="gemm_all_reduce")
-      _cuda.record_fused_decision(op, axis_name, "gemm_all_reduce", why)
-      unused = f"; chunks={chunks} is unused" if chunks is not None else ""
-      _backend.log_once(op, f"auto runs gemm_all_reduce: {why}{unused}", info=True)
-  elif cfg.backend == "cuda" and chunks is not None:
-    raise ValueError(f"{op}: chunks={chunks} applies to the fused algorithms, not to "
-                     "'gemm_all_reduce'")
+  _check_operands(op, x, w, axis_name)
+  cfg = _config(op, x, w, axis_name, None, backend, algorithm, transport, chunks)
   return _matmul_all_reduce(x, w, cfg)

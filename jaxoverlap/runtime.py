@@ -11,8 +11,14 @@ Algorithm:
   an NVSHMEM unique id; it travels through the jax.distributed key-value store
   under a ``jaxoverlap/`` key; every process then initialises NVSHMEM on the GPU
   that JAX gave it and allocates the heap once. The hosts of all processes go
-  through the same store to find the ranks per node. PE numbers equal
-  ``jax.process_index()``; this module is the one place that says so.
+  through the same store to find the ranks per node, and rank 0's all-reduce
+  tuning table goes to every process, so that all choose alike. PE numbers
+  equal ``jax.process_index()``; this module is the one place that says so
+  (``pe_of_device``, ``groups_along_axis``).
+
+  ``facts()`` is what the dispatcher (``jaxoverlap.dispatch``) reads at every
+  lowering: a small frozen snapshot, made once per initialisation. This module
+  imports nothing of the layers above it.
 
 Example:
   >>> jax.distributed.initialize(coordinator, num_processes, process_id,
@@ -26,12 +32,17 @@ from __future__ import annotations
 
 import atexit
 import base64
+import dataclasses
+import json
 import logging
 import os
 import re
 import socket
 import threading
+from collections.abc import Mapping
 from typing import Any
+
+from jaxoverlap import names
 
 logger = logging.getLogger("jaxoverlap")
 
@@ -40,6 +51,10 @@ __all__ = [
     "finalize",
     "is_initialized",
     "runtime_info",
+    "unavailable_reason",
+    "Facts",
+    "facts",
+    "tuning_table",
     "pe_of_device",
     "groups_along_axis",
     "DEFAULT_HEAP_BYTES",
@@ -59,11 +74,40 @@ _lock = threading.Lock()
 _initialized = False
 _generation = 0
 _info: dict[str, Any] = {}
-# Rank 0's all-reduce tuning table (JSON text, "" for none), shared at
-# initialize() so that every rank's "auto" makes the same choice.
-_tuning_text = ""
-_tuning_path = ""
-_policy = None
+_facts: Facts | None = None
+# Rank 0's all-reduce tuning table (its path, and the parsed JSON or None),
+# shared at initialize() so that every rank's "auto" makes the same choice.
+_tuning: tuple[str, dict | None] = ("", None)
+
+
+@dataclasses.dataclass(frozen=True)
+class Facts:
+  """What the dispatcher needs to know of this process's CUDA runtime.
+
+  Attributes:
+    unavailable: why the CUDA kernels cannot run in this process, or None when
+      they can.
+    transport: the runtime's transport ("nvshmem"), or None.
+    pe, num_pes: this process's PE and the number of PEs.
+    ranks_per_node: PEs per node (node = pe // ranks_per_node).
+    slot_bytes, ll_slot_bytes: the all-reduce's capacity per sender and launch.
+    overlap_slot_bytes: the fused ops' capacity per sender, bytes.
+    limits: the kernels' compile-time limits (``max_group_size``,
+      ``max_nodes``, ``max_chunks``, ...), exported by the extension.
+    fused_command_buffer: ``JAXOVERLAP_FUSED_CMD_BUFFER=1``: the fused ops
+      lower to their command-buffer handlers.
+  """
+
+  unavailable: str | None
+  transport: str | None = None
+  pe: int = -1
+  num_pes: int = 0
+  ranks_per_node: int = 1
+  slot_bytes: int = 0
+  ll_slot_bytes: int = 0
+  overlap_slot_bytes: int = 0
+  limits: Mapping[str, int] = dataclasses.field(default_factory=dict)
+  fused_command_buffer: bool = False
 
 
 def is_initialized() -> bool:
@@ -271,10 +315,10 @@ def initialize(
 
 
 def _share_tuning_table(rank: int, num_ranks: int) -> None:
-  global _tuning_text, _tuning_path, _policy
-  from jaxoverlap import tuning
+  global _tuning
+  from jaxoverlap.tuning import results
 
-  path = tuning.default_tuning_path()
+  path = results.default_tuning_path()
   text = ""
   if rank == 0:
     if not os.path.exists(path):
@@ -291,25 +335,32 @@ def _share_tuning_table(rank: int, num_ranks: int) -> None:
     got = _exchange(f"jaxoverlap/{_generation}/tuning", (path + "\n" + text).encode()
                     if rank == 0 else None, rank, timeout_s=120.0).decode()
     path, _, text = got.partition("\n")
-  _tuning_text, _tuning_path, _policy = text, path, None
+  table = None
+  if text:
+    try:
+      table = json.loads(text)
+    except json.JSONDecodeError as e:
+      raise ValueError(f"tuning table {path} is not valid JSON: {e}") from None
+    results.validate_result(table, path)
+  _tuning = (path, table)
 
 
-def tuning_policy():
-  """The all-reduce policy of this job: rank 0's tuning table, else the cost model."""
-  global _policy
-  if _policy is None:
-    import json
+def tuning_table() -> tuple[str, dict | None]:
+  """Rank 0's all-reduce tuning table as shared at ``initialize()``.
 
-    from jaxoverlap import tuning
+  Returns:
+    ``(path, table)``: the file rank 0 read (or would have read), and the
+    validated table, or None when there is none (the cost model decides).
+  """
+  from jaxoverlap.tuning import results
 
-    result = json.loads(_tuning_text) if _tuning_text else None
-    _policy = tuning.Policy.from_result(result, path=_tuning_path or tuning.default_tuning_path())
-  return _policy
+  path, table = _tuning
+  return path or results.default_tuning_path(), table
 
 
 def finalize() -> None:
   """Frees the heap and shuts NVSHMEM down (a collective; runs at exit)."""
-  global _initialized
+  global _initialized, _facts
   with _lock:
     if not _initialized:
       return
@@ -322,25 +373,82 @@ def finalize() -> None:
     else:
       ext.finalize()
     _initialized = False
+    _facts = None
+
+
+def _platform() -> str:
+  import jax
+
+  try:
+    return jax.default_backend()
+  except RuntimeError as e:  # no backend could be initialised
+    return f"no platform ({e})"
+
+
+def unavailable_reason() -> str | None:
+  """Why the CUDA kernels cannot run in this process, or None when they can.
+
+  Returns:
+    A sentence naming the missing piece (no GPU, the extension not built or
+    not loadable, ``initialize()`` not called), or None.
+  """
+  platform = _platform()
+  if platform != "gpu":
+    return (f"JAX runs on {platform!r} here, with no GPU: the CUDA backend needs NVIDIA GPUs "
+            "(backend 'xla' runs everywhere)")
+  from jaxoverlap import _ffi  # local import: importing jaxoverlap never loads the extension
+
+  reason = _ffi.unavailable_reason()
+  if reason is not None:
+    return reason
+  if not _initialized:
+    return "jaxoverlap.initialize() has not been called in this process (NVSHMEM is not up)"
+  return None
+
+
+def facts() -> Facts:
+  """The runtime as the dispatcher sees it (cheap: a snapshot made once per start-up).
+
+  ``fused_command_buffer`` is read from the environment at every call, so it
+  applies to the ops lowered after it is set.
+  """
+  global _facts
+  cmd_buffer = os.environ.get("JAXOVERLAP_FUSED_CMD_BUFFER") == "1"
+  base = _facts
+  if base is None:
+    reason = unavailable_reason()
+    if reason is not None:
+      return Facts(unavailable=reason, fused_command_buffer=cmd_buffer)
+    from jaxoverlap import _ffi
+
+    ext = _ffi.load()
+    native = ext.info()
+    base = Facts(
+        unavailable=None, transport=names.NVSHMEM, pe=_info["pe"], num_pes=_info["num_pes"],
+        ranks_per_node=_info["ranks_per_node"], slot_bytes=native["slot_bytes"],
+        ll_slot_bytes=native["ll_slot_bytes"], overlap_slot_bytes=native["overlap_slot_bytes"],
+        limits=dict(ext.limits()))
+    with _lock:
+      if _initialized:
+        _facts = base
+  return dataclasses.replace(base, fused_command_buffer=cmd_buffer)
 
 
 def runtime_info() -> dict[str, Any]:
   """What the CUDA backend uses in this process, so that no fallback is silent.
 
   Returns:
-    A dict with ``initialized``, and once initialised: ``transport``, ``pe``,
-    ``num_pes``, ``ranks_per_node``, ``num_nodes``, ``heap_bytes``,
-    ``slot_bytes`` (simple-protocol capacity per sender, bytes),
-    ``overlap_slot_bytes`` (the fused ops' capacity per sender, bytes),
-    ``ll_slot_bytes`` (LL8 cells per sender, bytes), ``inter_node_transport``,
-    ``timeout_s``, ``device_error`` (None, or what a timed-out wait recorded);
-    always ``backends``: for each op, ``"cuda"`` or the reason it runs on
-    ``"xla"``; and, once a cuda op was lowered, ``all_reduce_decisions``: the
-    last 20 all-reduce choices (size, topology, algorithm, protocol and the
-    evidence) and ``fused_decisions``: the last 20 fused-op lowerings (op,
-    shape, transport, chunks and whether they were requested or automatic).
+    A dict with ``initialized``, ``extension`` ("loaded" or why not), and once
+    initialised: ``transport``, ``pe``, ``num_pes``, ``ranks_per_node``,
+    ``num_nodes``, ``hosts``, ``heap_bytes``, ``slot_bytes`` (simple-protocol
+    capacity per sender, bytes), ``overlap_slot_bytes`` (the fused ops'
+    capacity per sender, bytes), ``ll_slot_bytes`` (LL8 cells per sender,
+    bytes), ``max_group_size``, ``inter_node_transport``, ``timeout_s``,
+    ``device_error`` (None, or what a timed-out wait recorded); always
+    ``backends``: for each op, ``"cuda"`` or the reason it runs on ``"xla"``.
+    What each lowered call chose is in ``jaxoverlap.decisions()``.
   """
-  from jaxoverlap import _ffi, backend
+  from jaxoverlap import _ffi
 
   info: dict[str, Any] = {"initialized": _initialized}
   reason = _ffi.unavailable_reason()
@@ -350,7 +458,7 @@ def runtime_info() -> dict[str, Any]:
     ext = _ffi.load()
     native = ext.info()
     info["slot_bytes"] = native["slot_bytes"]
-    info["max_group_size"] = native["max_group_size"]
+    info["max_group_size"] = ext.limits()["max_group_size"]
     info["ll_slot_bytes"] = native["ll_slot_bytes"]
     info["overlap_slot_bytes"] = native["overlap_slot_bytes"]
     # Across nodes: direct NVLink stores where a peer is load/store-reachable,
@@ -358,15 +466,8 @@ def runtime_info() -> dict[str, Any]:
     info["inter_node_transport"] = ("nvshmem put" if native["force_nvshmem_put"]
                                     else "direct store if reachable, else nvshmem put")
     info["device_error"] = ext.device_error()
-  info["backends"] = {
-      op: (backend.cuda_unavailable_reason(op) or "cuda") for op in backend.OPS
-  }
-  import sys
-
-  cuda_mod = sys.modules.get("jaxoverlap._cuda")  # only if an op has used it
-  if cuda_mod is not None:
-    info["all_reduce_decisions"] = list(cuda_mod.decisions[-20:])
-    info["fused_decisions"] = list(cuda_mod.fused_decisions[-20:])
+  unavailable = unavailable_reason()
+  info["backends"] = {op: unavailable or names.CUDA for op in names.OPS}
   return info
 
 

@@ -9,9 +9,9 @@ For each size (``--sizes``, per-rank bytes) every impl is first checked
 against a float32 psum of the same inputs, on two different inputs in a row
 and on every element of every rank; one that fails (or cannot run) is recorded
 under ``"rejected"`` and not timed, so a wrong but fast configuration never
-wins. The rest are timed with ``tuning.time_chain_us`` (BRIEF section 5: a
-chain of ``--chain`` ops in one jit minus the same chain without them, median
-of ``--reps``). Rank 0's timings become the table; it goes to ``--out``
+wins. The rest are timed with ``tuning.time_chain_us`` (a chain of
+``--chain`` ops in one jit minus the same chain without them, median of
+``--reps``). Rank 0's timings become the table; it goes to ``--out``
 (default ``$JAXOVERLAP_TUNING_FILE`` or
 ``~/.cache/jaxoverlap/all_reduce-tuning.json``), written by rank 0 and by the
 first process of every other host, so that node-local caches agree and every
@@ -27,7 +27,7 @@ import sys
 
 from absl import app, flags
 
-from jaxoverlap import tuning
+from jaxoverlap import names, tuning
 
 flags.DEFINE_string("out", "", "tuning table path (default: tuning.default_tuning_path())")
 flags.DEFINE_list("sizes", [f"{4 << i}K" for i in range(8)] + [f"{1 << i}M" for i in range(9)],
@@ -57,21 +57,25 @@ def parse_bytes(text: str) -> int:
   return int(s[:-1] if s[-1:] in "KMG" else s) * mult
 
 
-def default_impls(num_nodes: int, cuda_algorithms) -> list[str]:
-  """xla:psum, then every CUDA algorithm name valid for the topology.
+def default_impls(num_nodes: int) -> list[str]:
+  """xla:psum, then every CUDA all-reduce algorithm and protocol valid for the topology.
 
   Args:
-    num_nodes: nodes of the group.
-    cuda_algorithms: the names ``all_reduce(backend="cuda")`` takes, e.g.
-      ``("auto", "one_shot", "one_shot_ll", "one_shot_simple", "two_shot")``; a
-      bare name is skipped when it has protocol variants (they cover it).
+    num_nodes: nodes of the group (one_shot and two_shot within one node,
+      hierarchical across nodes).
+
+  Returns:
+    impl names of the results format, e.g. ``"jaxoverlap:one_shot_ll"``; an
+    algorithm with one protocol keeps its bare name (``"jaxoverlap:two_shot"``).
   """
-  parsed = [(n, tuning.parse_impl("jaxoverlap:" + n)) for n in cuda_algorithms]
-  with_protocol = {p[0] for _, p in parsed if p and p[1]}
-  return ["xla:psum"] + [
-      "jaxoverlap:" + n for n, p in parsed
-      if p and (num_nodes > 1) == (p[0] == "hierarchical")
-      and (p[1] is not None or p[0] not in with_protocol)]
+  impls = ["xla:psum"]
+  for algorithm in names.algorithms(names.ALL_REDUCE, names.CUDA):
+    if (num_nodes > 1) != (algorithm == names.HIERARCHICAL):
+      continue
+    protocols = names.protocols(algorithm)
+    impls += ([tuning.impl_name(algorithm, p) for p in protocols] if len(protocols) > 1
+              else [tuning.impl_name(algorithm, None)])
+  return impls
 
 
 def _op(impl: str):
@@ -85,8 +89,9 @@ def _op(impl: str):
   parsed = tuning.parse_impl(impl)
   if parsed is None or parsed[0] == tuning.PSUM:
     raise ValueError(f"unknown impl {impl!r}")
-  name = impl.split(":", 1)[1]  # e.g. one_shot_ll: protocols are part of the name
-  return lambda y: jaxoverlap.all_reduce(y, _AXIS, backend="cuda", algorithm=name)
+  algorithm, protocol = parsed
+  return lambda y: jaxoverlap.all_reduce(y, _AXIS, backend="cuda", algorithm=algorithm,
+                                         protocol=protocol or "auto")
 
 
 class _Bench:
@@ -207,10 +212,7 @@ def main(argv):
   params = {k: v for k, v in (("net_alpha_us", FLAGS.net_alpha_us),
                               ("net_beta_gbps", FLAGS.net_beta_gbps)) if v is not None}
   tuning.DEFAULT_PARAMS.replace(**params)  # bad values fail before measuring
-  from jaxoverlap import _checks
-
-  impls = (default_impls(num_nodes, _checks.CUDA_ALGORITHMS["all_reduce"])
-           if FLAGS.impls == ["all"] else FLAGS.impls)
+  impls = default_impls(num_nodes) if FLAGS.impls == ["all"] else FLAGS.impls
   if "xla:psum" not in impls:
     impls = ["xla:psum"] + impls  # the table needs the handover's times
   sizes = [parse_bytes(s) for s in FLAGS.sizes]

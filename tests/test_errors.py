@@ -1,7 +1,10 @@
-"""Bad input raises ValueError (or RuntimeError for an unusable backend) at trace time.
+"""Bad input raises ValueError (or RuntimeError for an unusable backend) before anything runs.
 
 Every case traces the op inside shard_map over a 4-rank "tp" mesh with
-jax.eval_shape (nothing is compiled or run) and checks the message.
+jax.eval_shape (nothing is compiled or run) and checks the message. What
+depends on the devices and the runtime is checked when the call is lowered
+(jaxoverlap.dispatch): those cases lower with jax.jit(...).lower (nothing is
+compiled or run either).
 """
 
 import functools
@@ -30,6 +33,14 @@ def trace(fn, *shapes):
   f = jax.shard_map(fn, mesh=mesh4(), in_specs=tuple(P() for _ in args), out_specs=P(),
                     check_vma=False)
   return jax.eval_shape(f, *args)
+
+
+def lower(fn, *shapes):
+  """Lowers fn (shard_map'd as in ``trace``): the dispatcher plans every call."""
+  args = [jax.ShapeDtypeStruct(s, d) for s, d in shapes]
+  f = jax.shard_map(fn, mesh=mesh4(), in_specs=tuple(P() for _ in args), out_specs=P(),
+                    check_vma=False)
+  return jax.jit(f).lower(*args)
 
 
 def agmm(**kw):
@@ -173,8 +184,8 @@ def test_scatter_dimension_not_divisible(s, size):
 
 def test_unknown_axis_name():
   with pytest.raises(ValueError, match=re.escape(
-      "all_reduce: axis_name='dp' is not a mesh axis bound here (unbound: ('dp',); "
-      "bound mesh axes: ('tp',))")):
+      "all_reduce: axis_name='dp' names ('dp',), which the mesh in scope (axes ('tp',)) does "
+      "not have; call all_reduce inside jax.shard_map over a mesh with that axis")):
     trace(lambda x: collectives.all_reduce(x, "dp"), ((8,), F32))
 
 
@@ -183,15 +194,32 @@ def test_unknown_axis_name_every_op(op):
   fn = {"all_gather_matmul": overlap.all_gather_matmul,
         "matmul_reduce_scatter": overlap.matmul_reduce_scatter,
         "matmul_all_reduce": overlap.matmul_all_reduce}[op]
-  with pytest.raises(ValueError, match=re.escape(f"{op}: axis_name=('tp', 'sp') is not a mesh "
-                                                 f"axis bound here (unbound: ('sp',)")):
+  with pytest.raises(ValueError, match=re.escape(f"{op}: axis_name=('tp', 'sp') names ('sp',), "
+                                                 "which the mesh in scope")):
     trace(lambda x, w: fn(x, w, ("tp", "sp")), ((8, 64), F32), ((64, 16), F32))
 
 
 def test_axis_name_outside_shard_map():
   with pytest.raises(ValueError, match=re.escape(
-      "all_reduce: axis_name='tp' is not a mesh axis bound here")):
+      "all_reduce: axis_name='tp' names ('tp',), which the mesh in scope (axes ()) does not "
+      "have")):
     jax.eval_shape(lambda x: collectives.all_reduce(x, "tp"), jax.ShapeDtypeStruct((8,), F32))
+
+
+def test_axis_name_under_set_mesh_but_outside_shard_map():
+  """The mesh is set, so 'tp' exists, but the op is not per-rank code: say so."""
+  with jax.set_mesh(mesh4()):
+    with pytest.raises(ValueError, match=re.escape(
+        "all_reduce: axis ('tp',) of the mesh is not manual here: all_reduce must be called "
+        "inside jax.shard_map")):
+      jax.eval_shape(lambda x: collectives.all_reduce(x, "tp"), jax.ShapeDtypeStruct((8,), F32))
+
+
+def test_vmap_axis_name_is_not_a_mesh_axis():
+  with pytest.raises(ValueError, match=re.escape(
+      "all_reduce: axis_name='b' names ('b',), which the mesh in scope (axes ('tp',))")):
+    trace(lambda x: jax.vmap(lambda y: collectives.all_reduce(y, "b"), axis_name="b")(x),
+          ((2, 8), F32))
 
 
 @pytest.mark.parametrize("bad", [0, None, (), ("tp", "tp"), ["tp"]],
@@ -204,7 +232,7 @@ def test_axis_name_type(bad):
 
 
 # ----------------------------------------------------------------------------
-# backend / algorithm
+# backend / algorithm / protocol / transport / chunks (jaxoverlap.names)
 
 
 @pytest.mark.parametrize("op", ["all_reduce", *GEMM_OPS])
@@ -219,42 +247,135 @@ def test_unknown_backend(op):
 
 @pytest.mark.parametrize("op", GEMM_OPS)
 def test_unknown_algorithm(op):
+  cuda = "('fused', 'unfused')" if op == "matmul_all_reduce" else "('fused',)"
   with pytest.raises(ValueError, match=re.escape(
-      f"{op}: algorithm='ring' is unknown; valid: ('auto', 'collective', 'ppermute') "
-      f"(backend 'xla')")):
+      f"{op}: algorithm='ring' is unknown; valid: 'auto'; ('collective', 'ppermute') "
+      f"(backend 'xla'); {cuda} (backend 'cuda')")):
     trace(GEMM_OPS[op](algorithm="ring"), ((8, 64), F32), ((64, 16), F32))
 
 
 def test_unknown_algorithm_all_reduce():
   with pytest.raises(ValueError, match=re.escape(
-      "all_reduce: algorithm='ring' is unknown; valid: ('auto', 'collective', 'ppermute') "
-      "(backend 'xla'), ('auto', 'one_shot', 'one_shot_ll', 'one_shot_simple', 'two_shot', "
-      "'hierarchical', 'hierarchical_ll', 'hierarchical_simple') (backend 'cuda')")):
+      "all_reduce: algorithm='ring' is unknown; valid: 'auto'; ('collective', 'ppermute') "
+      "(backend 'xla'); ('one_shot', 'two_shot', 'hierarchical') (backend 'cuda')")):
     trace(lambda x: collectives.all_reduce(x, "tp", algorithm="ring"), ((8,), F32))
 
 
-@pytest.mark.parametrize("backend,how", [("xla", "backend='xla'"),
-                                         ("auto", "backend='auto' resolved to 'xla'")])
-def test_cuda_algorithm_on_xla_backend(backend, how):
-  # On these CPU test machines backend="auto" resolves to "xla".
+@pytest.mark.parametrize("old,new", [
+    ("one_shot_ll", "algorithm='one_shot', protocol='ll'"),
+    ("hierarchical_simple", "algorithm='hierarchical', protocol='simple'")])
+def test_renamed_all_reduce_algorithm(old, new):
   with pytest.raises(ValueError, match=re.escape(
-      f"all_reduce: algorithm='one_shot' is not available with {how}; valid: "
-      f"('auto', 'collective', 'ppermute')")):
-    trace(lambda x: collectives.all_reduce(x, "tp", backend=backend, algorithm="one_shot"),
+      f"all_reduce: algorithm={old!r} is now spelled {new}")):
+    trace(lambda x: collectives.all_reduce(x, "tp", algorithm=old), ((8,), F32))
+
+
+@pytest.mark.parametrize("op,old,new", [
+    ("all_gather_matmul", "copy_engine", "algorithm='fused', transport='copy_engine'"),
+    ("matmul_reduce_scatter", "nvshmem", "algorithm='fused', transport='nvshmem'"),
+    ("matmul_all_reduce", "gemm_all_reduce", "algorithm='unfused'")])
+def test_renamed_gemm_algorithm(op, old, new):
+  with pytest.raises(ValueError, match=re.escape(f"{op}: algorithm={old!r} is now spelled {new}")):
+    trace(GEMM_OPS[op](algorithm=old), ((8, 64), F32), ((64, 16), F32))
+
+
+def test_cuda_algorithm_with_xla_backend():
+  with pytest.raises(ValueError, match=re.escape(
+      "all_reduce: algorithm='one_shot' belongs to backend 'cuda', but backend='xla' was "
+      "requested")):
+    trace(lambda x: collectives.all_reduce(x, "tp", backend="xla", algorithm="one_shot"),
           ((8,), F32))
+  with pytest.raises(ValueError, match=re.escape(
+      "matmul_all_reduce: algorithm='ppermute' belongs to backend 'xla', but backend='cuda' was "
+      "requested")):
+    trace(mmar(backend="cuda", algorithm="ppermute"), ((8, 64), F32), ((64, 16), F32))
+
+
+@pytest.mark.parametrize("kw,msg", [
+    (dict(protocol="ll128"), "all_reduce: protocol='ll128' is unknown; valid: 'auto', "
+                             "('ll', 'simple') (backend 'cuda')"),
+    (dict(algorithm="two_shot", protocol="ll"), "all_reduce: algorithm='two_shot' has no "
+                                                "protocol 'll'; valid: ('simple',)"),
+    (dict(backend="xla", protocol="ll"), "all_reduce: protocol='ll' applies to backend 'cuda' only"),
+    (dict(algorithm="ppermute", protocol="simple"), "all_reduce: protocol='simple' applies to "
+                                                    "backend 'cuda' only"),
+    (dict(transport="copy_engine"), "all_reduce: transport='copy_engine' is unknown; valid: "
+                                    "'auto', ('nvshmem',) (backend 'cuda')"),
+    (dict(protocol=1), "all_reduce: protocol must be a str, got 1"),
+], ids=["unknown", "two_shot-ll", "xla", "ppermute", "transport", "not-str"])
+def test_all_reduce_protocol_and_transport(kw, msg):
+  with pytest.raises(ValueError, match=re.escape(msg)):
+    trace(lambda x: collectives.all_reduce(x, "tp", **kw), ((8,), F32))
 
 
 @pytest.mark.parametrize("op", GEMM_OPS)
-def test_cuda_backend_unavailable_for_gemm_ops(op):
-  if jax.default_backend() == "gpu":
-    pytest.skip("CPU-only check: the CUDA path may be usable here")
-  with pytest.raises(RuntimeError, match=re.escape(f"backend='cuda' was requested for {op}, but")):
-    trace(GEMM_OPS[op](backend="cuda"), ((8, 64), F32), ((64, 16), F32))
+@pytest.mark.parametrize("kw,msg", [
+    (dict(transport="nvlink"), "transport='nvlink' is unknown; valid: 'auto', "
+                               "('copy_engine', 'nvshmem') (backend 'cuda')"),
+    (dict(backend="xla", transport="nvshmem"), "transport='nvshmem' applies to backend 'cuda' "
+                                               "only"),
+    (dict(protocol="ll"), None),
+    (dict(chunks=0), "chunks must be None or a positive int, got 0"),
+    (dict(chunks=True), "chunks must be None or a positive int, got True"),
+    (dict(chunks=2.0), "chunks must be None or a positive int, got 2.0"),
+    (dict(algorithm="collective", chunks=2), "chunks=2 applies to backend 'cuda' only"),
+], ids=["unknown", "xla", "protocol", "zero", "bool", "float", "xla-chunks"])
+def test_gemm_transport_and_chunks(op, kw, msg):
+  if msg is None:  # the GEMM ops take no protocol
+    with pytest.raises(TypeError, match="protocol"):
+      trace(GEMM_OPS[op](**kw), ((8, 64), F32), ((64, 16), F32))
+    return
+  with pytest.raises(ValueError, match=re.escape(f"{op}: {msg}")):
+    trace(GEMM_OPS[op](**kw), ((8, 64), F32), ((64, 16), F32))
 
 
-def test_cuda_backend_unavailable_for_all_reduce():
+@pytest.mark.parametrize("kw,msg", [
+    (dict(algorithm="unfused", transport="nvshmem"), "transport='nvshmem' applies to the fused "
+                                                      "algorithm, not to 'unfused'"),
+    (dict(algorithm="unfused", chunks=2), "chunks=2 applies to the fused algorithm, not to "
+                                          "'unfused'"),
+])
+def test_unfused_matmul_all_reduce_options(kw, msg):
+  with pytest.raises(ValueError, match=re.escape(f"matmul_all_reduce: {msg}")):
+    trace(mmar(**kw), ((8, 64), F32), ((64, 16), F32))
+
+
+# ----------------------------------------------------------------------------
+# Planned at lowering: the CUDA kernels cannot run on these CPU machines.
+
+
+@pytest.fixture
+def cpu_only():
   if jax.default_backend() == "gpu":
     pytest.skip("CPU-only check: the CUDA path may be usable here")
+
+
+@pytest.mark.parametrize("op", GEMM_OPS)
+def test_cuda_backend_unavailable_for_gemm_ops(op, cpu_only):
   with pytest.raises(RuntimeError, match=re.escape(
-      "backend='cuda' was requested for all_reduce, but")):
-    trace(lambda x: collectives.all_reduce(x, "tp", backend="cuda"), ((8,), F32))
+      f"{op}: backend='cuda' was requested, but JAX runs on 'cpu' here, with no GPU")):
+    lower(GEMM_OPS[op](backend="cuda"), ((8, 64), F32), ((64, 16), F32))
+
+
+def test_cuda_backend_unavailable_for_all_reduce(cpu_only):
+  with pytest.raises(RuntimeError, match=re.escape(
+      "all_reduce: backend='cuda' was requested, but JAX runs on 'cpu' here, with no GPU")):
+    lower(lambda x: collectives.all_reduce(x, "tp", backend="cuda"), ((8,), F32))
+
+
+@pytest.mark.parametrize("kw,asked", [
+    (dict(algorithm="one_shot"), "algorithm='one_shot' (backend 'cuda')"),
+    (dict(protocol="ll"), "protocol='ll' (backend 'cuda')"),
+], ids=["algorithm", "protocol"])
+def test_cuda_choice_with_auto_backend_unavailable(kw, asked, cpu_only):
+  """A choice only the kernels have is not dropped for XLA: it raises."""
+  with pytest.raises(RuntimeError, match=re.escape(
+      f"all_reduce: {asked} was requested, but JAX runs on 'cpu'")):
+    lower(lambda x: collectives.all_reduce(x, "tp", **kw), ((8,), F32))
+
+
+def test_chunks_with_auto_backend_falling_back(cpu_only):
+  with pytest.raises(ValueError, match=re.escape(
+      "all_gather_matmul: chunks=2 applies to backend 'cuda' only, and this call runs on "
+      "backend 'xla' (auto: JAX runs on 'cpu' here")):
+    lower(agmm(chunks=2), ((8, 64), F32), ((64, 16), F32))

@@ -5,18 +5,22 @@ JAXOVERLAP_REQUIRE_CUDA_BUILD=1, which makes CMake fail without nvcc and makes
 these tests fail instead of skipping when the extension is missing). Without a
 GPU nothing can run on it, but the chain up to the kernels can be checked:
 the module loads with NVSHMEM's host library, exposes one capsule per FFI
-target, the targets register with jax, and the backend refuses "cuda" with a
-reason until jaxoverlap.initialize() has run.
+target, the targets register with jax, its enums carry exactly the names of
+jaxoverlap.names, and backend "cuda" is refused with a reason until
+jaxoverlap.initialize() has run.
 """
 
 import glob
 import os
 
 import jax
+import jax.numpy as jnp
 import pytest
+from jax.sharding import PartitionSpec as P
 
 import jaxoverlap
-from jaxoverlap import _ffi, backend
+from _helpers import make_mesh
+from jaxoverlap import _ffi, names, runtime
 
 _REQUIRED = os.environ.get("JAXOVERLAP_REQUIRE_CUDA_BUILD") == "1"
 
@@ -44,23 +48,49 @@ def test_extension_loads_and_registers_targets():
                        "jaxoverlap_matmul_all_reduce_cmdbuf"}
   info = ext.info()
   assert info["initialized"] is False and info["pe"] == -1
-  assert info["max_group_size"] == 8
-  assert info["max_chunks"] == 32 and info["gemm_plans"] == 0
+  assert ext.limits()["max_group_size"] == 8 and ext.limits()["max_chunks"] == 32
+  assert info["gemm_plans"] == 0
   assert ext.device_error() is None
 
 
 @needs_extension
+def test_exported_enums_carry_the_vocabulary():
+  ext = _ffi.load()
+  assert set(ext.AllReduceAlgorithm.__members__) == set(
+      names.algorithms(names.ALL_REDUCE, names.CUDA))
+  assert set(ext.Protocol.__members__) == set(names.PROTOCOLS)
+  assert set(ext.Transport.__members__) == set().union(
+      *(names.transports(op) for op in names.FUSED_OPS))
+  assert set(ext.Precision.__members__) == {"default", "highest"}
+  # Distinct values within each enum.
+  for enum in (ext.AllReduceAlgorithm, ext.Protocol, ext.Transport, ext.Precision):
+    values = [m.value for m in enum]
+    assert len(set(values)) == len(values), enum
+
+
+@needs_extension
 def test_cuda_backend_refused_until_initialized(monkeypatch):
-  monkeypatch.setattr(backend, "_jax_platform", lambda: "gpu")  # as on a GPU machine
-  reason = backend.cuda_unavailable_reason("all_reduce")
+  monkeypatch.setattr(runtime, "_platform", lambda: "gpu")  # as on a GPU machine
+  reason = runtime.unavailable_reason()
   assert reason is not None and "initialize()" in reason
-  with pytest.raises(RuntimeError, match=r"backend='cuda' was requested for all_reduce, but "
+  mesh = make_mesh((2,), ("tp",))
+  x = jnp.ones((4, 8), jnp.float32)
+
+  def lower(backend):
+    f = jax.shard_map(lambda x: jaxoverlap.all_reduce(x, "tp", backend=backend), mesh=mesh,
+                      in_specs=P("tp"), out_specs=P())
+    return jax.jit(f).lower(x)
+
+  with pytest.raises(RuntimeError, match=r"all_reduce: backend='cuda' was requested, but "
                                          r"jaxoverlap.initialize\(\) has not been called"):
-    backend.select_backend("all_reduce", "cuda")
-  assert backend.select_backend("all_reduce", "auto") == "xla"
+    lower("cuda")
+  jaxoverlap.clear_decisions()
+  lower("auto")
+  (plan,) = jaxoverlap.decisions()
+  assert plan.backend == "xla" and "initialize()" in plan.reason("backend")
   info = jaxoverlap.runtime_info()
   assert info["extension"] == "loaded" and info["initialized"] is False
-  for op in backend.OPS:
+  for op in names.OPS:
     assert "initialize()" in info["backends"][op]
 
 
@@ -98,7 +128,7 @@ def test_initialize_refuses_xla_nvshmem(monkeypatch):
 
 def test_missing_extension_is_reported_not_silent():
   info = jaxoverlap.runtime_info()
-  assert set(info["backends"]) == set(backend.OPS)
+  assert set(info["backends"]) == set(names.OPS)
   for op, why in info["backends"].items():
     assert why == "cuda" or len(why) > 20, (op, why)
   assert jax.default_backend() == "cpu"

@@ -32,7 +32,6 @@ import tqdm
 from flax import nnx
 
 import jaxoverlap
-from jaxoverlap import backend as jo_backend
 from jaxoverlap import nnx as jnnx
 
 import data as data_lib
@@ -84,15 +83,13 @@ def cross_entropy(logits_bsv: jax.Array, targets_bs: jax.Array) -> jax.Array:
   return optax.softmax_cross_entropy_with_integer_labels(logits_bsv, targets_bs).mean()
 
 
-def _resolved_backends(config: Config) -> dict[str, Any]:
-  """Which implementation each jaxoverlap op runs with, and the runtime's reasons."""
-  resolved = {}
-  for op in jo_backend.OPS:
-    try:
-      resolved[op] = jo_backend.select_backend(op, config.backend)
-    except (RuntimeError, ValueError) as e:
-      resolved[op] = f"error: {e}"
-  return {"requested": config.backend, "algorithm": config.algorithm, "resolved": resolved,
+def _ran_backends(config: Config) -> dict[str, Any]:
+  """Which backend each jaxoverlap op ran on, from the plans made when the step compiled."""
+  ran: dict[str, set[str]] = {}
+  for plan in jaxoverlap.decisions():
+    ran.setdefault(plan.op, set()).add(plan.backend)
+  return {"requested": config.backend, "algorithm": config.algorithm,
+          "resolved": {op: "+".join(sorted(b)) for op, b in sorted(ran.items())},
           "runtime": jaxoverlap.runtime_info()}
 
 
@@ -268,7 +265,6 @@ def train_and_evaluate(config: Config, workdir: str) -> dict[str, Any]:
     if is_main:
       _write_json(os.path.join(workdir, HISTORY_FILE), history)
 
-  backends = _resolved_backends(config)
   mesh_info = {"dp": int(mesh.shape["dp"]), "tp": int(mesh.shape["tp"]),
                "devices": jax.device_count(), "platform": jax.devices()[0].platform,
                "processes": jax.process_count()}
@@ -278,7 +274,7 @@ def train_and_evaluate(config: Config, workdir: str) -> dict[str, Any]:
           f"{corpus.root}; unigram baseline {unigram:.3f} nats/byte")
     print(f"model: {num_params:,} parameters; mesh dp={mesh_info['dp']} x tp={mesh_info['tp']} "
           f"on {mesh_info['devices']} {mesh_info['platform']} devices; "
-          f"sequence_parallel={config.sequence_parallel}; backends {backends['resolved']}")
+          f"sequence_parallel={config.sequence_parallel}; backend {config.backend!r}")
     if start_step:
       print(f"resumed from {manager.directory} at step {start_step}")
     if start_step >= config.steps:
@@ -299,6 +295,8 @@ def train_and_evaluate(config: Config, workdir: str) -> dict[str, Any]:
   window_steps = 0
   first_step_s = None
   tick = time.perf_counter()
+  jaxoverlap.clear_decisions()
+  backends = _ran_backends(config)
   for step in range(start_step, config.steps):
     batch = setup.train_batch(corpus, step)
     state, loss = train_step(state, batch)
@@ -308,6 +306,10 @@ def train_and_evaluate(config: Config, workdir: str) -> dict[str, Any]:
       loss.block_until_ready()
       first_step_s = time.perf_counter() - tick
       tick = time.perf_counter()
+      backends = _ran_backends(config)  # the step's plans, made when it compiled
+      if is_main:
+        tqdm.tqdm.write(f"ops ran on: {backends['resolved']} (jaxoverlap.decisions() has "
+                        "each call's plan)")
     else:
       window_steps += 1
     boundary = (done % config.log_every == 0 or done % config.eval_every == 0

@@ -724,15 +724,23 @@ size_t ChunkCapacity(Algorithm algorithm, Protocol protocol, size_t elem, int lo
   return cap / unit * unit;
 }
 
-Protocol ResolveProtocol(Algorithm algorithm, Protocol protocol, size_t bytes, int local_size) {
-  if (protocol != Protocol::kAuto) return protocol;
-  // Measured on 2x H200 (benchmarks/results, NOTES.md): LL8 wins while the
-  // doubled wire bytes stay small.
-  if (algorithm == Algorithm::kOneShot) return bytes <= 64 * 1024 ? Protocol::kLL : Protocol::kSimple;
-  if (algorithm == Algorithm::kHierarchical) {
-    return bytes / local_size * 2 <= 64 * 1024 ? Protocol::kLL : Protocol::kSimple;
+// The names of the decoded enums (for messages), or null for a value that
+// names no enumerator (the FFI decodes enum attributes without a range check).
+const char* AlgorithmName(Algorithm a) {
+  switch (a) {
+    case Algorithm::kOneShot: return "one_shot";
+    case Algorithm::kTwoShot: return "two_shot";
+    case Algorithm::kHierarchical: return "hierarchical";
   }
-  return Protocol::kSimple;
+  return nullptr;
+}
+
+const char* ProtocolName(Protocol p) {
+  switch (p) {
+    case Protocol::kLL: return "ll";
+    case Protocol::kSimple: return "simple";
+  }
+  return nullptr;
 }
 
 template <typename T>
@@ -848,9 +856,15 @@ ffi::Error AllReduce(cudaStream_t stream, Algorithm algorithm, Protocol protocol
   if (elem == 0) {
     return ffi::Error::InvalidArgument("all_reduce: dtype must be float32, bfloat16 or float16");
   }
+  if (AlgorithmName(algorithm) == nullptr || ProtocolName(protocol) == nullptr) {
+    return ffi::Error::InvalidArgument(
+        "all_reduce: algorithm " + std::to_string(static_cast<int>(algorithm)) + " or protocol " +
+        std::to_string(static_cast<int>(protocol)) +
+        " is not an enumerator of all_reduce.h (the extension and the Python package disagree)");
+  }
   if ((algorithm == Algorithm::kOneShot || algorithm == Algorithm::kTwoShot) && topo.num_nodes > 1) {
     return ffi::Error::InvalidArgument(
-        std::string("all_reduce: ") + (algorithm == Algorithm::kOneShot ? "one_shot" : "two_shot") +
+        std::string("all_reduce: ") + AlgorithmName(algorithm) +
         " needs the whole group on one node, but it spans " + std::to_string(topo.num_nodes) +
         " nodes (ranks_per_node " + std::to_string(s.ranks_per_node) + "); use hierarchical");
   }
@@ -859,7 +873,6 @@ ffi::Error AllReduce(cudaStream_t stream, Algorithm algorithm, Protocol protocol
   }
   if (num_elements == 0) return ffi::Error::Success();
 
-  protocol = ResolveProtocol(algorithm, protocol, num_elements * elem, topo.local_size);
   const size_t capacity = ChunkCapacity(algorithm, protocol, elem, topo.local_size, s);
   if (capacity == 0) {
     return ffi::Error(ffi::ErrorCode::kResourceExhausted,

@@ -21,21 +21,24 @@ namespace ffi = xla::ffi;
 namespace {
 
 // The checks every fused call makes before it enqueues anything.
-ffi::Error Prepare(const char* op, cudaStream_t stream, ffi::Span<const int64_t> groups,
-                   int64_t group_size, int64_t transport, int64_t chunks, int64_t precision,
-                   Group* group, Options* opt) {
+ffi::Error Prepare(const char* op, cudaStream_t stream, const Attrs& attrs, Group* group,
+                   Options* opt) {
   JAXOVERLAP_RETURN_IF_ERROR(CheckExecution(op, stream));
-  if (transport < 0 || transport > 1 || chunks < 1 || chunks > kMaxChunks || precision < 0 ||
-      precision > 1) {
+  const bool transport_ok =
+      attrs.transport == Transport::kCopyEngine || attrs.transport == Transport::kNvshmem;
+  const bool precision_ok = attrs.precision == gemm::Precision::kDefault ||
+                            attrs.precision == gemm::Precision::kHighest;
+  if (!transport_ok || !precision_ok || attrs.chunks < 1 || attrs.chunks > kMaxChunks) {
     return ffi::Error::InvalidArgument(
-        std::string(op) + ": bad attributes transport=" + std::to_string(transport) +
-        " chunks=" + std::to_string(chunks) + " (1.." + std::to_string(kMaxChunks) +
-        ") precision=" + std::to_string(precision));
+        std::string(op) + ": bad attributes transport=" +
+        std::to_string(static_cast<int>(attrs.transport)) + " chunks=" +
+        std::to_string(attrs.chunks) + " (1.." + std::to_string(kMaxChunks) + ") precision=" +
+        std::to_string(static_cast<int>(attrs.precision)));
   }
-  JAXOVERLAP_RETURN_IF_ERROR(MakeGroup(op, groups, group_size, group));
-  opt->transport = static_cast<Transport>(transport);
-  opt->chunks = static_cast<int>(chunks);
-  opt->precision = static_cast<gemm::Precision>(precision);
+  JAXOVERLAP_RETURN_IF_ERROR(MakeGroup(op, attrs.groups, attrs.group_size, group));
+  opt->transport = attrs.transport;
+  opt->chunks = static_cast<int>(attrs.chunks);
+  opt->precision = attrs.precision;
   return ffi::Error::Success();
 }
 
@@ -52,81 +55,66 @@ ffi::Error CheckBuffer(const char* op, const char* name, const ffi::AnyBuffer& b
 
 ffi::Error AllGatherMatmulImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer w,
                                ffi::AnyBuffer* out, ffi::AnyBuffer* gathered,
-                               ffi::Span<const int64_t> groups, int64_t group_size,
-                               int64_t transport, int64_t chunks, int64_t precision,
-                               int64_t outer, int64_t rows, int64_t k, int64_t n) {
+                               const Attrs& a) {
   const char* op = "all_gather_matmul";
   Group g;
   Options opt;
-  JAXOVERLAP_RETURN_IF_ERROR(
-      Prepare(op, stream, groups, group_size, transport, chunks, precision, &g, &opt));
+  JAXOVERLAP_RETURN_IF_ERROR(Prepare(op, stream, a, &g, &opt));
   const ffi::DataType t = x.element_type();
-  JAXOVERLAP_RETURN_IF_ERROR(CheckBuffer(op, "x", x, t, outer * rows * k));
-  JAXOVERLAP_RETURN_IF_ERROR(CheckBuffer(op, "w", w, t, k * n));
-  JAXOVERLAP_RETURN_IF_ERROR(CheckBuffer(op, "out", *out, t, outer * g.size * rows * n));
+  JAXOVERLAP_RETURN_IF_ERROR(CheckBuffer(op, "x", x, t, a.outer * a.rows * a.k));
+  JAXOVERLAP_RETURN_IF_ERROR(CheckBuffer(op, "w", w, t, a.k * a.n));
+  JAXOVERLAP_RETURN_IF_ERROR(CheckBuffer(op, "out", *out, t, a.outer * g.size * a.rows * a.n));
   if (gathered != nullptr) {
     JAXOVERLAP_RETURN_IF_ERROR(
-        CheckBuffer(op, "gathered", *gathered, t, outer * g.size * rows * k));
+        CheckBuffer(op, "gathered", *gathered, t, a.outer * g.size * a.rows * a.k));
   }
   return AllGatherMatmul(stream, g, opt, t, x.untyped_data(), w.untyped_data(),
                          out->untyped_data(),
-                         gathered != nullptr ? gathered->untyped_data() : nullptr, outer, rows, k,
-                         n);
+                         gathered != nullptr ? gathered->untyped_data() : nullptr, a.outer, a.rows,
+                         a.k, a.n);
 }
 
 ffi::Error AllGatherMatmulExecute(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer w,
-                                  ffi::Result<ffi::AnyBuffer> out,
-                                  ffi::Span<const int64_t> groups, int64_t group_size,
-                                  int64_t transport, int64_t chunks, int64_t precision,
-                                  int64_t outer, int64_t rows, int64_t k, int64_t n) {
-  return AllGatherMatmulImpl(stream, x, w, &*out, nullptr, groups, group_size, transport, chunks,
-                             precision, outer, rows, k, n);
+                                  ffi::Result<ffi::AnyBuffer> out, Attrs attrs) {
+  return AllGatherMatmulImpl(stream, x, w, &*out, nullptr, attrs);
 }
 
 ffi::Error AllGatherMatmulGatheredExecute(cudaStream_t stream, ffi::AnyBuffer x,
                                           ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> out,
-                                          ffi::Result<ffi::AnyBuffer> gathered,
-                                          ffi::Span<const int64_t> groups, int64_t group_size,
-                                          int64_t transport, int64_t chunks, int64_t precision,
-                                          int64_t outer, int64_t rows, int64_t k, int64_t n) {
-  return AllGatherMatmulImpl(stream, x, w, &*out, &*gathered, groups, group_size, transport,
-                             chunks, precision, outer, rows, k, n);
+                                          ffi::Result<ffi::AnyBuffer> gathered, Attrs attrs) {
+  return AllGatherMatmulImpl(stream, x, w, &*out, &*gathered, attrs);
 }
 
 ffi::Error MatmulReduceScatterExecute(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer w,
-                                      ffi::Result<ffi::AnyBuffer> out,
-                                      ffi::Span<const int64_t> groups, int64_t group_size,
-                                      int64_t transport, int64_t chunks, int64_t precision,
-                                      int64_t outer, int64_t rows, int64_t k, int64_t n) {
+                                      ffi::Result<ffi::AnyBuffer> out, Attrs a) {
   const char* op = "matmul_reduce_scatter";
   Group g;
   Options opt;
-  JAXOVERLAP_RETURN_IF_ERROR(
-      Prepare(op, stream, groups, group_size, transport, chunks, precision, &g, &opt));
+  JAXOVERLAP_RETURN_IF_ERROR(Prepare(op, stream, a, &g, &opt));
   const ffi::DataType t = x.element_type();
-  JAXOVERLAP_RETURN_IF_ERROR(CheckBuffer(op, "x", x, t, outer * g.size * rows * k));
-  JAXOVERLAP_RETURN_IF_ERROR(CheckBuffer(op, "w", w, t, k * n));
-  JAXOVERLAP_RETURN_IF_ERROR(CheckBuffer(op, "out", *out, t, outer * rows * n));
+  JAXOVERLAP_RETURN_IF_ERROR(CheckBuffer(op, "x", x, t, a.outer * g.size * a.rows * a.k));
+  JAXOVERLAP_RETURN_IF_ERROR(CheckBuffer(op, "w", w, t, a.k * a.n));
+  JAXOVERLAP_RETURN_IF_ERROR(CheckBuffer(op, "out", *out, t, a.outer * a.rows * a.n));
   return MatmulReduceScatter(stream, g, opt, t, x.untyped_data(), w.untyped_data(),
-                             out->untyped_data(), outer, rows, k, n);
+                             out->untyped_data(), a.outer, a.rows, a.k, a.n);
 }
 
 ffi::Error MatmulAllReduceExecute(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer w,
-                                  ffi::Result<ffi::AnyBuffer> out,
-                                  ffi::Span<const int64_t> groups, int64_t group_size,
-                                  int64_t transport, int64_t chunks, int64_t precision,
-                                  int64_t rows, int64_t k, int64_t n) {
+                                  ffi::Result<ffi::AnyBuffer> out, Attrs a) {
   const char* op = "matmul_all_reduce";
   Group g;
   Options opt;
-  JAXOVERLAP_RETURN_IF_ERROR(
-      Prepare(op, stream, groups, group_size, transport, chunks, precision, &g, &opt));
+  JAXOVERLAP_RETURN_IF_ERROR(Prepare(op, stream, a, &g, &opt));
+  if (a.outer != 1) {
+    return ffi::Error::InvalidArgument(std::string(op) + ": outer must be 1, got " +
+                                       std::to_string(a.outer));
+  }
   const ffi::DataType t = x.element_type();
-  JAXOVERLAP_RETURN_IF_ERROR(CheckBuffer(op, "x", x, t, g.size * rows * k));
-  JAXOVERLAP_RETURN_IF_ERROR(CheckBuffer(op, "w", w, t, k * n));
-  JAXOVERLAP_RETURN_IF_ERROR(CheckBuffer(op, "out", *out, t, g.size * rows * n));
+  JAXOVERLAP_RETURN_IF_ERROR(CheckBuffer(op, "x", x, t, g.size * a.rows * a.k));
+  JAXOVERLAP_RETURN_IF_ERROR(CheckBuffer(op, "w", w, t, a.k * a.n));
+  JAXOVERLAP_RETURN_IF_ERROR(CheckBuffer(op, "out", *out, t, g.size * a.rows * a.n));
   return MatmulAllReduce(stream, g, opt, t, x.untyped_data(), w.untyped_data(),
-                         out->untyped_data(), rows, k, n);
+                         out->untyped_data(), a.rows, a.k, a.n);
 }
 
 }  // namespace
@@ -148,76 +136,55 @@ ffi::Error MatmulAllReduceExecute(cudaStream_t stream, ffi::AnyBuffer x, ffi::An
 // graphs"), hence opt-in. The ops last milliseconds, so a graph launch saves
 // little.
 //
-// Attributes shared by the fused ops (computed by jaxoverlap/_cuda.py):
-//   groups [num_groups * group_size] PEs, each group in rank order;
-//   transport (Transport enum), chunks (1..kMaxChunks), precision (gemm::Precision).
-#define JAXOVERLAP_FUSED_ATTRS                                  \
-  .Attr<xla::ffi::Span<const int64_t>>("groups")                \
-      .Attr<int64_t>("group_size")                              \
-      .Attr<int64_t>("transport")                               \
-      .Attr<int64_t>("chunks")                                  \
-      .Attr<int64_t>("precision")
+// The bindings. Every fused call takes its attributes as one struct (overlap.h,
+// Attrs: groups, group_size, transport, chunks, precision, outer, rows, k, n).
+namespace {
 
 // x: [outer, rows, k] this rank's shard; w: [k, n]; out: [outer, size * rows, n].
-#define JAXOVERLAP_AG_BINDING                                   \
-  xla::ffi::Ffi::Bind()                                         \
-      .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()            \
-      .Arg<xla::ffi::AnyBuffer>()                               \
-      .Arg<xla::ffi::AnyBuffer>()                               \
-      .Ret<xla::ffi::AnyBuffer>() JAXOVERLAP_FUSED_ATTRS        \
-      .Attr<int64_t>("outer")                                   \
-      .Attr<int64_t>("rows")                                    \
-      .Attr<int64_t>("k")                                       \
-      .Attr<int64_t>("n")
+// Also matmul_reduce_scatter's: x: [outer, size * rows, k]; out: [outer, rows, n].
+// And matmul_all_reduce's (outer 1): x: [size * rows, k]; out: [size * rows, n].
+auto OneOutputBinding() {
+  return xla::ffi::Ffi::Bind()
+      .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+      .Arg<xla::ffi::AnyBuffer>()   // x
+      .Arg<xla::ffi::AnyBuffer>()   // w: [k, n]
+      .Ret<xla::ffi::AnyBuffer>()   // out
+      .Attrs<jaxoverlap::overlap::Attrs>();
+}
 
-// As above, plus the gathered x: [outer, size * rows, k].
-#define JAXOVERLAP_AG_GATHERED_BINDING                          \
-  xla::ffi::Ffi::Bind()                                         \
-      .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()            \
-      .Arg<xla::ffi::AnyBuffer>()                               \
-      .Arg<xla::ffi::AnyBuffer>()                               \
-      .Ret<xla::ffi::AnyBuffer>()                               \
-      .Ret<xla::ffi::AnyBuffer>() JAXOVERLAP_FUSED_ATTRS        \
-      .Attr<int64_t>("outer")                                   \
-      .Attr<int64_t>("rows")                                    \
-      .Attr<int64_t>("k")                                       \
-      .Attr<int64_t>("n")
+// all_gather_matmul, plus the gathered x: [outer, size * rows, k].
+auto GatheredBinding() {
+  return xla::ffi::Ffi::Bind()
+      .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+      .Arg<xla::ffi::AnyBuffer>()   // x: [outer, rows, k]
+      .Arg<xla::ffi::AnyBuffer>()   // w: [k, n]
+      .Ret<xla::ffi::AnyBuffer>()   // out: [outer, size * rows, n]
+      .Ret<xla::ffi::AnyBuffer>()   // gathered: [outer, size * rows, k]
+      .Attrs<jaxoverlap::overlap::Attrs>();
+}
 
-// x: [outer, size * rows, k]; w: [k, n]; out: [outer, rows, n], this rank's block.
-#define JAXOVERLAP_RS_BINDING JAXOVERLAP_AG_BINDING
-
-// x: [size * rows, k]; w: [k, n]; out: [size * rows, n].
-#define JAXOVERLAP_AR_BINDING                                   \
-  xla::ffi::Ffi::Bind()                                         \
-      .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()            \
-      .Arg<xla::ffi::AnyBuffer>()                               \
-      .Arg<xla::ffi::AnyBuffer>()                               \
-      .Ret<xla::ffi::AnyBuffer>() JAXOVERLAP_FUSED_ATTRS        \
-      .Attr<int64_t>("rows")                                    \
-      .Attr<int64_t>("k")                                       \
-      .Attr<int64_t>("n")
+}  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxoverlapAllGatherMatmul,
-                              jaxoverlap::overlap::AllGatherMatmulExecute, JAXOVERLAP_AG_BINDING);
+                              jaxoverlap::overlap::AllGatherMatmulExecute, OneOutputBinding());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxoverlapAllGatherMatmulGathered,
                               jaxoverlap::overlap::AllGatherMatmulGatheredExecute,
-                              JAXOVERLAP_AG_GATHERED_BINDING);
+                              GatheredBinding());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxoverlapMatmulReduceScatter,
                               jaxoverlap::overlap::MatmulReduceScatterExecute,
-                              JAXOVERLAP_RS_BINDING);
+                              OneOutputBinding());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxoverlapMatmulAllReduce,
-                              jaxoverlap::overlap::MatmulAllReduceExecute, JAXOVERLAP_AR_BINDING);
+                              jaxoverlap::overlap::MatmulAllReduceExecute, OneOutputBinding());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxoverlapAllGatherMatmulCmdBuffer,
-                              jaxoverlap::overlap::AllGatherMatmulExecute, JAXOVERLAP_AG_BINDING,
+                              jaxoverlap::overlap::AllGatherMatmulExecute, OneOutputBinding(),
                               {xla::ffi::Traits::kCmdBufferCompatible});
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxoverlapAllGatherMatmulGatheredCmdBuffer,
                               jaxoverlap::overlap::AllGatherMatmulGatheredExecute,
-                              JAXOVERLAP_AG_GATHERED_BINDING,
-                              {xla::ffi::Traits::kCmdBufferCompatible});
+                              GatheredBinding(), {xla::ffi::Traits::kCmdBufferCompatible});
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxoverlapMatmulReduceScatterCmdBuffer,
-                              jaxoverlap::overlap::MatmulReduceScatterExecute,
-                              JAXOVERLAP_RS_BINDING, {xla::ffi::Traits::kCmdBufferCompatible});
+                              jaxoverlap::overlap::MatmulReduceScatterExecute, OneOutputBinding(),
+                              {xla::ffi::Traits::kCmdBufferCompatible});
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxoverlapMatmulAllReduceCmdBuffer,
-                              jaxoverlap::overlap::MatmulAllReduceExecute, JAXOVERLAP_AR_BINDING,
+                              jaxoverlap::overlap::MatmulAllReduceExecute, OneOutputBinding(),
                               {xla::ffi::Traits::kCmdBufferCompatible});

@@ -69,8 +69,11 @@ class ParallelConfig:
       reduce-scatter pairs fused with the adjacent GEMMs.
     backend: ``"auto" | "xla" | "cuda"``, passed to every functional op.
     algorithm: passed to the overlap ops (``all_gather_matmul``,
-      ``matmul_reduce_scatter``, ``matmul_all_reduce``), e.g. ``"auto"``,
-      ``"collective"`` or ``"ppermute"`` on the xla backend.
+      ``matmul_reduce_scatter``, ``matmul_all_reduce``): ``"auto"``,
+      ``"collective"`` or ``"ppermute"`` (backend "xla"), ``"fused"``
+      (backend "cuda"); see ``jaxoverlap.names``.
+    transport: passed to the overlap ops: ``"auto"``, ``"copy_engine"`` or
+      ``"nvshmem"`` (backend "cuda").
     all_reduce_algorithm: passed to ``all_reduce`` (the backward all-reduce
       of column-parallel layers without SP).
     logical_axis_rules: pairs ``(logical name, mesh axis or None)``. None (the
@@ -88,6 +91,7 @@ class ParallelConfig:
   sequence_parallel: bool = False
   backend: str = "auto"
   algorithm: str = "auto"
+  transport: str = "auto"
   all_reduce_algorithm: str = "auto"
   logical_axis_rules: tuple[tuple[str, str | None], ...] | None = None
 

@@ -295,7 +295,7 @@ class ColumnParallelLinear(nnx.Module):
       elif cfg.sequence_parallel:
         y_bsf = all_gather_matmul(
             x_bsd, w_df, cfg.tp_axis, gather_dimension=1, backend=cfg.backend,
-            algorithm=cfg.algorithm)
+            algorithm=cfg.algorithm, transport=cfg.transport)
       else:
         x_bsd = _copy_to_tp(x_bsd, cfg.tp_axis, cfg.backend, cfg.all_reduce_algorithm)
         y_bsf = _matmul(x_bsd, w_df)
@@ -403,10 +403,11 @@ class RowParallelLinear(nnx.Module):
       elif cfg.sequence_parallel:
         y_bsd = matmul_reduce_scatter(
             x_bsf, w_fd, cfg.tp_axis, scatter_dimension=1, backend=cfg.backend,
-            algorithm=cfg.algorithm)
+            algorithm=cfg.algorithm, transport=cfg.transport)
       else:
         y_bsd = matmul_all_reduce(
-            x_bsf, w_fd, cfg.tp_axis, backend=cfg.backend, algorithm=cfg.algorithm)
+            x_bsf, w_fd, cfg.tp_axis, backend=cfg.backend, algorithm=cfg.algorithm,
+            transport=cfg.transport)
       if bias_d:
         y_bsd = y_bsd + bias_d[0]
       return y_bsd

@@ -5,6 +5,7 @@
 #include <cuda_runtime_api.h>
 
 #include <cstddef>
+#include <cstdint>
 
 #include "jaxoverlap/runtime.h"
 #include "xla/ffi/api/ffi.h"
@@ -13,9 +14,20 @@ namespace jaxoverlap::all_reduce {
 
 namespace ffi = xla::ffi;
 
-// Algorithm and protocol ids; jaxoverlap/_cuda.py uses the same numbers.
-enum class Algorithm : int { kOneShot = 1, kTwoShot = 2, kHierarchical = 3 };
-enum class Protocol : int { kAuto = 0, kLL = 1, kSimple = 2 };
+// Algorithms and protocols. The extension exports both enums to Python under
+// the names of jaxoverlap/names.py (module.cc), and the FFI decodes them as enum
+// attributes; jaxoverlap.dispatch always chooses a protocol (there is no "auto"
+// here).
+enum class Algorithm : int32_t { kOneShot = 1, kTwoShot = 2, kHierarchical = 3 };
+enum class Protocol : int32_t { kLL = 1, kSimple = 2 };
+
+// The attributes of one all_reduce custom call (decoded as one struct).
+struct Attrs {
+  ffi::Span<const int64_t> groups;  // [num_groups * group_size] PEs, each group in rank order
+  int64_t group_size;               // ranks per group (the shard_map axis size)
+  Algorithm algorithm;
+  Protocol protocol;
+};
 
 // One all-reduce group as seen by one member, split by node: `local_pes` are
 // the group's PEs on this PE's node (in rank order), `node_pes[k]` the PE with
@@ -44,6 +56,15 @@ ffi::Error AllReduce(cudaStream_t stream, Algorithm algorithm, Protocol protocol
                      const Topology& topo);
 
 }  // namespace jaxoverlap::all_reduce
+
+XLA_FFI_REGISTER_ENUM_ATTR_DECODING(jaxoverlap::all_reduce::Algorithm);
+XLA_FFI_REGISTER_ENUM_ATTR_DECODING(jaxoverlap::all_reduce::Protocol);
+XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(
+    jaxoverlap::all_reduce::Attrs,
+    ::xla::ffi::StructMember<::xla::ffi::Span<const int64_t>>("groups"),
+    ::xla::ffi::StructMember<int64_t>("group_size"),
+    ::xla::ffi::StructMember<jaxoverlap::all_reduce::Algorithm>("algorithm"),
+    ::xla::ffi::StructMember<jaxoverlap::all_reduce::Protocol>("protocol"));
 
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxoverlapAllReduce);
 

@@ -23,7 +23,7 @@ namespace jaxoverlap::gemm {
 namespace ffi = xla::ffi;
 
 // How float32 GEMMs round their inputs (the JAX matmul precision setting).
-enum class Precision : int {
+enum class Precision : int32_t {
   kDefault = 0,  // TF32 tensor cores, as XLA runs f32 dots of precision DEFAULT/HIGH on GPUs
   kHighest = 1,  // full float32, as XLA runs precision HIGHEST
 };

@@ -17,8 +17,9 @@ namespace jaxoverlap::overlap {
 
 namespace ffi = xla::ffi;
 
-// How shards move; jaxoverlap/_cuda.py uses the same numbers.
-enum class Transport : int {
+// How shards move. The extension exports the enum to Python under the names
+// of jaxoverlap/names.py (module.cc); the FFI decodes it as an enum attribute.
+enum class Transport : int32_t {
   kCopyEngine = 0,  // cudaMemcpyAsync to the peer's mapped slot, then a signal kernel
   kNvshmem = 1,     // a kernel of NVSHMEM block puts, the last block signals
 };
@@ -35,6 +36,18 @@ struct Group {
 // Errors: malformed groups, this PE in none, a member on another node.
 ffi::Error MakeGroup(const char* op, ffi::Span<const int64_t> groups, int64_t group_size,
                      Group* group);
+
+// The attributes of every fused custom call (decoded as one struct; computed
+// by jaxoverlap/_cuda.py from the plan and the shapes). For
+// matmul_all_reduce, outer is 1.
+struct Attrs {
+  ffi::Span<const int64_t> groups;  // [num_groups * group_size] PEs, each group in rank order
+  int64_t group_size;
+  Transport transport;
+  int64_t chunks;                   // chunks per shard transfer, 1..kMaxChunks
+  gemm::Precision precision;
+  int64_t outer, rows, k, n;        // the op's shape (overlap.h's functions below)
+};
 
 struct Options {
   Transport transport = Transport::kCopyEngine;
@@ -62,6 +75,20 @@ ffi::Error MatmulAllReduce(cudaStream_t stream, const Group& group, const Option
                            int64_t rows, int64_t k, int64_t n);
 
 }  // namespace jaxoverlap::overlap
+
+XLA_FFI_REGISTER_ENUM_ATTR_DECODING(jaxoverlap::overlap::Transport);
+XLA_FFI_REGISTER_ENUM_ATTR_DECODING(jaxoverlap::gemm::Precision);
+XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(
+    jaxoverlap::overlap::Attrs,
+    ::xla::ffi::StructMember<::xla::ffi::Span<const int64_t>>("groups"),
+    ::xla::ffi::StructMember<int64_t>("group_size"),
+    ::xla::ffi::StructMember<jaxoverlap::overlap::Transport>("transport"),
+    ::xla::ffi::StructMember<int64_t>("chunks"),
+    ::xla::ffi::StructMember<jaxoverlap::gemm::Precision>("precision"),
+    ::xla::ffi::StructMember<int64_t>("outer"),
+    ::xla::ffi::StructMember<int64_t>("rows"),
+    ::xla::ffi::StructMember<int64_t>("k"),
+    ::xla::ffi::StructMember<int64_t>("n"));
 
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxoverlapAllGatherMatmul);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxoverlapAllGatherMatmulGathered);

@@ -1,0 +1,238 @@
+"""The four primitives behind the public ops, and the lowering that reads the plan.
+
+Problem:
+  Inside ``shard_map`` an op sees only its own shard; which devices, processes
+  and nodes share its collective is known only when JAX lowers the program,
+  from the mesh. So the public ops do not choose how they run: each binds one
+  primitive carrying the caller's ``Request``, and the choice is made at
+  lowering.
+
+Algorithm:
+  One primitive per op, with an abstract evaluation that gives the pure-JAX
+  expression's type (shape, dtype and varying manual axes) and a batching rule
+  for ``jax.vmap``. The lowering rule, registered for every platform, asks
+  ``jaxoverlap.dispatch.plan_lowering`` for the plan and emits what it says:
+  the ``jaxoverlap._xla`` implementation (through ``mlir.lower_fun``) or the
+  FFI custom call of ``jaxoverlap._cuda``. Nothing else is decided here.
+
+  Batching: all_reduce folds the batch into its message (it is elementwise);
+  the GEMM ops fold a batched ``x`` into a leading dimension when ``w`` is not
+  batched, and loop over the batch (``lax.map``) when it is.
+
+Example:
+  >>> y = bind_all_reduce(x, Request("all_reduce", "tp"), num_ranks=2)  # in shard_map
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+from jax import lax
+from jax.extend.core import Primitive
+from jax.interpreters import batching, mlir
+
+from jaxoverlap import _cuda, _xla, dispatch, names
+from jaxoverlap.dispatch import Request
+
+__all__ = ["bind_all_reduce", "bind_all_gather_matmul", "bind_matmul_reduce_scatter",
+           "bind_matmul_all_reduce"]
+
+
+def _axes(axis_name) -> set:
+  return set(axis_name) if isinstance(axis_name, tuple) else {axis_name}
+
+
+def _with_vma(aval, shape, vma):
+  out = aval.update(shape=tuple(shape))
+  mat = out.manual_axis_type
+  return out.update_manual_axis_type(mat.update(varying=frozenset(vma)))
+
+
+def _vma(aval) -> frozenset:
+  return frozenset(aval.manual_axis_type.varying)
+
+
+# ---------------------------------------------------------------------------- all_reduce
+
+all_reduce_p = Primitive("jaxoverlap_all_reduce")
+
+
+def _all_reduce_abstract_eval(x, *, request, num_ranks):
+  del num_ranks
+  # Like psum: the result is the same on every rank of the axis.
+  return _with_vma(x, x.shape, _vma(x) - _axes(request.axis_name))
+
+
+def _all_reduce_lowering(ctx, x, *, request, num_ranks):
+  plan = dispatch.plan_lowering(ctx, request, num_ranks)
+  if plan.backend == names.XLA:
+    return mlir.lower_fun(
+        functools.partial(_xla.all_reduce, axis_name=request.axis_name, algorithm=plan.algorithm),
+        multiple_results=False)(ctx, x)
+  return _cuda.all_reduce(ctx, x, plan)
+
+
+def _all_reduce_batch(args, dims, *, request, num_ranks):
+  (x,), (d,) = args, dims
+  # Elementwise over the ranks: the batch is part of the message.
+  return all_reduce_p.bind(x, request=request, num_ranks=num_ranks), d
+
+
+all_reduce_p.def_abstract_eval(_all_reduce_abstract_eval)
+mlir.register_lowering(all_reduce_p, _all_reduce_lowering)
+batching.primitive_batchers[all_reduce_p] = _all_reduce_batch
+
+
+def bind_all_reduce(x, request: Request, num_ranks: int):
+  """``psum(x)`` as planned; ``x`` must already be varying over the axis."""
+  return all_reduce_p.bind(x, request=request, num_ranks=num_ranks)
+
+
+# ---------------------------------------------------------------------------- GEMM ops
+
+
+def _gemm_batch(prim, args, dims, *, request, num_ranks):
+  """Batching of the GEMM ops: fold a batched x with a shared w, else loop."""
+  x, w = args
+  dx, dw = dims
+  if dw is None:  # w shared by the batch: the batch is one more leading dimension of x
+    x = jax.numpy.moveaxis(x, dx, 0)
+    if request.dim is not None:
+      request = dataclasses.replace(request, dim=request.dim + 1)
+    out = prim.bind(x, w, request=request, num_ranks=num_ranks)
+  else:
+    size = w.shape[dw]
+    w = jax.numpy.moveaxis(w, dw, 0)
+    x = (jax.numpy.broadcast_to(x, (size,) + x.shape) if dx is None
+         else jax.numpy.moveaxis(x, dx, 0))
+    out = lax.map(lambda xw: prim.bind(xw[0], xw[1], request=request, num_ranks=num_ranks),
+                  (x, w))
+  return out, ([0] * len(out) if prim.multiple_results else 0)
+
+
+def _emit_fused(ctx, args, plan, xla_fn, gathered=False):
+  if plan.backend == names.XLA:
+    return xla_fn(ctx, *args)
+  return _cuda.fused(ctx, args, plan, gathered=gathered)
+
+
+# all_gather_matmul: outputs (AG(x) @ w,) or (AG(x) @ w, AG(x)) with request.gathered.
+
+all_gather_matmul_p = Primitive("jaxoverlap_all_gather_matmul")
+all_gather_matmul_p.multiple_results = True
+
+
+def _ag_shapes(x_shape, n, dim, num_ranks):
+  gathered = list(x_shape)
+  gathered[dim] *= num_ranks
+  out = list(gathered)
+  out[-1] = n
+  return tuple(out), tuple(gathered)
+
+
+def _ag_abstract_eval(x, w, *, request, num_ranks):
+  out_shape, g_shape = _ag_shapes(x.shape, w.shape[1], request.dim, num_ranks)
+  outs = [_with_vma(x, out_shape, _vma(x))]
+  if request.gathered:
+    outs.append(_with_vma(x, g_shape, _vma(x)))
+  return outs
+
+
+def _ag_lowering(ctx, x, w, *, request, num_ranks):
+  plan = dispatch.plan_lowering(ctx, request, num_ranks)
+
+  def xla(x, w):
+    y, xg = _xla.all_gather_matmul(x, w, request.axis_name, request.dim, plan.algorithm)
+    return (y, xg) if request.gathered else (y,)
+
+  return _emit_fused(ctx, (x, w), plan, mlir.lower_fun(xla, multiple_results=True),
+                     gathered=request.gathered)
+
+
+all_gather_matmul_p.def_abstract_eval(_ag_abstract_eval)
+mlir.register_lowering(all_gather_matmul_p, _ag_lowering)
+batching.primitive_batchers[all_gather_matmul_p] = functools.partial(_gemm_batch,
+                                                                     all_gather_matmul_p)
+
+
+def bind_all_gather_matmul(x, w, request: Request, num_ranks: int):
+  """``(AG(x) @ w, AG(x) or None)`` as planned; x and w share their varying axes."""
+  outs = all_gather_matmul_p.bind(x, w, request=request, num_ranks=num_ranks)
+  return outs[0], (outs[1] if request.gathered else None)
+
+
+# matmul_reduce_scatter
+
+matmul_reduce_scatter_p = Primitive("jaxoverlap_matmul_reduce_scatter")
+
+
+def _rs_abstract_eval(x, w, *, request, num_ranks):
+  out = list(x.shape[:-1]) + [w.shape[1]]
+  out[request.dim] //= num_ranks
+  return _with_vma(x, out, _vma(x))
+
+
+def _rs_lowering(ctx, x, w, *, request, num_ranks):
+  plan = dispatch.plan_lowering(ctx, request, num_ranks)
+  xla = mlir.lower_fun(
+      lambda x, w: _xla.matmul_reduce_scatter(x, w, request.axis_name, request.dim,
+                                              plan.algorithm), multiple_results=False)
+  return _emit_fused(ctx, (x, w), plan, xla)
+
+
+matmul_reduce_scatter_p.def_abstract_eval(_rs_abstract_eval)
+mlir.register_lowering(matmul_reduce_scatter_p, _rs_lowering)
+batching.primitive_batchers[matmul_reduce_scatter_p] = functools.partial(
+    _gemm_batch, matmul_reduce_scatter_p)
+
+
+def bind_matmul_reduce_scatter(x, w, request: Request, num_ranks: int):
+  """``psum_scatter(x @ w)`` as planned; x and w share their varying axes."""
+  return matmul_reduce_scatter_p.bind(x, w, request=request, num_ranks=num_ranks)
+
+
+# matmul_all_reduce
+
+matmul_all_reduce_p = Primitive("jaxoverlap_matmul_all_reduce")
+
+
+def _ar_abstract_eval(x, w, *, request, num_ranks):
+  del num_ranks
+  out = tuple(x.shape[:-1]) + (w.shape[1],)
+  return _with_vma(x, out, _vma(x) - _axes(request.axis_name))
+
+
+def _ar_lowering(ctx, x, w, *, request, num_ranks):
+  plan = dispatch.plan_lowering(ctx, request, num_ranks)
+  if plan.backend == names.XLA:
+    return mlir.lower_fun(
+        lambda x, w: _xla.matmul_all_reduce(x, w, request.axis_name, plan.algorithm),
+        multiple_results=False)(ctx, x, w)
+  if plan.algorithm == names.UNFUSED:
+    # The GEMM, then the all-reduce of its output as its own plan says.
+    (y,) = mlir.lower_fun(lambda x, w: _xla.matmul(x, w).astype(x.dtype),
+                          multiple_results=False)(ctx, x, w)
+    sub = plan.all_reduce
+    # y is typed as the GEMM's per-rank result (varying, like x), not as the
+    # all-reduced output: psum of a value typed invariant would scale it.
+    y_aval = _with_vma(ctx.avals_out[0], ctx.avals_out[0].shape, _vma(ctx.avals_in[0]))
+    y_ctx = ctx.replace(avals_in=[y_aval])
+    if sub.backend == names.XLA:
+      return mlir.lower_fun(
+          functools.partial(_xla.all_reduce, axis_name=request.axis_name,
+                            algorithm=sub.algorithm), multiple_results=False)(y_ctx, y)
+    return _cuda.all_reduce(y_ctx, y, sub)
+  return _cuda.fused(ctx, (x, w), plan)
+
+
+matmul_all_reduce_p.def_abstract_eval(_ar_abstract_eval)
+mlir.register_lowering(matmul_all_reduce_p, _ar_lowering)
+batching.primitive_batchers[matmul_all_reduce_p] = functools.partial(_gemm_batch,
+                                                                     matmul_all_reduce_p)
+
+
+def bind_matmul_all_reduce(x, w, request: Request, num_ranks: int):
+  """``psum(x @ w)`` as planned; x and w share their varying axes."""
+  return matmul_all_reduce_p.bind(x, w, request=request, num_ranks=num_ranks)

@@ -1,0 +1,566 @@
+"""The dispatcher: one function turns an op call into a frozen plan of how it runs.
+
+Problem:
+  Whether a call runs on XLA's collectives or on this package's kernels, with
+  which algorithm, protocol, transport and chunking, depends on the request,
+  the shapes, the mesh's devices (which processes and nodes a group spans) and
+  the runtime (extension loaded, NVSHMEM up, slot sizes, the measured table).
+  The mesh's devices are known only when JAX lowers the program, so that is
+  where every choice is made, once, in one place.
+
+Algorithm:
+  Each public op binds one primitive whose parameters are a ``Request`` (what
+  the caller asked for). Its lowering rule (``jaxoverlap._primitives``) calls
+  ``plan_lowering``, which calls ``make_plan(request, avals, mesh, facts)``:
+
+  1. Hard checks: the request against the runtime and the devices. A CUDA
+     requirement that fails sends ``backend="auto"`` to XLA (logged once per
+     reason, and said in the plan) and makes ``backend="cuda"`` raise.
+     Workspace that is too small always raises.
+  2. Heuristics: for the all-reduce, the tuning policy (the measured table,
+     then the cost model; it may hand the call to ``lax.psum``); the protocol
+     rule; for the fused ops, the chunk rule, the fused-or-unfused rule of
+     ``matmul_all_reduce`` and the default transport
+     (``jaxoverlap.tuning.policy``).
+
+  The ``Plan`` names every choice and the reason for it. Lowerings only read
+  it. Every plan goes into one bounded log, read with ``decisions()``.
+
+Example:
+  >>> f = jax.jit(jax.shard_map(lambda x: jaxoverlap.all_reduce(x, "tp"), mesh=mesh,
+  ...                           in_specs=P("tp"), out_specs=P()))
+  >>> f.lower(x)                      # planning happens here
+  >>> print(jaxoverlap.decisions()[-1].summary())
+  all_reduce [4096] bfloat16 over 'tp' (2 ranks): xla collective (backend: ...)
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import math
+import threading
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from jaxoverlap import names, runtime
+from jaxoverlap.tuning import policy as _policy
+
+__all__ = ["Request", "Plan", "Geometry", "make_plan", "plan_lowering", "decisions",
+           "clear_decisions"]
+
+logger = logging.getLogger("jaxoverlap")
+
+_MAX_DECISIONS = 1000
+_log: collections.deque = collections.deque(maxlen=_MAX_DECISIONS)
+_warned: set[str] = set()
+_lock = threading.Lock()
+_policy_cache: dict[tuple, _policy.Policy] = {}
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+  """What the caller of an op asked for (the primitive's only parameter).
+
+  Attributes:
+    op: one of ``names.OPS``.
+    axis_name: the mesh axis (str) or tuple of axes of the collective.
+    backend, algorithm, protocol, transport: as passed, or "auto".
+    chunks: the fused ops' chunks per shard transfer, or None (auto).
+    dim: all_gather_matmul's gather or matmul_reduce_scatter's scatter
+      dimension, non-negative; None for the other ops.
+    gathered: all_gather_matmul only: also return the gathered x.
+  """
+
+  op: str
+  axis_name: str | tuple[str, ...]
+  backend: str = names.AUTO
+  algorithm: str = names.AUTO
+  protocol: str = names.AUTO
+  transport: str = names.AUTO
+  chunks: int | None = None
+  dim: int | None = None
+  gathered: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class Geometry:
+  """The fused ops' problem as the kernels see it (``ffi/include/jaxoverlap/overlap.h``).
+
+  Attributes:
+    outer, rows, k, n: the kernels' shape attributes (for all_gather_matmul x
+      is [outer, rows, k] per rank, for matmul_reduce_scatter the output block
+      is [outer, rows, n], for matmul_all_reduce outer is 1 and the block
+      [rows, n]).
+    payload_bytes: fused-op slot bytes one sender needs.
+    pieces: how many pieces a transfer can be cut into (the chunk limit).
+    chunk_bytes: the bytes the chunk rule weighs (a shard or a block).
+    gemm_flops: flops of the GEMM that the first transfer overlaps.
+  """
+
+  outer: int
+  rows: int
+  k: int
+  n: int
+  payload_bytes: int
+  pieces: int
+  chunk_bytes: int
+  gemm_flops: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  """How one op call runs, and why.
+
+  Attributes:
+    op: the op's name.
+    axis_name: the mesh axis (or axes) of the collective.
+    shapes: the per-rank shapes of the operands (x, and w for the GEMM ops).
+    dtype: the operands' dtype name.
+    nbytes: all_reduce: the message size per rank, bytes; fused ops: the
+      slot bytes one sender needs.
+    num_ranks: ranks in the group.
+    ranks_per_node, num_nodes: the group's topology (backend "cuda").
+    groups: the PE groups of the collective, each in rank order (backend "cuda").
+    backend: "xla" or "cuda".
+    algorithm: the algorithm (``jaxoverlap.names``).
+    protocol: the CUDA all-reduce's protocol, else None.
+    transport: the CUDA kernels' transport, else None.
+    chunks: the fused kernels' chunks per shard transfer, else None.
+    precision: the fused kernels' float32 GEMM precision ("default" or
+      "highest"), else None.
+    command_buffer: the fused kernels lower to their command-buffer handlers.
+    geometry: the fused kernels' shape attributes, else None.
+    all_reduce: for matmul_all_reduce's "unfused" algorithm, the plan of its
+      all-reduce.
+    why: (choice, reason) pairs: why each choice was made ("requested", a
+      fallback's cause, "measured (...)", "cost model (...)", a rule).
+  """
+
+  op: str
+  axis_name: str | tuple[str, ...]
+  shapes: tuple[tuple[int, ...], ...]
+  dtype: str
+  nbytes: int
+  num_ranks: int
+  backend: str
+  algorithm: str
+  why: tuple[tuple[str, str], ...]
+  ranks_per_node: int | None = None
+  num_nodes: int | None = None
+  groups: tuple[tuple[int, ...], ...] | None = None
+  protocol: str | None = None
+  transport: str | None = None
+  chunks: int | None = None
+  precision: str | None = None
+  command_buffer: bool = False
+  geometry: Geometry | None = None
+  all_reduce: Plan | None = None
+
+  def reason(self, choice: str) -> str | None:
+    """Why ``choice`` ("backend", "algorithm", "protocol", ...) was made, or None."""
+    return dict(self.why).get(choice)
+
+  def summary(self) -> str:
+    """One line: the call, what runs, and why."""
+    what = f"{self.backend} {self.algorithm}"
+    extra = [f"{k}={v}" for k, v in (("protocol", self.protocol), ("transport", self.transport),
+                                     ("chunks", self.chunks)) if v is not None]
+    if extra:
+      what += " (" + ", ".join(extra) + ")"
+    topo = f"{self.num_ranks} ranks"
+    if self.num_nodes is not None:
+      topo += f" = {self.num_nodes} nodes x {self.ranks_per_node}"
+    shapes = " x ".join(str(list(s)) for s in self.shapes)
+    reasons = "; ".join(f"{k}: {v}" for k, v in self.why)
+    line = f"{self.op} {shapes} {self.dtype} over {self.axis_name!r} ({topo}): {what} [{reasons}]"
+    if self.all_reduce is not None:
+      line += f"; then {self.all_reduce.summary()}"
+    return line
+
+  def as_dict(self) -> dict[str, Any]:
+    """The plan as plain data (JSON-able), e.g. for a benchmark's records."""
+    out = dataclasses.asdict(self)
+    out["why"] = dict(self.why)
+    out["axis_name"] = list(self.axis_name) if isinstance(self.axis_name, tuple) else self.axis_name
+    return out
+
+
+class _Fallback(Exception):
+  """A CUDA requirement that failed: backend "auto" runs XLA, "cuda" raises."""
+
+
+def decisions(op: str | None = None) -> list[Plan]:
+  """The plans of the calls lowered in this process, oldest first (the last 1000).
+
+  Args:
+    op: only the plans of this op (None: all).
+
+  Returns:
+    A list of ``Plan``; each says what ran (backend, algorithm, protocol,
+    transport, chunks) and why. A plan is made when a call is lowered (once per
+    compilation), not at every execution.
+  """
+  with _lock:
+    return [p for p in _log if op is None or p.op == op]
+
+
+def clear_decisions() -> None:
+  """Empties the log of ``decisions()``."""
+  with _lock:
+    _log.clear()
+
+
+# ---------------------------------------------------------------------------- helpers
+
+
+def _axes(axis_name) -> tuple[str, ...]:
+  return axis_name if isinstance(axis_name, tuple) else (axis_name,)
+
+
+def _nbytes(shape, itemsize) -> int:
+  return int(np.prod(shape, dtype=np.int64)) * int(itemsize)
+
+
+def _group_of(groups: Sequence[Sequence[int]], pe: int) -> Sequence[int]:
+  return next((g for g in groups if pe in g), groups[0])
+
+
+def _topology(group: Sequence[int], ranks_per_node: int) -> tuple[int, int]:
+  """(ranks of the group per node, nodes of the group)."""
+  nodes = {pe // ranks_per_node for pe in group}
+  return len(group) // len(nodes), len(nodes)
+
+
+def geometry(op: str, x_shape, w_shape, dim: int | None, num_ranks: int,
+             itemsize: int) -> Geometry:
+  """The fused kernels' view of an op's shapes (see ``Geometry``)."""
+  k, n = int(w_shape[0]), int(w_shape[1])
+  if op == names.ALL_GATHER_MATMUL:
+    outer = math.prod(x_shape[:dim])
+    rows = math.prod(x_shape[dim:-1])
+    shard = outer * rows * k * itemsize
+    # Chunks cut the shard's rows, or whole batch entries where it has batch
+    # dims (each chunk one contiguous, graph-updatable copy).
+    return Geometry(outer, rows, k, n, shard, outer if outer > 1 else rows, shard,
+                    2.0 * outer * rows * k * n)
+  if op == names.MATMUL_REDUCE_SCATTER:
+    outer = math.prod(x_shape[:dim])
+    rows = math.prod(x_shape[dim:-1]) // num_ranks
+    block = outer * rows * n * itemsize
+    return Geometry(outer, rows, k, n, block, rows, block, 2.0 * outer * rows * k * n)
+  rows = math.prod(x_shape[:-1]) // num_ranks
+  block = rows * n * itemsize
+  # The slot holds the reduce-scatter's partial and, after it, the all-gather's block.
+  return Geometry(1, rows, k, n, 2 * (-(-block // 256) * 256), rows, block,
+                  2.0 * rows * k * n)
+
+
+def _warn_fallback(request: Request, reason: str) -> None:
+  key = f"{request.op}: {reason}"
+  with _lock:
+    if key in _warned:
+      return
+    _warned.add(key)
+  logger.warning("jaxoverlap: %s with backend 'auto' runs on backend 'xla': %s", request.op,
+                 reason)
+
+
+def _tuning_policy() -> _policy.Policy:
+  path, table = runtime.tuning_table()
+  key = (path, id(table))
+  with _lock:
+    p = _policy_cache.get(key)
+    if p is None:
+      _policy_cache.clear()
+      p = _policy_cache[key] = _policy.Policy.from_result(table, path=path)
+  return p
+
+
+def _precision() -> str:
+  import jax
+
+  p = str(jax.config.jax_default_matmul_precision).lower()
+  return "highest" if p in ("highest", "float32", "precision.highest") else "default"
+
+
+# ---------------------------------------------------------------------------- the plan
+
+
+def make_plan(request: Request, avals: Sequence[Any], mesh, facts: runtime.Facts,
+              *, num_ranks: int | None = None) -> Plan:
+  """The plan of one op call (a pure function of its arguments).
+
+  Args:
+    request: what the caller asked for.
+    avals: the operands' per-rank abstract values (``.shape``, ``.dtype``): x,
+      and w for the GEMM ops.
+    mesh: the concrete ``jax.sharding.Mesh`` of the enclosing ``shard_map``, or
+      None where none is known.
+    facts: the runtime (``jaxoverlap.runtime.facts()``).
+    num_ranks: the size of the axis; taken from ``mesh`` when None.
+
+  Returns:
+    The ``Plan``.
+
+  Raises:
+    ValueError: the request cannot run as asked (a CUDA-only choice on a group
+      or shape the kernels do not take, chunks with backend "xla", a fused-op
+      slot too small for the call).
+    RuntimeError: ``backend="cuda"`` (or a CUDA-only choice) while the CUDA
+      kernels cannot run in this process; the message says why.
+  """
+  r = request
+  dtype = np.dtype(avals[0].dtype)
+  shapes = tuple(tuple(int(d) for d in a.shape) for a in avals)
+  if num_ranks is None:
+    num_ranks = math.prod(int(mesh.shape[a]) for a in _axes(r.axis_name))
+  base = dict(op=r.op, axis_name=r.axis_name, shapes=shapes, dtype=dtype.name,
+              nbytes=_nbytes(shapes[0], dtype.itemsize), num_ranks=num_ranks)
+
+  # 1. The backend: requested, implied by an algorithm of one backend, or auto.
+  if r.backend == names.XLA:
+    return _xla_plan(r, base, "requested")
+  if names.backend_of_algorithm(r.op, r.algorithm) == names.XLA:
+    return _xla_plan(r, base, f"algorithm {r.algorithm!r} is backend 'xla''s")
+  if any(math.prod(s) == 0 for s in shapes):
+    # Nothing moves; the xla expression gives the (empty or zero) result.
+    return _xla_plan(r, base, "empty operands: nothing to communicate (the xla expression, "
+                     "no kernel)", chunks_ok=True)
+  try:
+    return _cuda_plan(r, shapes, dtype, mesh, facts, num_ranks, base)
+  except _Fallback as f:
+    wants_cuda = _cuda_only_choice(r)
+    if r.backend == names.CUDA or wants_cuda:
+      asked = "backend='cuda'" if r.backend == names.CUDA else f"{wants_cuda} (backend 'cuda')"
+      kind = RuntimeError if facts.unavailable is not None else ValueError
+      raise kind(f"{r.op}: {asked} was requested, but {f}") from None
+    return _xla_plan(r, base, f"auto: {f}")
+
+
+def _xla_plan(r: Request, base: dict, why_backend: str, chunks_ok: bool = False) -> Plan:
+  if r.chunks is not None and not chunks_ok:
+    raise ValueError(f"{r.op}: chunks={r.chunks} applies to backend 'cuda' only, and this call "
+                     f"runs on backend 'xla' ({why_backend})")
+  if r.algorithm in (names.AUTO,) or names.backend_of_algorithm(r.op, r.algorithm) != names.XLA:
+    algorithm, why_algorithm = names.COLLECTIVE, "default of backend 'xla'"
+  else:
+    algorithm, why_algorithm = r.algorithm, "requested"
+  return Plan(backend=names.XLA, algorithm=algorithm,
+              why=(("backend", why_backend), ("algorithm", why_algorithm)), **base)
+
+
+def _cuda_only_choice(r: Request) -> str | None:
+  """The first choice of the request that only backend "cuda" has, as spelled, or None."""
+  if names.backend_of_algorithm(r.op, r.algorithm) == names.CUDA:
+    return f"algorithm={r.algorithm!r}"
+  for key in ("protocol", "transport"):
+    if getattr(r, key) != names.AUTO:
+      return f"{key}={getattr(r, key)!r}"
+  return None
+
+
+def _cuda_plan(r, shapes, dtype, mesh, facts, num_ranks, base) -> Plan:
+  """The plan on backend "cuda"; raises _Fallback where a requirement fails."""
+  if facts.unavailable is not None:
+    raise _Fallback(facts.unavailable)
+  if mesh is None:
+    raise _Fallback("the enclosing shard_map has no concrete jax.sharding.Mesh (the PE groups "
+                    "come from the mesh's devices)")
+  try:
+    groups = runtime.groups_along_axis(mesh, r.axis_name)
+  except ValueError as e:
+    raise _Fallback(str(e)) from None
+  group = _group_of(groups, facts.pe)
+  local_size, num_nodes = _topology(group, facts.ranks_per_node)
+  cuda = dict(base, backend=names.CUDA, ranks_per_node=local_size, num_nodes=num_nodes,
+              groups=tuple(tuple(g) for g in groups))
+  if r.op == names.ALL_REDUCE:
+    return _all_reduce_plan(r, dtype, local_size, num_nodes, facts, cuda)
+  return _fused_plan(r, shapes, dtype, group, num_nodes, facts, num_ranks, cuda)
+
+
+def _all_reduce_plan(r, dtype, local_size, num_nodes, facts, cuda) -> Plan:
+  limits = facts.limits
+  if local_size > limits["max_group_size"]:
+    raise _Fallback(f"the group has {local_size} ranks on one node; the kernels take at most "
+                    f"{limits['max_group_size']}")
+  if num_nodes > limits["max_nodes"]:
+    raise _Fallback(f"the group spans {num_nodes} nodes; the kernels take at most "
+                    f"{limits['max_nodes']}")
+  nbytes = cuda["nbytes"]
+  if r.algorithm in (names.ONE_SHOT, names.TWO_SHOT) and num_nodes > 1:
+    raise ValueError(
+        f"all_reduce: algorithm {r.algorithm!r} needs the whole group on one node, but the group "
+        f"over {r.axis_name!r} spans {num_nodes} nodes (ranks_per_node={facts.ranks_per_node}); "
+        "use 'hierarchical' or 'auto'")
+  why = [("backend", "requested" if r.backend == names.CUDA else "auto: the CUDA kernels run here")]
+  if r.algorithm != names.AUTO:
+    algorithm, protocol = r.algorithm, None
+    why.append(("algorithm", "requested"))
+  else:
+    choice = _tuning_policy().choose(nbytes, dtype.itemsize, local_size, num_nodes)
+    if choice.algorithm == _policy.PSUM:
+      if r.protocol != names.AUTO:
+        raise ValueError(f"all_reduce: protocol={r.protocol!r} was requested, but the policy "
+                         f"hands this call to lax.psum ({choice.source}); name an algorithm too")
+      return Plan(**dict(cuda, backend=names.XLA, groups=None),
+                  algorithm=names.COLLECTIVE,
+                  why=(("backend", f"auto policy: lax.psum (NCCL) is faster here, {choice.source}"),
+                       ("algorithm", "lax.psum")))
+    algorithm, protocol = choice.algorithm, choice.protocol
+    why.append(("algorithm", choice.source))
+  if r.protocol != names.AUTO:
+    protocol = r.protocol
+    why.append(("protocol", "requested"))
+  elif protocol is not None:
+    why.append(("protocol", f"with the algorithm: {choice.source}"))
+  else:
+    protocol = _policy.protocol_for(algorithm, nbytes, local_size)
+    why.append(("protocol", f"rule: LL up to {_policy.LL_MAX_BYTES} bytes on the wire per peer"))
+  transport = facts.transport
+  why.append(("transport", "the runtime's transport" if r.transport == names.AUTO else "requested"))
+  if r.transport not in (names.AUTO, transport):
+    raise ValueError(f"all_reduce: transport={r.transport!r} was requested, but this runtime's "
+                     f"transport is {transport!r}")
+  return Plan(**cuda, algorithm=algorithm, protocol=protocol, transport=transport,
+              why=tuple(why))
+
+
+def _fused_plan(r, shapes, dtype, group, num_nodes, facts, num_ranks, cuda) -> Plan:
+  op, limits = r.op, facts.limits
+  if num_nodes > 1:
+    raise _Fallback(f"the fused kernels run within one node, but the group over {r.axis_name!r} "
+                    f"(PEs {list(group)}) spans {num_nodes} nodes "
+                    f"(ranks_per_node={facts.ranks_per_node}); put the tensor-parallel axis "
+                    "within a node")
+  if len(group) > limits["max_group_size"]:
+    raise _Fallback(f"the group over {r.axis_name!r} has {len(group)} ranks; the fused kernels "
+                    f"take at most {limits['max_group_size']}")
+  x_shape, w_shape = shapes
+  if op == names.MATMUL_REDUCE_SCATTER and r.dim == len(x_shape) - 1:
+    raise _Fallback(f"the kernel scatters any output dimension but the last "
+                    f"(scatter_dimension={r.dim} is the last)")
+  if op == names.ALL_GATHER_MATMUL and r.dim == len(x_shape) - 1:
+    raise _Fallback(f"the kernel gathers any dimension of x but the contracted last one "
+                    f"(gather_dimension={r.dim})")
+  why = [("backend", "requested" if r.backend == names.CUDA else "auto: the CUDA kernels run here")]
+
+  if op == names.MATMUL_ALL_REDUCE:
+    rows = math.prod(x_shape[:-1])
+    out_bytes = rows * w_shape[1] * dtype.itemsize
+    if r.algorithm == names.FUSED and rows % num_ranks:
+      raise ValueError(
+          f"{op}: algorithm='fused' needs the rows of x (all leading dimensions, {rows}) to "
+          f"divide by the size {num_ranks} of axis {r.axis_name!r}; use 'unfused' or 'auto'")
+    if r.algorithm == names.UNFUSED:
+      unfused = "requested"
+    elif r.algorithm == names.FUSED:
+      unfused = None
+    elif rows % num_ranks:
+      unfused = f"rule: {rows} rows do not divide by {num_ranks} ranks"
+    elif not _policy.fuse_all_reduce(out_bytes):
+      unfused = (f"rule: the output has {out_bytes} bytes per rank, under "
+                 f"{_policy.FUSED_ALL_REDUCE_MIN_BYTES} (FUSED_ALL_REDUCE_MIN_BYTES)")
+    else:
+      unfused = None
+    if unfused is not None:
+      if r.transport != names.AUTO:
+        raise ValueError(f"{op}: transport={r.transport!r} applies to the fused algorithm, and "
+                         f"this call runs 'unfused' ({unfused})")
+      if r.chunks is not None and r.algorithm == names.UNFUSED:
+        raise ValueError(f"{op}: chunks={r.chunks} applies to the fused algorithm, not to "
+                         "'unfused'")
+      if r.chunks is not None:
+        why.append(("chunks", f"chunks={r.chunks} is unused: the call runs unfused"))
+      out_aval = _Aval(tuple(x_shape[:-1]) + (w_shape[1],), dtype)
+      sub = _unfused_all_reduce(r, out_aval, cuda, facts, num_ranks)
+      why.append(("algorithm", unfused))
+      return Plan(**dict(cuda, groups=sub.groups), algorithm=names.UNFUSED, why=tuple(why),
+                  all_reduce=sub)
+    why.append(("algorithm", "requested" if r.algorithm == names.FUSED
+                else f"rule: the output has {out_bytes} bytes per rank, at least "
+                     f"{_policy.FUSED_ALL_REDUCE_MIN_BYTES}"))
+  else:
+    why.append(("algorithm", "requested" if r.algorithm == names.FUSED
+                else "the only algorithm of the CUDA kernels"))
+
+  geo = geometry(op, x_shape, w_shape, r.dim, num_ranks, dtype.itemsize)
+  if geo.payload_bytes > facts.overlap_slot_bytes:
+    raise ValueError(
+        f"{op}: this call needs {geo.payload_bytes} bytes of fused-op slot per sender, but the "
+        f"slot has {facts.overlap_slot_bytes} bytes; raise overlap_heap_bytes in "
+        "jaxoverlap.initialize() (or JAXOVERLAP_OVERLAP_HEAP_BYTES), or run with more ranks")
+  if r.chunks is not None and r.chunks > limits["max_chunks"]:
+    raise ValueError(f"{op}: chunks={r.chunks} exceeds the kernels' limit of "
+                     f"{limits['max_chunks']}")
+  if r.chunks is None:
+    chunks = _policy.fused_chunks(op, geo.chunk_bytes, geo.pieces, geo.gemm_flops)
+    why.append(("chunks", "rule: from the shapes (jaxoverlap.tuning.policy.fused_chunks)"))
+  elif r.chunks > geo.pieces:
+    chunks = geo.pieces
+    why.append(("chunks", f"requested {r.chunks}, at most {geo.pieces} pieces"))
+  else:
+    chunks = r.chunks
+    why.append(("chunks", "requested"))
+  if r.transport == names.AUTO:
+    transport = _policy.DEFAULT_FUSED_TRANSPORT
+    why.append(("transport", "default: the copy engines take no SMs from the GEMM"))
+  else:
+    transport = r.transport
+    why.append(("transport", "requested"))
+  precision = _precision() if dtype == np.float32 else "default"
+  return Plan(**cuda, algorithm=names.FUSED, transport=transport, chunks=chunks,
+              precision=precision, command_buffer=facts.fused_command_buffer, geometry=geo,
+              why=tuple(why))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Aval:
+  shape: tuple[int, ...]
+  dtype: Any
+
+
+def _unfused_all_reduce(r, out_aval, cuda, facts, num_ranks) -> Plan:
+  """The all-reduce plan of matmul_all_reduce's unfused algorithm (GEMM output)."""
+  sub = Request(names.ALL_REDUCE, r.axis_name, backend=names.CUDA)
+  nbytes = _nbytes(out_aval.shape, out_aval.dtype.itemsize)
+  base = dict(op=names.ALL_REDUCE, axis_name=r.axis_name, shapes=(out_aval.shape,),
+              dtype=out_aval.dtype.name, nbytes=nbytes, num_ranks=num_ranks)
+  sub_cuda = dict(base, backend=names.CUDA, ranks_per_node=cuda["ranks_per_node"],
+                  num_nodes=cuda["num_nodes"], groups=cuda["groups"])
+  if nbytes == 0:
+    return Plan(**dict(sub_cuda, backend=names.XLA, groups=None), algorithm=names.COLLECTIVE,
+                why=(("backend", "empty output: nothing to communicate"),))
+  return _all_reduce_plan(sub, out_aval.dtype, cuda["ranks_per_node"], cuda["num_nodes"], facts,
+                          sub_cuda)
+
+
+# ---------------------------------------------------------------------------- lowering
+
+
+def _concrete_mesh(ctx):
+  mesh = getattr(ctx.module_context.axis_context, "mesh", None)
+  return mesh if mesh is not None and hasattr(mesh, "devices") else None
+
+
+def plan_lowering(ctx, request: Request, num_ranks: int) -> Plan:
+  """The plan of a call being lowered (``ctx``: JAX's lowering context); logged.
+
+  Every plan is kept for ``decisions()`` and logged at INFO (logger
+  ``jaxoverlap``); a fallback of backend "auto" to XLA is logged once per
+  reason as a WARNING.
+  """
+  plan = make_plan(request, ctx.avals_in, _concrete_mesh(ctx), runtime.facts(),
+                   num_ranks=num_ranks)
+  with _lock:
+    _log.append(plan)
+  why_backend = plan.reason("backend") or ""
+  if request.backend == names.AUTO and why_backend.startswith("auto: ") and \
+      plan.backend == names.XLA:
+    _warn_fallback(request, why_backend[len("auto: "):])
+  logger.info("jaxoverlap: %s", plan.summary())
+  return plan

@@ -1,0 +1,46 @@
+"""Measurements and models behind ``auto``, in four parts.
+
+* ``jaxoverlap.tuning.cost_model``: the alpha-beta model of the all-reduce
+  algorithms and of ``lax.psum``, for topologies no measurement covers.
+* ``jaxoverlap.tuning.policy``: what ``auto`` picks: the all-reduce ``Policy``
+  (measured table first, then the cost model), the protocol rule, and the
+  fused ops' chunk and fusion rules.
+* ``jaxoverlap.tuning.results``: the results format that benchmarks and tuning
+  tables share (load, save, validate).
+* ``jaxoverlap.tuning.timing``: the timing harness of the tuner
+  (``python -m jaxoverlap.tune``) and the benchmarks.
+
+The names below are re-exported for convenience; ``jaxoverlap.dispatch`` is
+the only caller of the policy inside the package.
+"""
+
+from jaxoverlap.tuning.cost_model import (
+    ALGORITHMS,
+    DEFAULT_PARAMS,
+    PARAM_KEYS,
+    PROTOCOLS,
+    PSUM,
+    CostParams,
+    LinkParams,
+    params_from_env,
+    predict_us,
+)
+from jaxoverlap.tuning.policy import Choice, Policy, protocol_for
+from jaxoverlap.tuning.results import (
+    default_tuning_path,
+    impl_name,
+    load_result,
+    make_result,
+    package_versions,
+    parse_impl,
+    save_result,
+    validate_result,
+)
+from jaxoverlap.tuning.timing import chain_time_s, run_tuning, time_chain_us
+
+__all__ = [
+    "ALGORITHMS", "PROTOCOLS", "PSUM", "PARAM_KEYS", "LinkParams", "CostParams", "DEFAULT_PARAMS",
+    "params_from_env", "predict_us", "Choice", "Policy", "protocol_for", "default_tuning_path",
+    "impl_name", "parse_impl", "package_versions", "make_result", "validate_result",
+    "load_result", "save_result", "run_tuning", "chain_time_s", "time_chain_us",
+]

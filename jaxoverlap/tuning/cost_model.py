@@ -1,0 +1,306 @@
+"""The alpha-beta cost model of the all-reduce algorithms and of ``lax.psum``.
+
+Problem:
+  Where no measured table covers a topology (other GPU counts, other nodes,
+  networks we could not measure), ``all_reduce``'s automatic choice still has to
+  rank one-shot, two-shot, NVRAR's hierarchical algorithm and XLA's psum.
+
+Algorithm:
+  ``predict_us`` prices each algorithm with one (alpha, beta) pair per link
+  kind (NVLink inside a node, the network between nodes), a fixed per-call
+  overhead and the local reduction's HBM traffic; psum is priced as NCCL's
+  ring. The defaults were fit on 2x H200 (docs/results.md); the network's are
+  assumed (400 Gb/s NIC per GPU) and can be set by environment variables or a
+  tuning table's ``"params"``.
+
+Example:
+  >>> from jaxoverlap.tuning import cost_model
+  >>> round(cost_model.predict_us("one_shot", "ll", 8192, 2, ranks_per_node=8, num_nodes=1), 1)
+  5.6
+
+Environment:
+  ``JAXOVERLAP_<KEY>`` for every key of ``PARAM_KEYS`` (e.g.
+  ``JAXOVERLAP_NET_ALPHA_US``, ``JAXOVERLAP_NET_BETA_GBPS``) overrides one
+  parameter; it beats a tuning table's ``"params"``, which beat the defaults.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from collections.abc import Mapping
+
+from jaxoverlap import names
+
+__all__ = [
+    "ALGORITHMS",
+    "PROTOCOLS",
+    "PSUM",
+    "PARAM_KEYS",
+    "LinkParams",
+    "CostParams",
+    "DEFAULT_PARAMS",
+    "params_from_env",
+    "predict_us",
+]
+
+ALGORITHMS = names.algorithms(names.ALL_REDUCE, names.CUDA)
+PROTOCOLS = names.PROTOCOLS
+PSUM = "psum"  # lax.psum, i.e. NCCL: the handover that auto must never lose to
+_SINGLE_NODE = (names.ONE_SHOT, names.TWO_SHOT)  # their kernels reach peers over NVLink only
+
+
+
+@dataclasses.dataclass(frozen=True)
+class LinkParams:
+  """One link kind in the alpha-beta model: a step costs ``alpha_us + bytes / beta``.
+
+  Attributes:
+    alpha_us: latency of one message (put, or signal), us.
+    beta_gbps: bandwidth one GPU gets for its sends, GB/s (1e9 bytes/s).
+  """
+
+  alpha_us: float
+  beta_gbps: float
+
+  def transfer_us(self, nbytes: float) -> float:
+    """Time to stream ``nbytes`` bytes at ``beta_gbps``, us (no latency)."""
+    return nbytes / (self.beta_gbps * 1e3)
+
+
+@dataclasses.dataclass(frozen=True)
+class CostParams:
+  """Parameters of ``predict_us``.
+
+  Attributes:
+    nvlink: GPU-to-GPU inside a node (NVSHMEM puts over NVLink/NVSwitch).
+    network: GPU-to-GPU across nodes, per GPU (its own NIC).
+    nccl: ``lax.psum``: ``alpha_us`` is NCCL's whole small-message latency as
+      seen from JAX, ``beta_gbps`` its ring bus bandwidth inside a node.
+    launch_us: fixed cost of one call of our kernel: launch (graph node) and
+      entry synchronisation, us.
+    hbm_gbps: local memory bandwidth for the reduction's reads and writes, GB/s.
+  """
+
+  nvlink: LinkParams
+  network: LinkParams
+  nccl: LinkParams
+  launch_us: float
+  hbm_gbps: float
+
+  def as_flat(self) -> dict[str, float]:
+    """The parameters under the flat keys of ``PARAM_KEYS``."""
+    return {key: getattr(getattr(self, f[0]), f[1]) if len(f) == 2 else getattr(self, f[0])
+            for key, f in _FIELDS.items()}
+
+  def replace(self, **flat: float | None) -> CostParams:
+    """A copy with some flat keys (``PARAM_KEYS``) changed; None values are ignored.
+
+    Raises:
+      ValueError: unknown key, or a value that is not a positive number.
+    """
+    values = self.as_flat()
+    for key, value in flat.items():
+      if value is None:
+        continue
+      if key not in _FIELDS:
+        raise ValueError(f"unknown cost-model parameter {key!r}; expected one of {PARAM_KEYS}")
+      value = float(value)
+      if not (value > 0 and math.isfinite(value)):
+        raise ValueError(f"cost-model parameter {key} must be a positive number, got {value}")
+      values[key] = value
+    return CostParams(
+        nvlink=LinkParams(values["nvlink_alpha_us"], values["nvlink_beta_gbps"]),
+        network=LinkParams(values["net_alpha_us"], values["net_beta_gbps"]),
+        nccl=LinkParams(values["nccl_alpha_us"], values["nccl_beta_gbps"]),
+        launch_us=values["launch_us"],
+        hbm_gbps=values["hbm_gbps"],
+    )
+
+
+_FIELDS = {
+    "nvlink_alpha_us": ("nvlink", "alpha_us"),
+    "nvlink_beta_gbps": ("nvlink", "beta_gbps"),
+    "net_alpha_us": ("network", "alpha_us"),
+    "net_beta_gbps": ("network", "beta_gbps"),
+    "nccl_alpha_us": ("nccl", "alpha_us"),
+    "nccl_beta_gbps": ("nccl", "beta_gbps"),
+    "launch_us": ("launch_us",),
+    "hbm_gbps": ("hbm_gbps",),
+}
+PARAM_KEYS = tuple(_FIELDS)
+
+# Defaults. NVLink and NCCL numbers are the project's first measurements on 2x H200
+# (NV18, 478 GB/s per direction), jax 0.11.2, NVSHMEM 3.4.5, NCCL 2.28.9
+# (docs/results.md, "Baselines measured at the start"). The network numbers are
+# NOT measured: no multi-node machine was available.
+DEFAULT_PARAMS = CostParams(
+    # alpha: NVSHMEM signal ping-pong, 0.71 us one way (docs/results.md).
+    # beta: nvshmem putmem_block, both directions at once, 32 blocks: 355 GB/s
+    # per direction (docs/results.md), 74% of NVLink's 478 GB/s. Check at 2 GPUs
+    # (model vs PyTorch symm-mem, docs/results.md): two_shot 1 MB 10.9 vs 10.1 us,
+    # 4 MB 21.8 vs 20.1 us, 64 MB 238 vs 212 us; one_shot 1 MB 9.7 vs 13.3 us.
+    nvlink=LinkParams(alpha_us=0.71, beta_gbps=355.0),
+    # ASSUMPTION (not measured): one 400 Gb/s InfiniBand NDR / RoCE NIC per GPU.
+    # beta: 400 Gb/s = 50 GB/s line rate, ~90% of it achieved by large RDMA
+    # writes -> 45 GB/s. alpha: ~2.5 us for a GPU-initiated RDMA put plus its
+    # completion seen by the peer (IB write latency ~1.5-2 us + NVSHMEM proxy or
+    # IBGDA overhead). Set JAXOVERLAP_NET_ALPHA_US / JAXOVERLAP_NET_BETA_GBPS,
+    # or `python -m jaxoverlap.tune --net_alpha_us ... --net_beta_gbps ...`.
+    network=LinkParams(alpha_us=2.5, beta_gbps=45.0),
+    # alpha: JAX psum, bf16, 2 GPUs, 8 KB: 13.7 us, the lowest of our runs
+    # (13.7-21.2 us, docs/results.md). beta: fit to 64 MB: (301 - 13.7) us for
+    # 2(P-1)/P * 64 MiB = 64 MiB -> 234 GB/s. The single alpha-beta line
+    # underestimates psum between 256 KB and 4 MB (NCCL's LL->Simple switch:
+    # measured 18.5/23.8/44.1 us, model 14.8/18.2/31.6 us), i.e. the model
+    # leans towards psum where it is unsure, as auto must.
+    nccl=LinkParams(alpha_us=13.7, beta_gbps=234.0),
+    # Fixed cost per call, fit to PyTorch symmetric-memory one-shot/two-shot
+    # (CUDA graphs, 2x H200, docs/results.md) at 8 KB - 1 MB: their small-message
+    # floor is 6.5-6.7 us, of which the model's steps explain 0.7-1.5 us.
+    launch_us=4.5,
+    # H200 HBM3e: 4.8 TB/s peak (NVIDIA H200 datasheet); ~85% reached by
+    # streaming kernels -> 4000 GB/s. ASSUMPTION: not measured by us.
+    hbm_gbps=4000.0,
+)
+
+
+def params_from_env(base: CostParams | None = None,
+                    environ: Mapping[str, str] | None = None) -> CostParams:
+  """``base`` (default ``DEFAULT_PARAMS``) with ``JAXOVERLAP_<KEY>`` overrides applied.
+
+  Args:
+    base: parameters to start from.
+    environ: the environment (default ``os.environ``).
+
+  Returns:
+    The parameters, e.g. with ``net_alpha_us`` from ``JAXOVERLAP_NET_ALPHA_US``.
+
+  Raises:
+    ValueError: an override that is not a positive number (names the variable).
+  """
+  base = DEFAULT_PARAMS if base is None else base
+  environ = os.environ if environ is None else environ
+  flat = {}
+  for key in PARAM_KEYS:
+    name = "JAXOVERLAP_" + key.upper()
+    if environ.get(name, "").strip():
+      try:
+        flat[key] = float(environ[name])
+      except ValueError:
+        raise ValueError(f"{name}={environ[name]!r} is not a number") from None
+  try:
+    return base.replace(**flat)
+  except ValueError as e:
+    raise ValueError(f"{e} (from the JAXOVERLAP_* environment)") from None
+
+
+def _step_us(link: LinkParams, nbytes: float, protocol: str) -> float:
+  """One step in which every rank sends ``nbytes`` payload bytes and waits for its peers'.
+
+  LL8 sends 4 B of flag with every 4 B of data (2x the wire bytes) and needs
+  no signal; simple sends the data once, then a signal that costs one more
+  latency.
+  """
+  if protocol == "ll":
+    return link.alpha_us + link.transfer_us(2 * nbytes)
+  return 2 * link.alpha_us + link.transfer_us(nbytes)
+
+
+def predict_us(
+    algorithm: str,
+    protocol: str | None,
+    nbytes: int,
+    itemsize: int,
+    ranks_per_node: int,
+    num_nodes: int,
+    params: CostParams | None = None,
+) -> float:
+  """Predicted latency of one all-reduce, us.
+
+  With G = ranks_per_node, N = num_nodes, P = G N and M = nbytes:
+
+  * one_shot (N = 1): launch + one step of (G-1) M bytes (every rank pushes M
+    to each peer) + reading G inputs from HBM.
+  * two_shot (N = 1): launch + reduce-scatter step of (G-1)/G M + all-gather
+    step of (G-1)/G M, + HBM traffic.
+  * hierarchical (N > 1; NVRAR, arXiv 2511.09557): intra-node reduce-scatter
+    and all-gather as two_shot, between them floor(log2 N) network steps of
+    the whole shard as fp32 partial sums (M/G * 4/itemsize bytes), plus a
+    pre-step and a post-step when N is not a power of two.
+  * psum: NCCL ring, nccl.alpha + 2(P-1)/P M / beta; across nodes beta is
+    min(nccl.beta, G * network.beta) (rail-aligned rings share the node's
+    NICs) and 2 ceil(log2 N) network latencies are added (NCCL's tree for
+    small messages).
+
+  A step (``_step_us``) costs alpha + 2 bytes/beta with protocol "ll" and
+  2 alpha + bytes/beta with "simple".
+
+  Args:
+    algorithm: "one_shot", "two_shot", "hierarchical" or "psum".
+    protocol: "ll" or "simple"; None for psum.
+    nbytes: message size per rank, bytes.
+    itemsize: bytes per element (2 for bf16/f16, 4 for f32).
+    ranks_per_node: G, GPUs per node in the group.
+    num_nodes: N, nodes in the group.
+    params: model parameters (default: ``params_from_env()``).
+
+  Returns:
+    Latency, us.
+
+  Raises:
+    ValueError: unknown algorithm or protocol, one_shot/two_shot across
+      nodes, hierarchical within one node, or a non-positive size.
+  """
+  p = params_from_env() if params is None else params
+  g, n, m = int(ranks_per_node), int(num_nodes), float(nbytes)
+  if g < 1 or n < 1 or m < 0 or itemsize < 1:
+    raise ValueError(f"predict_us: need ranks_per_node >= 1, num_nodes >= 1, nbytes >= 0 and "
+                     f"itemsize >= 1; got {ranks_per_node}, {num_nodes}, {nbytes}, {itemsize}")
+  if algorithm == PSUM:
+    if protocol is not None:
+      raise ValueError(f"predict_us: psum takes protocol=None, got {protocol!r}")
+    num_ranks = g * n
+    if num_ranks == 1:
+      return 0.0  # XLA drops a psum over one rank
+    ring_bytes = 2 * (num_ranks - 1) / num_ranks * m
+    if n == 1:
+      return p.nccl.alpha_us + p.nccl.transfer_us(ring_bytes)
+    beta = min(p.nccl.beta_gbps, g * p.network.beta_gbps)
+    return (p.nccl.alpha_us + 2 * math.ceil(math.log2(n)) * p.network.alpha_us
+            + ring_bytes / (beta * 1e3))
+  if algorithm not in ALGORITHMS:
+    raise ValueError(f"predict_us: algorithm must be one of {ALGORITHMS + (PSUM,)}, "
+                     f"got {algorithm!r}")
+  if protocol not in PROTOCOLS:
+    raise ValueError(f"predict_us: protocol must be one of {PROTOCOLS}, got {protocol!r}")
+  if algorithm in _SINGLE_NODE and n > 1:
+    raise ValueError(f"predict_us: {algorithm} runs within one node; got num_nodes={n}")
+  if algorithm == "hierarchical" and n == 1:
+    raise ValueError("predict_us: hierarchical needs num_nodes > 1 (within one node it is "
+                     "two_shot)")
+
+  wire = 2 if protocol == "ll" else 1  # LL8 cells are read back from HBM at 8 B per 4 B too
+
+  def hbm(nbytes):
+    return nbytes / (p.hbm_gbps * 1e3)
+
+  peers = g - 1
+  if algorithm == "one_shot":
+    return (p.launch_us + (_step_us(p.nvlink, peers * m, protocol) if peers else 0.0)
+            + hbm((peers * wire + 1) * m + m))
+
+  # two_shot and hierarchical share the intra-node reduce-scatter and all-gather.
+  shard = m / g
+  t = p.launch_us
+  if peers:
+    t += 2 * _step_us(p.nvlink, peers * shard, protocol)
+    t += hbm((peers * wire + 1) * shard + shard)   # reduce G shards into one
+    t += hbm((wire + 1) * peers * shard)           # unpack the gathered shards
+  if algorithm == "hierarchical":
+    wire_shard = shard * 4 / itemsize  # partial sums travel as fp32
+    steps = int(math.log2(n)) + (0 if n & (n - 1) == 0 else 2)  # fold in / out
+    t += steps * (_step_us(p.network, wire_shard, protocol)
+                  + hbm((wire + 2) * wire_shard))
+  return t

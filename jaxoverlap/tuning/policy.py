@@ -1,0 +1,366 @@
+"""How ``auto`` chooses: the all-reduce policy and the fused ops' rules.
+
+Problem:
+  ``all_reduce(..., algorithm="auto")`` must pick, per message size and
+  topology, the fastest of the CUDA kernels (one-shot, two-shot, NVRAR's
+  hierarchical; protocols LL and simple) and XLA's ``lax.psum`` (NCCL), and it
+  must never be slower than psum. The fused GEMM ops must pick how many chunks
+  each shard transfer is cut into, and ``matmul_all_reduce`` whether to fuse.
+  Which choice wins depends on the machine, so measurements decide where there
+  are any, and a model elsewhere.
+
+Algorithm:
+  ``Policy.choose`` uses the measured records of a tuning table for the
+  topology when it has them, interpolated log-log between measured sizes, and
+  the cost model (``jaxoverlap.tuning.cost_model``) otherwise; every
+  ``Choice`` says which of the two decided and why. ``protocol_for`` gives the
+  wire protocol of a kernel where neither the caller nor the table names one.
+  ``fused_chunks`` and ``fuse_all_reduce`` are rules calibrated by chunk sweeps
+  on 2x H200 (docs/results.md, "Calibration of the automatic choices").
+  ``jaxoverlap.dispatch`` is the only caller inside the package.
+
+Example:
+  >>> from jaxoverlap.tuning import policy
+  >>> p = policy.Policy.load()   # $JAXOVERLAP_TUNING_FILE or ~/.cache/jaxoverlap/...
+  >>> p.choose(1 << 20, 2, ranks_per_node=8, num_nodes=2)   # no file yet
+  Choice(algorithm='hierarchical', protocol='simple', source='cost model (no tuning file at
+  /root/.cache/jaxoverlap/all_reduce-tuning.json)', time_us=24.28...)
+  >>> policy.fused_chunks("all_gather_matmul", 64 << 20, 8192, 2 * 8192 * 4096 * 4096)
+  2
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, NamedTuple
+
+from jaxoverlap import names
+from jaxoverlap.tuning import cost_model, results
+from jaxoverlap.tuning.cost_model import ALGORITHMS, PROTOCOLS, PSUM, CostParams
+
+__all__ = [
+    "Choice",
+    "Policy",
+    "protocol_for",
+    "LL_MAX_BYTES",
+    "FUSED_ALL_REDUCE_MIN_BYTES",
+    "DEFAULT_FUSED_TRANSPORT",
+    "fused_chunks",
+    "fuse_all_reduce",
+]
+
+# --------------------------------------------------------------------------- protocol
+
+# The LL protocol doubles the bytes on the wire (4 B of flag per 4 B of data)
+# but needs no separate signal: it wins while the doubled bytes per peer stay
+# small. Measured on 2x H200 (docs/kernels.md, all_reduce v3): one_shot LL up
+# to 64 KiB, simple above; hierarchical LL while its shard's doubled bytes are
+# at most 64 KiB.
+LL_MAX_BYTES = 64 * 1024
+
+
+def protocol_for(algorithm: str, nbytes: int, ranks_per_node: int) -> str:
+  """The protocol of a CUDA all-reduce kernel when neither caller nor table names one.
+
+  Args:
+    algorithm: "one_shot", "two_shot" or "hierarchical".
+    nbytes: message size per rank, bytes.
+    ranks_per_node: ranks of the group on one node.
+
+  Returns:
+    "ll" or "simple" (two_shot has only "simple").
+  """
+  if algorithm == names.ONE_SHOT:
+    return names.LL if nbytes <= LL_MAX_BYTES else names.SIMPLE
+  if algorithm == names.HIERARCHICAL:
+    return names.LL if nbytes // max(1, ranks_per_node) * 2 <= LL_MAX_BYTES else names.SIMPLE
+  return names.SIMPLE
+
+
+# --------------------------------------------------------------------------- all-reduce policy
+
+
+class Choice(NamedTuple):
+  """What ``Policy.choose`` picked.
+
+  Attributes:
+    algorithm: "one_shot", "two_shot", "hierarchical" or "psum".
+    protocol: "ll", "simple", or None (psum, or a record without protocol).
+    source: why: "measured (<file>, <size bracket>)" or "cost model (<reason>)".
+    time_us: the measured (interpolated) or predicted latency, us.
+  """
+
+  algorithm: str
+  protocol: str | None
+  source: str
+  time_us: float | None = None
+
+
+def _itemsize(dtype: str | None) -> int | None:
+  import numpy as np
+
+  try:
+    return np.dtype(dtype).itemsize if dtype else None
+  except TypeError:
+    import jax.numpy as jnp  # bfloat16 is registered by ml_dtypes through jax
+
+    return jnp.dtype(dtype).itemsize
+
+
+class Policy:
+  """Chooses the all-reduce algorithm and protocol per size and topology.
+
+  Measured records of the topology (same ``ranks_per_node`` and ``world``)
+  decide when they include ``xla:psum`` and reach the size: each impl's time
+  is interpolated log-log between the two measured sizes of psum that bracket
+  the size (taken as flat below the smallest), and the fastest wins, psum on
+  ties. An impl not measured at both ends of the bracket (e.g. rejected by its
+  correctness check there) does not compete.
+  Otherwise the cost model decides among the algorithms valid for the
+  topology. one_shot/two_shot are never chosen across nodes, hierarchical
+  never within one node.
+
+  Args:
+    records: records of the results format (``jaxoverlap.tuning.results``), ``op``
+      all_reduce.
+    params: cost-model parameters (default: ``cost_model.params_from_env()``).
+    path: where the records came from, for ``Choice.source``.
+    algorithms: the kernels this build has; others are never chosen.
+    protocols: the protocols this build has.
+    missing: True when ``path`` does not exist (said in ``Choice.source``).
+  """
+
+  def __init__(self, records: Iterable[Mapping[str, Any]] = (), params: CostParams | None = None,
+               *, path: str | None = None, algorithms: Sequence[str] = ALGORITHMS,
+               protocols: Sequence[str] = PROTOCOLS, missing: bool = False):
+    self.params = cost_model.params_from_env() if params is None else params
+    self.path = path or "<records>"
+    self.missing = missing
+    self.algorithms = tuple(a for a in algorithms if a in ALGORITHMS)
+    self.protocols = tuple(p for p in protocols if p in PROTOCOLS)
+    # {(ranks_per_node, world): {(alg, proto): {itemsize: {bytes: [us, ...]}}}}
+    self._measured: dict = {}
+    for rec in records:
+      parsed = results.parse_impl(rec.get("impl", ""))
+      if rec.get("op") != "all_reduce" or parsed is None:
+        continue
+      topo = (int(rec["ranks_per_node"]), int(rec["world"]))
+      sizes = (self._measured.setdefault(topo, {}).setdefault(parsed, {})
+               .setdefault(_itemsize(rec.get("dtype")), {}))
+      sizes.setdefault(int(rec["bytes"]), []).append(float(rec["time_us"]))
+
+  @classmethod
+  def from_result(cls, result: Mapping[str, Any] | None, path: str | None = None,
+                  **kwargs) -> Policy:
+    """The policy of a tuning table already read (None: no table, cost model only).
+
+    Cost-model parameters: the defaults, then the table's ``"params"``, then
+    ``JAXOVERLAP_*`` variables.
+
+    Args:
+      result: a tuning table (``load_result``), or None.
+      path: where it came from, for ``Choice.source``.
+      **kwargs: ``algorithms``, ``protocols`` as in ``Policy``.
+
+    Raises:
+      ValueError: ``result`` is not a valid table.
+    """
+    path = path or results.default_tuning_path()
+    if result is None:
+      return cls((), cost_model.params_from_env(), path=path, missing=True, **kwargs)
+    results.validate_result(result, path)
+    params = cost_model.params_from_env(cost_model.DEFAULT_PARAMS.replace(**result.get("params", {})))
+    return cls(result["records"], params, path=path, **kwargs)
+
+  @classmethod
+  def load(cls, path: str | None = None, **kwargs) -> Policy:
+    """The policy of a tuning file (default ``results.default_tuning_path()``); see ``from_result``.
+
+    A missing file gives a cost-model-only policy.
+
+    Raises:
+      ValueError: the file exists but is not a valid tuning table.
+    """
+    path = path or results.default_tuning_path()
+    return cls.from_result(results.load_result(path), path, **kwargs)
+
+  def _allowed(self, algorithm: str, protocol: str | None, num_nodes: int) -> bool:
+    if algorithm == PSUM:
+      return True
+    if algorithm not in self.algorithms or (protocol is not None and
+                                            protocol not in self.protocols):
+      return False
+    if protocol is not None and protocol not in names.protocols(algorithm):
+      return False  # e.g. the two-shot kernel has only the simple protocol
+    return (num_nodes > 1) == (algorithm == names.HIERARCHICAL)
+
+  def _from_measurements(self, nbytes, itemsize, ranks_per_node, num_nodes):
+    """A Choice from the table, or the reason there is none (str)."""
+    topo = (ranks_per_node, ranks_per_node * num_nodes)
+    by_impl = self._measured.get(topo)
+    if not by_impl:
+      return f"no measurements for {ranks_per_node} ranks/node x {num_nodes} nodes"
+    if (PSUM, None) not in by_impl:
+      return f"no xla:psum measurement for {ranks_per_node} ranks/node x {num_nodes} nodes"
+    # Records of this itemsize when psum has some, else all dtypes compared by bytes.
+    same = itemsize in by_impl[(PSUM, None)]
+    times = {}
+    for impl, by_itemsize in by_impl.items():
+      sizes: dict[int, list[float]] = {}
+      for size, d in by_itemsize.items():
+        if not same or size == itemsize:
+          for b, ts in d.items():
+            sizes.setdefault(b, []).extend(ts)
+      times[impl] = {b: statistics.median(ts) for b, ts in sizes.items()}
+    grid = sorted(times[(PSUM, None)])
+    if nbytes > grid[-1]:
+      return f"{nbytes} bytes is above the largest size measured ({grid[-1]} bytes)"
+    lo = max([b for b in grid if b <= nbytes], default=grid[0])
+    hi = min(b for b in grid if b >= nbytes)
+    best = None
+    for (alg, proto), t in times.items():
+      # An impl competes only if measured at both ends of psum's bracket: one
+      # rejected (or not run) at a size never wins next to it.
+      if not self._allowed(alg, proto, num_nodes) or lo not in t or hi not in t:
+        continue
+      us = t[lo] if lo == hi or nbytes <= lo else math.exp(
+          math.log(t[lo]) + math.log(nbytes / lo) / math.log(hi / lo)
+          * (math.log(t[hi]) - math.log(t[lo])))
+      key = (us, alg != PSUM)  # psum wins ties
+      if best is None or key < best[0]:
+        best = (key, alg, proto)
+    (us, _), alg, proto = best
+    if nbytes == lo == hi:
+      bracket = f"at {nbytes} bytes"
+    elif nbytes < lo:
+      bracket = f"below {lo} bytes, the smallest measured"
+    else:
+      bracket = f"between {lo} and {hi} bytes"
+    return Choice(alg, proto, f"measured ({self.path}, {bracket})", us)
+
+  def choose(self, nbytes: int, itemsize: int, ranks_per_node: int, num_nodes: int) -> Choice:
+    """The algorithm and protocol for one all-reduce.
+
+    Args:
+      nbytes: message size per rank, bytes.
+      itemsize: bytes per element (2 or 4).
+      ranks_per_node: GPUs per node in the reduction group.
+      num_nodes: nodes in the reduction group.
+
+    Returns:
+      A ``Choice``; ``algorithm == "psum"`` is the explicit handover to XLA.
+
+    Raises:
+      ValueError: negative size, or a topology with fewer than one rank.
+    """
+    if nbytes < 0 or itemsize < 1 or ranks_per_node < 1 or num_nodes < 1:
+      raise ValueError(f"Policy.choose: need nbytes >= 0, itemsize >= 1, ranks_per_node >= 1 "
+                       f"and num_nodes >= 1; got {nbytes}, {itemsize}, {ranks_per_node}, "
+                       f"{num_nodes}")
+    got = self._from_measurements(nbytes, itemsize, ranks_per_node, num_nodes)
+    if isinstance(got, Choice):
+      return got
+    why = f"no tuning file at {self.path}" if self.missing else f"{got} in {self.path}"
+    candidates = [(PSUM, None)] + [(a, p) for a in self.algorithms for p in self.protocols
+                                   if self._allowed(a, p, num_nodes)]
+    t, _, alg, proto = min(
+        (cost_model.predict_us(a, p, nbytes, itemsize, ranks_per_node, num_nodes, self.params), a != PSUM,
+         a, p) for a, p in candidates)
+    return Choice(alg, proto, f"cost model ({why})", t)
+
+  def table(self, ranks_per_node: int, num_nodes: int,
+            sizes: Sequence[int] = tuple(4096 << (2 * i) for i in range(9)),
+            itemsize: int = 2) -> list[dict[str, Any]]:
+    """What ``choose`` picks for each size (for ``runtime_info()`` and the README).
+
+    Args:
+      ranks_per_node, num_nodes: the topology.
+      sizes: message sizes per rank, bytes (default 4 KB, 16 KB, ..., 256 MB).
+      itemsize: bytes per element.
+
+    Returns:
+      One dict per size: ``bytes``, ``impl``, ``algorithm``, ``protocol``,
+      ``time_us`` (measured or predicted), ``psum_us`` (psum's predicted time)
+      and ``source``.
+    """
+    rows = []
+    for nbytes in sizes:
+      c = self.choose(nbytes, itemsize, ranks_per_node, num_nodes)
+      rows.append({
+          "bytes": nbytes, "impl": results.impl_name(c.algorithm, c.protocol), "algorithm": c.algorithm,
+          "protocol": c.protocol, "time_us": None if c.time_us is None else round(c.time_us, 2),
+          "psum_us": round(cost_model.predict_us(PSUM, None, nbytes, itemsize, ranks_per_node, num_nodes,
+                                      self.params), 2),
+          "source": c.source})
+    return rows
+
+
+# --------------------------------------------------------------------------- fused ops
+
+# matmul_all_reduce(algorithm="auto") takes the fused kernel from this output
+# size per rank (bytes) on; below it the GEMM then the CUDA all_reduce.
+# Calibrated on 2x H200 (three chunk sweeps): the fused kernel lost by 37-78 us
+# at 1-8 MiB (its two dependent transfers and their flag waits), tied at 16 MiB
+# (medians 1% apart; single runs from 10% faster to 15% slower), and won by
+# 10-29% at every measured size from 32 MiB.
+FUSED_ALL_REDUCE_MIN_BYTES = 32 << 20
+
+# The fused ops' transport where the caller names none: the copy engines take
+# no SMs from the concurrent GEMM; NVSHMEM block puts from a kernel were slower
+# wherever the GEMM was long (AG 0.58 vs 0.39 ms, RS 0.60 vs 0.46 ms at
+# (16384, 4096, 4096), docs/kernels.md "fused v1").
+DEFAULT_FUSED_TRANSPORT = names.COPY_ENGINE
+
+# Auto chunking, calibrated on 2x H200 by three chunk sweeps (1, 2, 3, 4, 8
+# chunks over 27 shapes; every configuration's median over its measurements;
+# benchmarks/calibrate_fused.py, docs/kernels.md "fused calibration"). No shape
+# ran more than 2.7% faster with more than two chunks, so auto uses one or two:
+# * all_gather_matmul: ratio = the shard's transfer time over the local
+#   shard's GEMM time (estimated with the rates below). Up to
+#   _AG_ONE_CHUNK_RATIO that GEMM hides the transfer whole and cutting the
+#   GEMM only costs: one chunk (ratios 0.14 and 0.27: two chunks 1-5% slower
+#   on four shapes, 1.5% faster on one). From 0.47 on the transfer, slowed by
+#   the GEMM beside it, is exposed and two chunks win: 6% at 0.47, 3.5% at
+#   0.63, 9-15% at 0.95, 10% at 1.90 (larger ratios were not measured).
+# * matmul_reduce_scatter / matmul_all_reduce: this rank's block GEMM adds the
+#   partial of rank r-1 chunk by chunk, so that partial must arrive in chunks
+#   ahead of it, but each chunk adds a dependent transfer: one chunk for blocks
+#   under _RS_TWO_CHUNK_BYTES (two cost 9-63% at 0.5-4 MiB), two from there
+#   (8-224 MiB: the best count or within 1.1% of it).
+_LINK_BYTES_PER_S = 350e9    # one copy-engine stream over NV18 (a 64 MiB shard hid in 185 us)
+_GEMM_FLOPS_PER_S = 680e12   # bf16 GEMM on one H200 (the sweeps' local GEMMs: median 692 TF/s)
+_AG_ONE_CHUNK_RATIO = 0.4    # t_comm / t_gemm up to which AG sends its shard whole
+_RS_TWO_CHUNK_BYTES = 8 << 20
+
+
+def fused_chunks(op: str, payload_bytes: int, pieces: int, gemm_flops: float) -> int:
+  """Chunks per shard transfer for a fused op, from its shapes (the rules above).
+
+  Args:
+    op: "all_gather_matmul", "matmul_reduce_scatter" or "matmul_all_reduce".
+    payload_bytes: bytes of one shard (AG) or one partial block (RS, AR).
+    pieces: pieces the shard or block can be cut into (its rows; all_gather_matmul
+      with batch dims: the batch entries); chunks never exceed them.
+    gemm_flops: flops of the GEMM that the first transfer overlaps (AG: the
+      local shard's).
+
+  Returns:
+    1 or 2 (at most ``pieces``, at least 1).
+  """
+  if op == names.ALL_GATHER_MATMUL:
+    ratio = (payload_bytes / _LINK_BYTES_PER_S) / max(gemm_flops / _GEMM_FLOPS_PER_S, 1e-12)
+    chunks = 1 if ratio <= _AG_ONE_CHUNK_RATIO else 2
+  else:
+    chunks = 1 if payload_bytes < _RS_TWO_CHUNK_BYTES else 2
+  return int(max(1, min(pieces, chunks)))
+
+
+def fuse_all_reduce(out_bytes: int) -> bool:
+  """True when ``matmul_all_reduce``'s fused kernel beats the GEMM then the all-reduce.
+
+  Args:
+    out_bytes: bytes of the output per rank.
+  """
+  return out_bytes >= FUSED_ALL_REDUCE_MIN_BYTES

@@ -1,0 +1,195 @@
+"""The results format: benchmark and tuning files (load, save, validate).
+
+Problem:
+  Benchmarks, the tuner and the all-reduce policy exchange measurements as
+  JSON files. Each must say what was measured, on which machine, with which
+  command and package versions, and in which units, so that a file written
+  today still loads and compares tomorrow.
+
+Algorithm:
+  One JSON object per file: ``benchmark``, ``machine``, ``command``, ``date``,
+  ``versions`` and a list of ``records``; each record names the ``op``, the
+  implementation (``impl``: ``"jaxoverlap:<algorithm>"``, or a baseline such as
+  ``"xla:psum"``), ``dtype``, ``bytes``, ``shape``, ``world``,
+  ``ranks_per_node`` and ``time_us`` (the median latency of one op, in
+  microseconds). Tuning tables (benchmark ``all_reduce_tuning``) add the
+  cost-model ``params`` and the configurations ``rejected`` by their
+  correctness check. ``save_result`` writes atomically.
+
+Example:
+  >>> from jaxoverlap.tuning import results
+  >>> table = results.load_result("benchmarks/results/all_reduce-2x_H200_NV18-1x2.json")
+  >>> table["records"][0]["impl"], results.parse_impl("jaxoverlap:one_shot_ll")
+  ('jaxoverlap:one_shot_ll', ('one_shot', 'll'))
+"""
+
+from __future__ import annotations
+
+import datetime
+import importlib.metadata
+import json
+import os
+import tempfile
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from jaxoverlap.tuning import cost_model
+from jaxoverlap.tuning.cost_model import ALGORITHMS, PROTOCOLS, PSUM
+
+__all__ = [
+    "impl_name",
+    "parse_impl",
+    "default_tuning_path",
+    "package_versions",
+    "make_result",
+    "validate_result",
+    "load_result",
+    "save_result",
+]
+
+
+
+def impl_name(algorithm: str, protocol: str | None) -> str:
+  """The ``impl`` of a record: ``"xla:psum"`` or ``"jaxoverlap:<algorithm>[_<protocol>]"``."""
+  if algorithm == PSUM:
+    return "xla:psum"
+  return f"jaxoverlap:{algorithm}" + (f"_{protocol}" if protocol else "")
+
+
+def parse_impl(impl: str) -> tuple[str, str | None] | None:
+  """Inverse of ``impl_name``; None for impls that are not a choice (auto, ppermute, ...)."""
+  if impl == "xla:psum":
+    return PSUM, None
+  if not impl.startswith("jaxoverlap:"):
+    return None
+  name = impl.split(":", 1)[1]
+  if name in ALGORITHMS:
+    return name, None
+  for protocol in PROTOCOLS:
+    alg = name[: -len(protocol) - 1]
+    if name.endswith("_" + protocol) and alg in ALGORITHMS:
+      return alg, protocol
+  return None
+
+
+def default_tuning_path() -> str:
+  """``$JAXOVERLAP_TUNING_FILE``, else ``~/.cache/jaxoverlap/all_reduce-tuning.json``."""
+  return os.environ.get("JAXOVERLAP_TUNING_FILE") or os.path.join(
+      os.path.expanduser("~"), ".cache", "jaxoverlap", "all_reduce-tuning.json")
+
+
+_RECORD_KEYS = {"op": str, "impl": str, "bytes": int, "ranks_per_node": int, "world": int,
+                "time_us": (int, float)}
+
+
+_VERSIONED = (("jax", "jax"), ("jaxlib", "jaxlib"), ("nvshmem", "nvidia-nvshmem-cu13"),
+              ("nccl", "nvidia-nccl-cu13"))
+
+
+def package_versions() -> dict[str, str | None]:
+  """The installed versions of jax, jaxlib, nvidia-nvshmem-cu13 and nvidia-nccl-cu13.
+
+  Returns:
+    ``{"jax", "jaxlib", "nvshmem", "nccl"}`` -> version string, None where the
+    distribution is not installed; the ``versions`` of ``make_result``.
+  """
+  out = {}
+  for name, dist in _VERSIONED:
+    try:
+      out[name] = importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+      out[name] = None
+  return out
+
+
+def make_result(records: Sequence[Mapping[str, Any]], *, machine: str, command: str,
+                method: str, versions: Mapping[str, Any] | None = None,
+                params: Mapping[str, float] | None = None,
+                rejected: Sequence[Mapping[str, Any]] = ()) -> dict[str, Any]:
+  """A tuning table in the results format of this module (benchmark ``all_reduce_tuning``).
+
+  Args:
+    records: ``{"op": "all_reduce", "impl", "dtype", "bytes", "shape", "world",
+      "ranks_per_node", "time_us"}`` each.
+    machine, command, method: free text, as in the benchmark files.
+    versions: package versions.
+    params: cost-model overrides under ``PARAM_KEYS`` (e.g. the network's).
+    rejected: ``{"impl", "bytes", "reason"}`` of configurations that failed
+      their correctness check and were not timed.
+  """
+  return {
+      "benchmark": "all_reduce_tuning",
+      "machine": machine,
+      "command": command,
+      "method": method,
+      "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+      "versions": dict(versions or {}),
+      "params": dict(params or {}),
+      "records": [dict(r) for r in records],
+      "rejected": [dict(r) for r in rejected],
+  }
+
+
+def validate_result(result: Any, where: str = "tuning table") -> None:
+  """Checks the layout of a results file and the cost-model ``params``.
+
+  Raises:
+    ValueError: a missing or mistyped field; the message names it.
+  """
+  if not isinstance(result, dict):
+    raise ValueError(f"{where}: expected a JSON object, got {type(result).__name__}")
+  for key in ("benchmark", "machine", "command", "date", "versions", "records"):
+    if key not in result:
+      raise ValueError(f"{where}: missing field {key!r}")
+  if not isinstance(result["records"], list):
+    raise ValueError(f"{where}: 'records' must be a list")
+  for i, rec in enumerate(result["records"]):
+    for key, typ in _RECORD_KEYS.items():
+      if not isinstance(rec, dict) or not isinstance(rec.get(key), typ) or isinstance(
+          rec.get(key), bool):
+        raise ValueError(f"{where}: records[{i}] lacks {key!r} of type "
+                         f"{getattr(typ, '__name__', 'number')}: {rec!r}")
+    if rec["time_us"] <= 0 or rec["bytes"] < 0 or rec["ranks_per_node"] < 1 or (
+        rec["world"] % rec["ranks_per_node"]):
+      raise ValueError(f"{where}: records[{i}] has impossible values: {rec!r}")
+  cost_model.DEFAULT_PARAMS.replace(**result.get("params", {}))  # raises on a bad key or value
+
+
+def load_result(path: str | None = None) -> dict[str, Any] | None:
+  """Reads and validates a tuning table; None when the file does not exist.
+
+  Raises:
+    ValueError: the file is not valid JSON or not a valid table.
+  """
+  path = path or default_tuning_path()
+  try:
+    with open(path) as f:
+      result = json.load(f)
+  except FileNotFoundError:
+    return None
+  except json.JSONDecodeError as e:
+    raise ValueError(f"tuning table {path} is not valid JSON: {e}") from None
+  validate_result(result, path)
+  return result
+
+
+def save_result(result: Mapping[str, Any], path: str | None = None) -> str:
+  """Writes a tuning table atomically, creating folders; returns the path.
+
+  Raises:
+    ValueError: ``result`` is not a valid table.
+  """
+  path = path or default_tuning_path()
+  validate_result(result, path)
+  folder = os.path.dirname(os.path.abspath(path))
+  os.makedirs(folder, exist_ok=True)
+  fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tuning-", suffix=".json")
+  try:
+    with os.fdopen(fd, "w") as f:
+      json.dump(result, f, indent=1)
+    os.chmod(tmp, 0o644)  # mkstemp makes 0600; the table is shared, not secret
+    os.replace(tmp, path)  # readers on other ranks never see half a file
+  except BaseException:
+    os.unlink(tmp)
+    raise
+  return path

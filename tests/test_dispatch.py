@@ -1,0 +1,468 @@
+"""The dispatcher on CPU: plans for each topology, and what the lowerings emit.
+
+``jaxoverlap.dispatch.make_plan`` is a function of the request, the operand
+shapes, the mesh and the runtime's facts, so every choice is checked here with
+simulated facts: one process per device (``runtime.pe_of_device`` returns the
+device id), PEs grouped into nodes by ``ranks_per_node``, and the kernels'
+limits. With the facts patched in, ``jax.jit(...).lower`` runs the real
+lowering rules on CPU and the emitted custom calls (target and attributes) are
+checked in the module text; nothing is compiled or run. The kernels
+themselves are tested on GPUs (tests/gpu).
+"""
+
+import ast
+import json
+import logging
+import os
+import pathlib
+import re
+
+import jax
+import jax.extend
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import jaxoverlap
+from _helpers import make_mesh
+from jaxoverlap import _ffi, dispatch, names, overlap, reference, runtime
+from jaxoverlap.dispatch import Request
+from jaxoverlap.tuning import policy
+
+BF16 = jnp.bfloat16
+F32 = jnp.float32
+MIB = 1 << 20
+LIMITS = {"max_group_size": 8, "max_nodes": 64, "max_pes": 512, "max_chunks": 32,
+          "max_blocks": 128}
+
+needs_extension = pytest.mark.skipif(_ffi.unavailable_reason() is not None,
+                                     reason="the CUDA extension is not built")
+
+
+def facts(ranks_per_node=4, overlap_slot_bytes=1 << 30, unavailable=None, pe=0, **kw):
+  return runtime.Facts(unavailable=unavailable, transport="nvshmem", pe=pe, num_pes=8,
+                       ranks_per_node=ranks_per_node, slot_bytes=64 * MIB,
+                       ll_slot_bytes=2 * MIB, overlap_slot_bytes=overlap_slot_bytes,
+                       limits=LIMITS, **kw)
+
+
+@pytest.fixture(autouse=True)
+def _no_tuning_file(monkeypatch, tmp_path):
+  monkeypatch.setenv("JAXOVERLAP_TUNING_FILE", str(tmp_path / "none.json"))
+  monkeypatch.delenv("JAXOVERLAP_FUSED_CMD_BUFFER", raising=False)
+
+
+@pytest.fixture
+def one_process_per_device(monkeypatch):
+  """PE = device id, as with one process per GPU."""
+  monkeypatch.setattr(runtime, "pe_of_device", lambda d: d.id)
+
+
+@pytest.fixture
+def cuda_runtime(monkeypatch, one_process_per_device):
+  """The runtime as on a node of 4 GPUs, for lowerings."""
+  state = {"facts": facts()}
+  monkeypatch.setattr(runtime, "facts", lambda: state["facts"])
+  return state
+
+
+class A:
+  def __init__(self, shape, dtype=BF16):
+    self.shape, self.dtype = tuple(shape), jnp.dtype(dtype)
+
+
+def plan(request, shapes, mesh_shape=(4,), axes=("tp",), dtype=BF16, **fkw):
+  mesh = make_mesh(mesh_shape, axes)
+  return dispatch.make_plan(request, [A(s, dtype) for s in shapes], mesh, facts(**fkw))
+
+
+# ---------------------------------------------------------------------------- all_reduce
+
+
+def test_all_reduce_one_node_picks_a_kernel_and_protocol(one_process_per_device):
+  p = plan(Request("all_reduce", "tp"), [(4096,)])
+  assert (p.backend, p.algorithm, p.protocol, p.transport) == ("cuda", "one_shot", "ll",
+                                                               "nvshmem")
+  assert (p.num_ranks, p.ranks_per_node, p.num_nodes) == (4, 4, 1)
+  assert p.groups == ((0, 1, 2, 3),)
+  assert p.reason("algorithm").startswith("cost model (no tuning file at")
+  assert p.reason("protocol") == "with the algorithm: " + p.reason("algorithm")
+
+
+@pytest.mark.parametrize("algorithm,rpn,nbytes,protocol", [
+    ("one_shot", 4, 8 << 10, "ll"), ("one_shot", 4, 64 << 10, "ll"),
+    ("one_shot", 4, (64 << 10) + 16, "simple"), ("two_shot", 4, 16, "simple"),
+    ("hierarchical", 2, 64 << 10, "ll"), ("hierarchical", 2, (64 << 10) + 16, "simple")])
+def test_all_reduce_protocol_rule(one_process_per_device, algorithm, rpn, nbytes, protocol):
+  """A requested algorithm without a protocol takes the size rule (LL up to 64 KiB per peer)."""
+  p = plan(Request("all_reduce", "tp", algorithm=algorithm), [(nbytes // 2,)],
+           ranks_per_node=rpn)
+  assert p.protocol == protocol
+  assert p.reason("protocol").startswith("rule: LL up to 65536 bytes")
+  assert policy.protocol_for(algorithm, nbytes, rpn) == protocol
+
+
+def test_all_reduce_across_nodes_is_hierarchical(one_process_per_device):
+  p = plan(Request("all_reduce", "tp"), [(4096,)], ranks_per_node=2)
+  assert (p.algorithm, p.ranks_per_node, p.num_nodes) == ("hierarchical", 2, 2)
+  assert p.protocol == "ll"
+
+
+def test_all_reduce_one_shot_across_nodes_raises(one_process_per_device):
+  with pytest.raises(ValueError, match=re.escape(
+      "all_reduce: algorithm 'one_shot' needs the whole group on one node, but the group over "
+      "'tp' spans 2 nodes (ranks_per_node=2); use 'hierarchical' or 'auto'")):
+    plan(Request("all_reduce", "tp", algorithm="one_shot"), [(4096,)], ranks_per_node=2)
+
+
+def test_all_reduce_hands_large_messages_to_psum(one_process_per_device):
+  p = plan(Request("all_reduce", "tp"), [(128 * MIB,)], ranks_per_node=2)
+  assert (p.backend, p.algorithm) == ("xla", "collective")
+  assert p.reason("backend").startswith("auto policy: lax.psum (NCCL) is faster here, cost model")
+
+
+def test_all_reduce_requested_choices(one_process_per_device):
+  p = plan(Request("all_reduce", "tp", backend="cuda", algorithm="two_shot"), [(4096,)])
+  assert (p.algorithm, p.protocol) == ("two_shot", "simple")
+  assert p.reason("backend") == "requested" and p.reason("algorithm") == "requested"
+  p = plan(Request("all_reduce", "tp", protocol="simple"), [(16,)])
+  assert (p.algorithm, p.protocol, p.reason("protocol")) == ("one_shot", "simple", "requested")
+
+
+def test_all_reduce_measured_table_decides(one_process_per_device, monkeypatch):
+  table = json.load(open(pathlib.Path(jaxoverlap.__file__).parent / "tuning_tables" /
+                         "all_reduce-NVIDIA_H200.json"))
+  monkeypatch.setattr(runtime, "tuning_table", lambda: ("shipped.json", table))
+  p = plan(Request("all_reduce", "x"), [(4096,)], mesh_shape=(2,), axes=("x",),
+           ranks_per_node=2)
+  assert p.backend == "cuda" and p.reason("algorithm").startswith("measured (shipped.json")
+
+
+def test_devices_sharing_a_process_fall_back_or_raise():
+  """All CPU devices live in this one process: the NVSHMEM kernels cannot take the group."""
+  p = plan(Request("all_reduce", "tp"), [(4096,)])
+  assert p.backend == "xla" and "share processes" in p.reason("backend")
+  with pytest.raises(ValueError, match="all_reduce: backend='cuda' was requested, but the CUDA "
+                                       "backend needs one GPU per process"):
+    plan(Request("all_reduce", "tp", backend="cuda"), [(4096,)])
+
+
+def test_unavailable_runtime_falls_back_or_raises(one_process_per_device):
+  why = "jaxoverlap.initialize() has not been called in this process"
+  p = plan(Request("all_reduce", "tp"), [(4096,)], unavailable=why)
+  assert p.backend == "xla" and p.reason("backend") == "auto: " + why
+  with pytest.raises(RuntimeError, match=re.escape("backend='cuda' was requested, but " + why)):
+    plan(Request("all_reduce", "tp", backend="cuda"), [(4096,)], unavailable=why)
+
+
+def test_empty_operands_run_the_xla_expression(one_process_per_device):
+  p = plan(Request("all_reduce", "tp", backend="cuda"), [(0, 16)])
+  assert p.backend == "xla" and p.reason("backend").startswith("empty operands")
+  p = plan(Request("all_gather_matmul", "tp", backend="cuda", chunks=2, dim=0),
+           [(0, 16), (16, 8)])
+  assert p.backend == "xla"
+
+
+def test_two_axes_groups(one_process_per_device):
+  p = plan(Request("all_reduce", "tp"), [(4096,)], mesh_shape=(2, 4), axes=("dp", "tp"))
+  assert p.groups == ((0, 1, 2, 3), (4, 5, 6, 7)) and p.num_ranks == 4
+  p = plan(Request("all_reduce", ("tp", "dp")), [(4096,)], mesh_shape=(2, 4), axes=("dp", "tp"),
+           ranks_per_node=8)
+  # Ranks ordered with the last named axis fastest, as lax.axis_index does.
+  assert p.groups == ((0, 4, 1, 5, 2, 6, 3, 7),)
+
+
+# ---------------------------------------------------------------------------- fused ops
+
+
+AG, RS, AR = "all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce"
+
+
+def test_fused_plan_has_its_geometry_and_chunks(one_process_per_device):
+  p = plan(Request(AG, "tp", dim=1), [(2, 16, 64), (64, 32)])
+  assert (p.backend, p.algorithm, p.transport, p.precision) == ("cuda", "fused", "copy_engine",
+                                                                "default")
+  g = p.geometry
+  assert (g.outer, g.rows, g.k, g.n) == (2, 16, 64, 32)
+  assert g.payload_bytes == 2 * 16 * 64 * 2 and g.pieces == 2
+  assert p.chunks == policy.fused_chunks(AG, g.chunk_bytes, g.pieces, g.gemm_flops)
+  assert p.reason("transport").startswith("default")
+  p = plan(Request(RS, "tp", dim=0, chunks=20, transport="nvshmem"), [(16, 64), (64, 32)])
+  assert (p.chunks, p.transport) == (4, "nvshmem")
+  assert p.reason("chunks") == "requested 20, at most 4 pieces"
+
+
+def test_fused_chunks_above_the_kernels_limit(one_process_per_device):
+  with pytest.raises(ValueError, match="chunks=33 exceeds the kernels' limit of 32"):
+    plan(Request(RS, "tp", dim=0, chunks=33), [(256, 64), (64, 32)])
+
+
+def test_fused_slot_too_small_raises_even_with_auto(one_process_per_device):
+  with pytest.raises(ValueError, match=re.escape(
+      "all_gather_matmul: this call needs 2048 bytes of fused-op slot per sender, but the slot "
+      "has 1024 bytes; raise overlap_heap_bytes")):
+    plan(Request(AG, "tp", dim=0), [(16, 64), (64, 8)], overlap_slot_bytes=1024)
+
+
+def test_fused_group_across_nodes(one_process_per_device):
+  p = plan(Request(AG, "tp", dim=0), [(16, 64), (64, 8)], ranks_per_node=2)
+  assert p.backend == "xla" and "run within one node" in p.reason("backend")
+  with pytest.raises(ValueError, match="the fused kernels run within one node"):
+    plan(Request(AG, "tp", backend="cuda", dim=0), [(16, 64), (64, 8)], ranks_per_node=2)
+
+
+def test_scatter_last_dimension(one_process_per_device):
+  p = plan(Request(RS, "tp", dim=1), [(8, 64), (64, 32)])
+  assert p.backend == "xla" and "but the last" in p.reason("backend")
+  with pytest.raises(ValueError, match=re.escape(
+      "matmul_reduce_scatter: backend='cuda' was requested, but the kernel scatters any output "
+      "dimension but the last (scatter_dimension=1 is the last)")):
+    plan(Request(RS, "tp", backend="cuda", dim=1), [(8, 64), (64, 32)])
+  with pytest.raises(ValueError, match="transport='nvshmem' \\(backend 'cuda'\\) was requested"):
+    plan(Request(RS, "tp", transport="nvshmem", dim=1), [(8, 64), (64, 32)])
+
+
+def test_matmul_all_reduce_fused_or_unfused(one_process_per_device):
+  small = plan(Request(AR, "tp"), [(8, 64), (64, 32)])
+  assert (small.backend, small.algorithm) == ("cuda", "unfused")
+  assert "under 33554432" in small.reason("algorithm")
+  sub = small.all_reduce
+  assert (sub.op, sub.backend, sub.shapes) == ("all_reduce", "cuda", ((8, 32),))
+  rows = policy.FUSED_ALL_REDUCE_MIN_BYTES // (2 * 256)
+  big = plan(Request(AR, "tp"), [(rows, 64), (64, 256)])
+  assert (big.algorithm, big.all_reduce) == ("fused", None)
+  odd = plan(Request(AR, "tp", chunks=2), [(rows + 1, 64), (64, 256)])
+  assert odd.algorithm == "unfused" and "do not divide" in odd.reason("algorithm")
+  assert odd.reason("chunks") == "chunks=2 is unused: the call runs unfused"
+  with pytest.raises(ValueError, match=re.escape(
+      "matmul_all_reduce: algorithm='fused' needs the rows of x (all leading dimensions, 6) to "
+      "divide by the size 4 of axis 'tp'")):
+    plan(Request(AR, "tp", algorithm="fused"), [(6, 64), (64, 32)])
+
+
+def test_fused_command_buffer_and_precision(one_process_per_device):
+  p = plan(Request(AG, "tp", dim=0), [(8, 64), (64, 8)], dtype=F32, fused_command_buffer=True)
+  assert p.command_buffer and p.precision == "default"
+  with jax.default_matmul_precision("highest"):
+    p = plan(Request(AG, "tp", dim=0), [(8, 64), (64, 8)], dtype=F32)
+  assert p.precision == "highest"
+
+
+def test_xla_requests_are_plain(one_process_per_device):
+  p = plan(Request(AG, "tp", algorithm="ppermute", dim=0), [(8, 64), (64, 8)])
+  assert (p.backend, p.algorithm, p.groups) == ("xla", "ppermute", None)
+  assert p.reason("backend") == "algorithm 'ppermute' is backend 'xla''s"
+  p = plan(Request(AG, "tp", backend="xla", dim=0), [(8, 64), (64, 8)])
+  assert (p.algorithm, p.reason("algorithm")) == ("collective", "default of backend 'xla'")
+
+
+# ---------------------------------------------------------------------------- log
+
+
+def test_decisions_log_and_summary(caplog):
+  mesh = make_mesh((4,), ("tp",))
+  f = jax.jit(jax.shard_map(lambda x: jaxoverlap.all_reduce(x, "tp"), mesh=mesh,
+                            in_specs=P("tp"), out_specs=P()))
+  jaxoverlap.clear_decisions()
+  with caplog.at_level(logging.INFO, logger="jaxoverlap"):
+    f.lower(jnp.ones((8, 4), F32))
+  (p,) = jaxoverlap.decisions()
+  assert jaxoverlap.decisions("all_gather_matmul") == []
+  assert p.summary().startswith("all_reduce [2, 4] float32 over 'tp' (4 ranks): xla collective")
+  assert p.summary() in caplog.text
+  json.dumps(p.as_dict())  # plain data
+  jaxoverlap.clear_decisions()
+  assert jaxoverlap.decisions() == []
+
+
+def test_decisions_log_is_bounded():
+  mesh = make_mesh((2,), ("tp",))
+  jaxoverlap.clear_decisions()
+  for _ in range(3):
+    dispatch._log.append(None)
+  assert len(dispatch._log) == 3 and dispatch._log.maxlen == 1000
+
+
+# ---------------------------------------------------------------------------- lowerings
+
+
+def _inner(fn, x_shape, w_shape, dtype=BF16):
+  """Per-rank output avals of fn and the names of the primitives it binds."""
+  found = {}
+
+  def body(x, w):
+    out = fn(x, w)
+    found["aval"] = jax.typeof(out)
+    return jnp.zeros((), jnp.float32)
+
+  mesh = make_mesh((4,), ("tp",))
+  args = (jax.ShapeDtypeStruct(x_shape, dtype), jax.ShapeDtypeStruct(w_shape, dtype))
+  f = jax.shard_map(body, mesh=mesh, in_specs=(P(), P()), out_specs=P(), check_vma=True)
+  jaxpr = jax.make_jaxpr(f)(*args)
+  return found["aval"], _primitives(jaxpr.jaxpr)
+
+
+def _primitives(jaxpr) -> set[str]:
+  out = set()
+  for eqn in jaxpr.eqns:
+    out.add(eqn.primitive.name)
+    for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+      out |= _primitives(sub)
+  return out
+
+
+CASES = [
+    ("all_gather_matmul", lambda x, w: overlap.all_gather_matmul(x, w, "tp"),
+     lambda x, w: reference.all_gather_matmul(x, w, "tp"), (6, 32), (32, 24)),
+    ("all_gather_matmul dim 1",
+     lambda x, w: overlap.all_gather_matmul(x, w, "tp", gather_dimension=1),
+     lambda x, w: reference.all_gather_matmul(x, w, "tp", gather_dimension=1), (2, 3, 5, 32),
+     (32, 24)),
+    ("matmul_reduce_scatter", lambda x, w: overlap.matmul_reduce_scatter(x, w, "tp"),
+     lambda x, w: reference.matmul_reduce_scatter(x, w, "tp"), (8, 32), (32, 24)),
+    ("matmul_reduce_scatter dim 1",
+     lambda x, w: overlap.matmul_reduce_scatter(x, w, "tp", scatter_dimension=1),
+     lambda x, w: reference.matmul_reduce_scatter(x, w, "tp", scatter_dimension=1),
+     (3, 12, 32), (32, 24)),
+    ("matmul_all_reduce", lambda x, w: overlap.matmul_all_reduce(x, w, "tp"),
+     lambda x, w: reference.matmul_all_reduce(x, w, "tp"), (8, 32), (32, 24)),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_primitive_has_the_reference_type(case):
+  name, ours, ref, x_shape, w_shape = case
+  got, prims = _inner(ours, x_shape, w_shape)
+  want, _ = _inner(ref, x_shape, w_shape)
+  assert "jaxoverlap_" + name.split(" ")[0] in prims
+  assert got.shape == want.shape and got.dtype == want.dtype
+  assert got.manual_axis_type.varying == want.manual_axis_type.varying, (got, want)
+
+
+@pytest.mark.parametrize("op,fwd,bwd,specs", [
+    (AG, "jaxoverlap_all_gather_matmul", "jaxoverlap_matmul_reduce_scatter",
+     (P("tp"), P(None, "tp"))),
+    (RS, "jaxoverlap_matmul_reduce_scatter", "jaxoverlap_all_gather_matmul",
+     (P(None, "tp"), P("tp", None))),
+])
+def test_gradient_binds_the_paired_op(op, fwd, bwd, specs):
+  fn = getattr(overlap, op)
+
+  def body(x, w):
+    return jax.grad(lambda x, w: jnp.sum(fn(x, w, "tp").astype(F32)), argnums=(0, 1))(x, w)
+
+  mesh = make_mesh((4,), ("tp",))
+  args = (jax.ShapeDtypeStruct((8, 32), BF16), jax.ShapeDtypeStruct((32, 16), BF16))
+  f = jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=specs)
+  assert {fwd, bwd} <= _primitives(jax.make_jaxpr(f)(*args).jaxpr)
+
+
+def _lowered_text(fn, x_shape, w_shape=None, specs=(P("tp"), P(None, "tp")), dtype=BF16):
+  mesh = make_mesh((4,), ("tp",))
+  shapes = [x_shape] + ([w_shape] if w_shape else [])
+  args = [jax.ShapeDtypeStruct(s, dtype) for s in shapes]
+  f = jax.shard_map(fn, mesh=mesh, in_specs=specs[:len(args)], out_specs=P(),
+                    check_vma=False)
+  return jax.jit(f).lower(*args).as_text()
+
+
+@needs_extension
+def test_all_reduce_lowers_to_the_custom_call_of_its_plan(cuda_runtime):
+  ext = _ffi.load()
+  text = _lowered_text(lambda x: jaxoverlap.all_reduce(x, "tp", protocol="simple"),
+                       (4 * 4096,))
+  call = re.search(r"custom_call @jaxoverlap_all_reduce\(.*", text).group(0)
+  assert f"algorithm = {ext.AllReduceAlgorithm.one_shot.value} : i32" in call
+  assert f"protocol = {ext.Protocol.simple.value} : i32" in call
+  assert "group_size = 4 : i64" in call and "groups = dense<[0, 1, 2, 3]>" in call
+  assert jaxoverlap.decisions()[-1].protocol == "simple"
+
+
+@needs_extension
+def test_fused_ops_lower_to_their_custom_calls(cuda_runtime, monkeypatch):
+  ext = _ffi.load()
+  text = _lowered_text(lambda x, w: overlap.all_gather_matmul(x, w, "tp", transport="nvshmem",
+                                                              chunks=3), (64, 32), (32, 16))
+  call = re.search(r"custom_call @jaxoverlap_all_gather_matmul\(.*", text).group(0)
+  for attr in (f"transport = {ext.Transport.nvshmem.value} : i32", "chunks = 3 : i64",
+               f"precision = {ext.Precision['default'].value} : i32", "outer = 1 : i64",
+               "rows = 16 : i64", "k = 32 : i64", "n = 4 : i64"):
+    assert attr in call, (attr, call)
+  monkeypatch.setenv("JAXOVERLAP_FUSED_CMD_BUFFER", "1")
+  cuda_runtime["facts"] = facts(fused_command_buffer=True)
+  text = _lowered_text(lambda x, w: overlap.matmul_reduce_scatter(x, w, "tp"), (64, 32),
+                       (32, 16), specs=(P(None, "tp"), P("tp")))
+  assert "custom_call @jaxoverlap_matmul_reduce_scatter_cmdbuf(" in text
+
+
+@needs_extension
+def test_unfused_matmul_all_reduce_lowers_to_gemm_then_all_reduce(cuda_runtime):
+  text = _lowered_text(lambda x, w: overlap.matmul_all_reduce(x, w, "tp"), (16, 32), (32, 16),
+                       specs=(P(None, "tp"), P("tp")))
+  assert "jaxoverlap_all_reduce" in text and "jaxoverlap_matmul_all_reduce" not in text
+  assert "stablehlo.dot_general" in text
+  p = jaxoverlap.decisions()[-1]
+  assert p.algorithm == "unfused" and p.all_reduce.algorithm == "one_shot"
+
+
+def test_xla_plan_lowers_to_the_xla_collective():
+  text = _lowered_text(lambda x: jaxoverlap.all_reduce(x, "tp"), (16,))
+  assert "jaxoverlap_all_reduce" not in text and "all_reduce" in text
+  text = _lowered_text(lambda x, w: overlap.all_gather_matmul(x, w, "tp", algorithm="ppermute"),
+                       (8, 32), (32, 16))
+  assert "collective_permute" in text
+
+
+# ---------------------------------------------------------------------------- layering
+
+
+_PKG = pathlib.Path(jaxoverlap.__file__).parent
+
+
+def _package_imports(path: pathlib.Path) -> set[str]:
+  """Modules of the package that ``path`` imports at module level (not inside functions)."""
+  tree = ast.parse(path.read_text())
+  found = set()
+  for node in tree.body:
+    if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("jaxoverlap"):
+      if node.module == "jaxoverlap":
+        found |= {f"jaxoverlap.{a.name}" for a in node.names}
+      else:
+        found.add(node.module)
+    elif isinstance(node, ast.Import):
+      found |= {a.name for a in node.names if a.name.startswith("jaxoverlap")}
+  return found
+
+
+def test_no_import_cycles():
+  modules = {}
+  for path in _PKG.rglob("*.py"):
+    rel = path.relative_to(_PKG.parent).with_suffix("")
+    name = ".".join(rel.parts[:-1] if rel.name == "__init__" else rel.parts)
+    modules[name] = {m for m in _package_imports(path) if m != name}
+  modules = {k: {m for m in v if m in modules} for k, v in modules.items()}
+  # Depth-first search for a cycle.
+  state = {}
+
+  def visit(m, stack):
+    state[m] = "open"
+    for dep in sorted(modules[m]):
+      if state.get(dep) == "open" and not m.startswith(dep + "."):
+        raise AssertionError("import cycle: " + " -> ".join(stack + [dep]))
+      if dep not in state:
+        visit(dep, stack + [dep])
+    state[m] = "done"
+
+  for m in sorted(modules):
+    if m not in state:
+      visit(m, [m])
+  assert "jaxoverlap.dispatch" not in modules["jaxoverlap.runtime"]
+
+
+def test_nothing_outside_the_package_reads_private_globals():
+  root = _PKG.parent
+  pattern = re.compile(r"jaxoverlap\._\w+\.\w*decisions|sys\.modules\.get\(.jaxoverlap")
+  offenders = [str(p.relative_to(root)) for d in ("benchmarks", "examples")
+               for p in (root / d).rglob("*.py") if pattern.search(p.read_text())]
+  assert not offenders, offenders
