@@ -9,10 +9,13 @@
 #include <nvshmemx.h>
 
 #include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <string>
+#include <thread>
 
 #include "jaxoverlap/check.h"
 #include "jaxoverlap/gemm.h"
@@ -32,7 +35,73 @@ void DebugStep(const char* step) {
 
 ffi::Error Fail(ffi::ErrorCode code, const std::string& msg) { return ffi::Error(code, msg); }
 
+// The watchdog: a detached host thread that polls the mapped DeviceError and
+// prints it to stderr as soon as a device wait records a timeout. The trapped
+// kernel reaches the user only as XLA's CUDA_ERROR_LAUNCH_FAILED, so this line
+// is what names the op, rank, peer and step. Finalize() stops it (and waits
+// for it) before the mapped memory is freed.
+std::atomic<bool> g_watchdog_stop{false};
+std::atomic<bool> g_watchdog_running{false};
+std::atomic<bool> g_error_printed{false};
+
+DeviceError ReadDeviceError(const DeviceError* host) {
+  // Volatile reads: the device writes this memory behind the compiler's back.
+  const volatile DeviceError* v = host;
+  DeviceError e;
+  e.code = v->code;
+  e.rank = v->rank;
+  e.peer_pe = v->peer_pe;
+  e.step = v->step;
+  e.block = v->block;
+  e.op = v->op;
+  e.epoch = v->epoch;
+  e.seen = v->seen;
+  return e;
+}
+
+void WatchdogLoop(const DeviceError* host) {
+  while (!g_watchdog_stop.load()) {
+    if (ReadDeviceError(host).code != 0) {
+      // Give the device a moment to finish writing the record, then report.
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+      const DeviceError e = ReadDeviceError(host);
+      if (!g_error_printed.exchange(true)) {
+        std::fprintf(stderr, "%s\n", DeviceErrorToFfi(e).message().c_str());
+        std::fflush(stderr);
+      }
+      break;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  g_watchdog_running.store(false);
+}
+
+void StartWatchdog(const DeviceError* host) {
+  g_watchdog_stop.store(false);
+  g_error_printed.store(false);
+  g_watchdog_running.store(true);
+  std::thread(WatchdogLoop, host).detach();
+}
+
+void StopWatchdog() {
+  g_watchdog_stop.store(true);
+  for (int i = 0; i < 500 && g_watchdog_running.load(); ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+}
+
 }  // namespace
+
+const char* OpName(int32_t op) {
+  switch (static_cast<OpId>(op)) {
+    case OpId::kAllReduce: return "all_reduce";
+    case OpId::kAllGatherMatmul: return "all_gather_matmul";
+    case OpId::kMatmulReduceScatter: return "matmul_reduce_scatter";
+    case OpId::kMatmulAllReduce: return "matmul_all_reduce";
+    case OpId::kUnknown: break;
+  }
+  return "a jaxoverlap op";
+}
 
 const RuntimeState& State() { return g_state; }
 
@@ -207,6 +276,7 @@ ffi::Error Initialize(const std::string& unique_id, int rank, int num_ranks, int
   std::memset(g_state.error_host, 0, sizeof(DeviceError));
   JAXOVERLAP_CUDA_RETURN_IF_ERROR(
       cudaHostGetDevicePointer(reinterpret_cast<void**>(&g_state.error_device), g_state.error_host, 0));
+  StartWatchdog(g_state.error_host);
   JAXOVERLAP_CUDA_RETURN_IF_ERROR(cudaDeviceSynchronize());
   DebugStep("nvshmem_barrier_all");
   // Every PE has zeroed its signals before anyone may write them.
@@ -237,17 +307,15 @@ void Finalize() {
   for (cudaEvent_t ev : g_state.events) cudaEventDestroy(ev);
   cudaStreamDestroy(g_state.comm_stream);
   gemm::Shutdown();
+  StopWatchdog();
   cudaFreeHost(g_state.error_host);
   nvshmem_finalize();
   g_state = RuntimeState();
 }
 
 DeviceError LastDeviceError() {
-  DeviceError e{};
-  if (g_state.error_host != nullptr) {
-    std::memcpy(&e, const_cast<const DeviceError*>(g_state.error_host), sizeof(e));
-  }
-  return e;
+  if (g_state.error_host == nullptr) return DeviceError{};
+  return ReadDeviceError(g_state.error_host);
 }
 
 ffi::Error CheckExecution(const char* op, cudaStream_t stream) {
@@ -274,13 +342,22 @@ ffi::Error CheckExecution(const char* op, cudaStream_t stream) {
 }
 
 ffi::Error DeviceErrorToFfi(const DeviceError& e) {
-  return ffi::Error(ffi::ErrorCode::kDeadlineExceeded,
-                    "jaxoverlap: a device wait timed out on PE " + std::to_string(g_state.my_pe) +
-                        " (rank " + std::to_string(e.rank) + " in its group): peer PE " +
-                        std::to_string(e.peer_pe) + " did not arrive at step " +
-                        std::to_string(e.step) + " (block " + std::to_string(e.block) +
-                        ", epoch " + std::to_string(e.epoch) + ", signal seen " +
-                        std::to_string(e.seen) + "); the GPU context is lost");
+  const std::string peer = std::to_string(e.peer_pe);
+  const double timeout_s = static_cast<double>(g_state.timeout_ns) * 1e-9;
+  char timeout[32];
+  std::snprintf(timeout, sizeof(timeout), "%g", timeout_s);
+  return ffi::Error(
+      ffi::ErrorCode::kDeadlineExceeded,
+      std::string("jaxoverlap: ") + OpName(e.op) + " timed out on PE " +
+          std::to_string(g_state.my_pe) + " (rank " + std::to_string(e.rank) +
+          " of its group): peer PE " + peer + " did not arrive at step " +
+          std::to_string(e.step) + " within " + timeout + " s (block or chunk " +
+          std::to_string(e.block) + ", epoch " + std::to_string(e.epoch) + ", signal seen " +
+          std::to_string(e.seen) + "). Likely causes: the ranks called the jaxoverlap ops in "
+          "different orders, with different sizes or dtypes, or over different groups; or the "
+          "process of PE " + peer + " stopped, died or was slower than JAXOVERLAP_TIMEOUT_S. The "
+          "GPU context is lost (XLA reports the trapped kernel as CUDA_ERROR_LAUNCH_FAILED, "
+          "'unspecified launch failure'); restart the processes.");
 }
 
 }  // namespace jaxoverlap

@@ -54,6 +54,17 @@ def _vma(aval) -> frozenset:
   return frozenset(aval.manual_axis_type.varying)
 
 
+def _lower_xla(fn, ctx, *args, multiple_results: bool):
+  """Lowers the pure-JAX implementation ``fn`` in place of the primitive."""
+  return mlir.lower_fun(fn, multiple_results=multiple_results)(ctx, *args)
+
+
+def _mesh_axes(ctx) -> tuple[str, ...]:
+  """The mesh's axis names in order, for the rings of ``jaxoverlap._xla``."""
+  mesh = getattr(ctx.module_context.axis_context, "mesh", None)
+  return tuple(getattr(mesh, "axis_names", ()) or ())
+
+
 # ---------------------------------------------------------------------------- all_reduce
 
 all_reduce_p = Primitive("jaxoverlap_all_reduce")
@@ -68,9 +79,9 @@ def _all_reduce_abstract_eval(x, *, request, num_ranks):
 def _all_reduce_lowering(ctx, x, *, request, num_ranks):
   plan = dispatch.plan_lowering(ctx, request, num_ranks)
   if plan.backend == names.XLA:
-    return mlir.lower_fun(
-        functools.partial(_xla.all_reduce, axis_name=request.axis_name, algorithm=plan.algorithm),
-        multiple_results=False)(ctx, x)
+    return _lower_xla(functools.partial(_xla.all_reduce, axis_name=request.axis_name,
+                                        algorithm=plan.algorithm, mesh_axes=_mesh_axes(ctx)),
+                      ctx, x, multiple_results=False)
   return _cuda.all_reduce(ctx, x, plan)
 
 
@@ -112,9 +123,9 @@ def _gemm_batch(prim, args, dims, *, request, num_ranks):
   return out, ([0] * len(out) if prim.multiple_results else 0)
 
 
-def _emit_fused(ctx, args, plan, xla_fn, gathered=False):
+def _emit_fused(ctx, args, plan, xla_fn, *, multiple_results, gathered=False):
   if plan.backend == names.XLA:
-    return xla_fn(ctx, *args)
+    return _lower_xla(xla_fn, ctx, *args, multiple_results=multiple_results)
   return _cuda.fused(ctx, args, plan, gathered=gathered)
 
 
@@ -144,11 +155,11 @@ def _ag_lowering(ctx, x, w, *, request, num_ranks):
   plan = dispatch.plan_lowering(ctx, request, num_ranks)
 
   def xla(x, w):
-    y, xg = _xla.all_gather_matmul(x, w, request.axis_name, request.dim, plan.algorithm)
+    y, xg = _xla.all_gather_matmul(x, w, request.axis_name, request.dim, plan.algorithm,
+                                   _mesh_axes(ctx))
     return (y, xg) if request.gathered else (y,)
 
-  return _emit_fused(ctx, (x, w), plan, mlir.lower_fun(xla, multiple_results=True),
-                     gathered=request.gathered)
+  return _emit_fused(ctx, (x, w), plan, xla, multiple_results=True, gathered=request.gathered)
 
 
 all_gather_matmul_p.def_abstract_eval(_ag_abstract_eval)
@@ -176,10 +187,11 @@ def _rs_abstract_eval(x, w, *, request, num_ranks):
 
 def _rs_lowering(ctx, x, w, *, request, num_ranks):
   plan = dispatch.plan_lowering(ctx, request, num_ranks)
-  xla = mlir.lower_fun(
-      lambda x, w: _xla.matmul_reduce_scatter(x, w, request.axis_name, request.dim,
-                                              plan.algorithm), multiple_results=False)
-  return _emit_fused(ctx, (x, w), plan, xla)
+  def xla(x, w):
+    return _xla.matmul_reduce_scatter(x, w, request.axis_name, request.dim, plan.algorithm,
+                                      _mesh_axes(ctx))
+
+  return _emit_fused(ctx, (x, w), plan, xla, multiple_results=False)
 
 
 matmul_reduce_scatter_p.def_abstract_eval(_rs_abstract_eval)
@@ -207,22 +219,22 @@ def _ar_abstract_eval(x, w, *, request, num_ranks):
 def _ar_lowering(ctx, x, w, *, request, num_ranks):
   plan = dispatch.plan_lowering(ctx, request, num_ranks)
   if plan.backend == names.XLA:
-    return mlir.lower_fun(
-        lambda x, w: _xla.matmul_all_reduce(x, w, request.axis_name, plan.algorithm),
-        multiple_results=False)(ctx, x, w)
+    return _lower_xla(lambda x, w: _xla.matmul_all_reduce(x, w, request.axis_name,
+                                                          plan.algorithm, _mesh_axes(ctx)),
+                      ctx, x, w, multiple_results=False)
   if plan.algorithm == names.UNFUSED:
     # The GEMM, then the all-reduce of its output as its own plan says.
-    (y,) = mlir.lower_fun(lambda x, w: _xla.matmul(x, w).astype(x.dtype),
-                          multiple_results=False)(ctx, x, w)
+    (y,) = _lower_xla(lambda x, w: _xla.matmul(x, w).astype(x.dtype), ctx, x, w,
+                      multiple_results=False)
     sub = plan.all_reduce
     # y is typed as the GEMM's per-rank result (varying, like x), not as the
     # all-reduced output: psum of a value typed invariant would scale it.
     y_aval = _with_vma(ctx.avals_out[0], ctx.avals_out[0].shape, _vma(ctx.avals_in[0]))
     y_ctx = ctx.replace(avals_in=[y_aval])
     if sub.backend == names.XLA:
-      return mlir.lower_fun(
-          functools.partial(_xla.all_reduce, axis_name=request.axis_name,
-                            algorithm=sub.algorithm), multiple_results=False)(y_ctx, y)
+      return _lower_xla(functools.partial(_xla.all_reduce, axis_name=request.axis_name,
+                                          algorithm=sub.algorithm), y_ctx, y,
+                        multiple_results=False)
     return _cuda.all_reduce(y_ctx, y, sub)
   return _cuda.fused(ctx, (x, w), plan)
 

@@ -31,8 +31,16 @@ Algorithm:
     the result as varying, which ``out_specs=P()`` rejects under
     ``check_vma=True``.
 
-  Accumulators that travel hold the input dtype (the bytes ``psum_scatter``
-  moves); each add happens in float32 and rounds once.
+  Accumulators travel in float32 and round to the input dtype once, at the
+  end: for bfloat16 and float16 inputs the ring sends twice the bytes of
+  ``psum_scatter``, but its result is no less accurate than XLA's collective
+  (which rounds at every step), an fp16 partial sum that leaves fp16's range
+  half-way does not overflow, and every rank rounds the same fp32 sum.
+
+  A tuple ``axis_name`` may name the mesh axes in any order: the ring follows
+  ``lax.axis_index(axis_name)`` (ranks numbered in the order given), and each
+  ``lax.ppermute`` names the axes in the mesh's order with the ring's
+  permutation translated to it (``_send_right``).
 
 Example:
   >>> y = all_gather_matmul(x, w, "tp", 0, "ppermute")[0]   # inside shard_map
@@ -137,32 +145,64 @@ def cast_to_vma(ct, vma: frozenset):
 # Ring helpers
 
 
-def _send_right(x, axis_name, num_ranks):
-  """Rank ``i`` sends ``x`` to rank ``(i + 1) % num_ranks``."""
-  return lax.ppermute(x, axis_name, [(i, (i + 1) % num_ranks) for i in range(num_ranks)])
+def _mesh_axes() -> tuple[str, ...]:
+  """The axis names of the mesh in scope, in the mesh's order (empty if none)."""
+  mesh = jax.sharding.get_abstract_mesh()
+  return tuple(getattr(mesh, "axis_names", ()) or ())
 
 
-def _ring_reduce_scatter(partial, dtype, axis_name, num_ranks):
+def _send_right(x, axis_name, num_ranks, mesh_axes=None):
+  """Rank ``i`` sends ``x`` to rank ``(i + 1) % num_ranks``, ranks as ``lax.axis_index``.
+
+  ``lax.ppermute`` takes a tuple of axes only in the mesh's order; for another
+  order the ring's pairs are translated from the given order's numbering to
+  the mesh order's. ``mesh_axes``: the mesh's axis names in order (default:
+  the abstract mesh in scope).
+  """
+  pairs = [(i, (i + 1) % num_ranks) for i in range(num_ranks)]
+  names = _names(axis_name)
+  if len(names) > 1:
+    order = tuple(mesh_axes) if mesh_axes else _mesh_axes()
+    ordered = tuple(sorted(names, key=lambda a: order.index(a) if a in order else len(order)))
+    if ordered != names:
+      sizes = {a: int(lax.axis_size(a)) for a in names}
+
+      def renumber(i):  # position in `names` numbering -> position in `ordered` numbering
+        coord = {}
+        for a in reversed(names):
+          i, coord[a] = divmod(i, sizes[a])
+        out = 0
+        for a in ordered:
+          out = out * sizes[a] + coord[a]
+        return out
+
+      return lax.ppermute(x, ordered, [(renumber(s), renumber(d)) for s, d in pairs])
+  return lax.ppermute(x, axis_name, pairs)
+
+
+def _ring_reduce_scatter(partial, dtype, axis_name, num_ranks, mesh_axes=None):
   """Ring reduce-scatter of the blocks ``partial(d)``, ``d = 0..num_ranks-1``.
 
   ``partial(d)`` is this rank's float32 contribution to output block ``d``.
   At step ``t`` a rank holds the accumulator of block ``r - 1 - t``: it adds
   its own contribution and sends it right; after ``num_ranks - 1`` transfers
-  rank ``r`` holds block ``r``, its own contribution added last.
+  rank ``r`` holds block ``r``, its own contribution added last. The
+  accumulator travels in float32 and is rounded to ``dtype`` once.
   """
   r = lax.axis_index(axis_name)
-  acc = partial((r - 1) % num_ranks).astype(dtype)
+  acc = partial((r - 1) % num_ranks).astype(jnp.float32)
   for t in range(1, num_ranks):
-    received = _send_right(acc, axis_name, num_ranks)
-    acc = (received.astype(jnp.float32) + partial((r - 1 - t) % num_ranks)).astype(dtype)
-  return acc
+    acc = _send_right(acc, axis_name, num_ranks, mesh_axes) + partial((r - 1 - t) % num_ranks)
+  return acc.astype(dtype)
+
+
 
 
 # ----------------------------------------------------------------------------
 # Ops. Arguments are validated and dimensions normalised by the callers.
 
 
-def all_reduce(x, axis_name, algorithm: str):
+def all_reduce(x, axis_name, algorithm: str, mesh_axes=None):
   """``psum(x)``; "ppermute": ring reduce-scatter of the flattened, padded x + all-gather."""
   if algorithm == "collective" or x.size == 0:
     return lax.psum(x, axis_name)
@@ -176,12 +216,12 @@ def all_reduce(x, axis_name, algorithm: str):
   def partial(d):
     return lax.dynamic_index_in_dim(chunks, d, 0, keepdims=False).astype(jnp.float32)
 
-  mine = _ring_reduce_scatter(partial, x.dtype, axis_name, num_ranks)
+  mine = _ring_reduce_scatter(partial, x.dtype, axis_name, num_ranks, mesh_axes)
   full = lax.all_gather(mine, axis_name, axis=0, tiled=True, to="invarying")
   return full[:size].reshape(x.shape)
 
 
-def all_gather_matmul(x, w, axis_name, gather_dimension: int, algorithm: str):
+def all_gather_matmul(x, w, axis_name, gather_dimension: int, algorithm: str, mesh_axes=None):
   """``(AG(x) @ w, AG(x))``, AG = tiled all-gather along ``gather_dimension``.
 
   ``gather_dimension`` may be x's last (contracted) dimension; then ``w`` has
@@ -213,7 +253,7 @@ def all_gather_matmul(x, w, axis_name, gather_dimension: int, algorithm: str):
   shard = x
   for s in range(num_ranks):
     src = (r - s) % num_ranks  # the rank whose shard this rank holds at step s
-    nxt = _send_right(shard, axis_name, num_ranks) if s < num_ranks - 1 else None
+    nxt = _send_right(shard, axis_name, num_ranks, mesh_axes) if s < num_ranks - 1 else None
     xg = lax.dynamic_update_slice_in_dim(xg, shard, src * m, axis=g)
     if contracted:
       part = matmul(shard, lax.dynamic_slice_in_dim(w, src * m, m, axis=0))
@@ -227,7 +267,8 @@ def all_gather_matmul(x, w, axis_name, gather_dimension: int, algorithm: str):
   return out, xg
 
 
-def matmul_reduce_scatter(x, w, axis_name, scatter_dimension: int, algorithm: str):
+def matmul_reduce_scatter(x, w, axis_name, scatter_dimension: int, algorithm: str,
+                          mesh_axes=None):
   """``psum_scatter(x @ w)`` along ``scatter_dimension`` of the output.
 
   An empty scattered dimension takes the ring path under "collective" too:
@@ -248,10 +289,10 @@ def matmul_reduce_scatter(x, w, axis_name, scatter_dimension: int, algorithm: st
       return matmul(x, lax.dynamic_slice_in_dim(w, d * blk, blk, axis=1))
     return matmul(lax.dynamic_slice_in_dim(x, d * blk, blk, axis=s), w)
 
-  return _ring_reduce_scatter(partial, x.dtype, axis_name, num_ranks)
+  return _ring_reduce_scatter(partial, x.dtype, axis_name, num_ranks, mesh_axes)
 
 
-def matmul_all_reduce(x, w, axis_name, algorithm: str):
+def matmul_all_reduce(x, w, axis_name, algorithm: str, mesh_axes=None):
   """``psum(x @ w)``; "ppermute": the GEMM+RS ring on a 2-D view, then all-gather.
 
   With no rows (``x.size == 0``) "ppermute" runs the psum: XLA rejects an
@@ -270,6 +311,6 @@ def matmul_all_reduce(x, w, axis_name, algorithm: str):
   else:  # zero rows contribute zero; sliced off below
     dim = 0
     x2 = jnp.pad(x2, ((0, -rows % num_ranks), (0, 0)))
-  mine = matmul_reduce_scatter(x2, w, axis_name, dim, "ppermute")
+  mine = matmul_reduce_scatter(x2, w, axis_name, dim, "ppermute", mesh_axes)
   full = lax.all_gather(mine, axis_name, axis=dim, tiled=True, to="invarying")
   return full[:rows].reshape(lead + (n,))

@@ -145,7 +145,8 @@ __device__ __forceinline__ uint2 LoadLL(const uint4* src, uint32_t flag, const P
       if (start == 0) {
         start = now;
       } else if (now - start > p.timeout_ns) {
-        ReportTimeoutAndTrap(p.error, p.topo.rank, peer_pe, step, flag, b != flag ? b : d);
+        ReportTimeoutAndTrap(p.error, OpId::kAllReduce, p.topo.rank, peer_pe, step, flag,
+                             b != flag ? b : d);
       }
     }
   }
@@ -356,7 +357,7 @@ __global__ void __launch_bounds__(kThreads) OneShotSimpleKernel(Params p) {
     const int r = threadIdx.x;
     const uint64_t e = EpochWith(p, t.local_pes[r]);
     WaitFlagOrTrap(FlagAt(h, e, kPhaseReduceScatter, t.local_pes[r], blockIdx.x), e, p.timeout_ns,
-                   p.error, t.rank, t.local_pes[r], /*step=*/0);
+                   p.error, OpId::kAllReduce, t.rank, t.local_pes[r], /*step=*/0);
   }
   __syncthreads();
 
@@ -468,7 +469,7 @@ __device__ const float* InterNodeRecv(const Params& p, size_t off, size_t count,
     }
   } else if (threadIdx.x == 0) {
     WaitFlagOrTrap(FlagAt(h, e, kPhaseInterNode, pe, blockIdx.x), e, p.timeout_ns, p.error,
-                   p.topo.rank, pe, step);
+                   OpId::kAllReduce, p.topo.rank, pe, step);
   }
   __syncthreads();
   return slot;
@@ -529,7 +530,7 @@ __global__ void __launch_bounds__(kThreads) ReduceScatterAllGatherKernel(Params 
       const int r = threadIdx.x;
       const uint64_t e = EpochWith(p, t.local_pes[r]);
       WaitFlagOrTrap(FlagAt(h, e, kPhaseReduceScatter, t.local_pes[r], blockIdx.x), e, p.timeout_ns,
-                     p.error, t.rank, t.local_pes[r], /*step=*/0);
+                     p.error, OpId::kAllReduce, t.rank, t.local_pes[r], /*step=*/0);
     }
     __syncthreads();
   }
@@ -646,7 +647,7 @@ __global__ void __launch_bounds__(kThreads) ReduceScatterAllGatherKernel(Params 
       const int r = threadIdx.x;
       const uint64_t e = EpochWith(p, t.local_pes[r]);
       WaitFlagOrTrap(FlagAt(h, e, kPhaseAllGather, t.local_pes[r], blockIdx.x), e, p.timeout_ns,
-                     p.error, t.rank, t.local_pes[r], /*step=*/99);
+                     p.error, OpId::kAllReduce, t.rank, t.local_pes[r], /*step=*/99);
     }
     __syncthreads();
 #pragma unroll

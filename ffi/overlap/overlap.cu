@@ -107,11 +107,11 @@ __global__ void AckKernel(uint64_t* my_ack_flag, const uint64_t* call_epochs, Gr
 
 // Block b waits until flags[b] >= (epoch with rank j) - lag.
 __global__ void WaitKernel(const uint64_t* flags, const uint64_t* call_epochs, int j,
-                           uint64_t lag, uint64_t timeout_ns, DeviceError* error, int rank,
-                           int peer_pe, int step, int first_chunk) {
+                           uint64_t lag, uint64_t timeout_ns, DeviceError* error, OpId op,
+                           int rank, int peer_pe, int step, int first_chunk) {
   if (threadIdx.x != 0) return;
   const uint64_t expected = call_epochs[j] - lag;
-  WaitFlagOrTrap(flags + blockIdx.x, expected, timeout_ns, error, rank, peer_pe, step,
+  WaitFlagOrTrap(flags + blockIdx.x, expected, timeout_ns, error, op, rank, peer_pe, step,
                  first_chunk + static_cast<int>(blockIdx.x));
 }
 
@@ -281,6 +281,7 @@ struct Call {
   const Options& opt;
   cudaStream_t compute;
   const char* op;
+  OpId op_id;
   int my_local() const { return g.local[g.rank]; }
 };
 
@@ -317,7 +318,8 @@ ffi::Error End(const Call& c) {
 ffi::Error Wait(const Call& c, cudaStream_t stream, const uint64_t* flags, int count, int j,
                 uint64_t lag, int step, int first) {
   WaitKernel<<<count, 1, 0, stream>>>(flags, c.s.call_epochs, j, lag, c.s.timeout_ns,
-                                      c.s.error_device, c.g.rank, c.g.pes[j], step, first);
+                                      c.s.error_device, c.op_id, c.g.rank, c.g.pes[j], step,
+                                      first);
   JAXOVERLAP_RETURN_IF_LAUNCH_ERROR("WaitKernel launch");
   return ffi::Error::Success();
 }
@@ -550,7 +552,7 @@ ffi::Error AllGatherMatmul(cudaStream_t stream, const Group& group, const Option
                            void* gathered_ptr, int64_t outer, int64_t rows, int64_t k,
                            int64_t n) {
   const RuntimeState& s = State();
-  const Call c{s, group, opt, stream, "all_gather_matmul"};
+  const Call c{s, group, opt, stream, "all_gather_matmul", OpId::kAllGatherMatmul};
   JAXOVERLAP_RETURN_IF_ERROR(CheckDtype(c.op, dtype));
   const size_t es = ElementBytes(dtype);
   const int size = group.size, r = group.rank;
@@ -625,7 +627,7 @@ ffi::Error MatmulReduceScatter(cudaStream_t stream, const Group& group, const Op
                                ffi::DataType dtype, const void* x, const void* w, void* out,
                                int64_t outer, int64_t rows, int64_t k, int64_t n) {
   const RuntimeState& s = State();
-  const Call c{s, group, opt, stream, "matmul_reduce_scatter"};
+  const Call c{s, group, opt, stream, "matmul_reduce_scatter", OpId::kMatmulReduceScatter};
   JAXOVERLAP_RETURN_IF_ERROR(CheckDtype(c.op, dtype));
   const size_t es = ElementBytes(dtype);
   JAXOVERLAP_RETURN_IF_ERROR(
@@ -640,7 +642,7 @@ ffi::Error MatmulAllReduce(cudaStream_t stream, const Group& group, const Option
                            ffi::DataType dtype, const void* x, const void* w, void* out_ptr,
                            int64_t rows, int64_t k, int64_t n) {
   const RuntimeState& s = State();
-  const Call c{s, group, opt, stream, "matmul_all_reduce"};
+  const Call c{s, group, opt, stream, "matmul_all_reduce", OpId::kMatmulAllReduce};
   JAXOVERLAP_RETURN_IF_ERROR(CheckDtype(c.op, dtype));
   const size_t es = ElementBytes(dtype);
   const int size = group.size, r = group.rank;

@@ -46,11 +46,12 @@ __device__ __forceinline__ uint64_t LoadAcquireSys(const uint64_t* addr) {
 // Records who did not arrive in `error` (the first timeout wins), prints it
 // and traps: a hang becomes an error that names rank, peer and step. `block`
 // (default: the waiting block) names the block or chunk waited for.
-static __device__ __noinline__ void ReportTimeoutAndTrap(DeviceError* error, int rank, int peer_pe,
-                                                  int step, uint64_t expected, uint64_t seen,
-                                                  int block = -1) {
+static __device__ __noinline__ void ReportTimeoutAndTrap(DeviceError* error, OpId op, int rank,
+                                                         int peer_pe, int step, uint64_t expected,
+                                                         uint64_t seen, int block = -1) {
   if (block < 0) block = static_cast<int>(blockIdx.x);
   if (atomicCAS(&error->code, 0, 1) == 0) {
+    error->op = static_cast<int32_t>(op);
     error->rank = rank;
     error->peer_pe = peer_pe;
     error->step = step;
@@ -68,14 +69,14 @@ static __device__ __noinline__ void ReportTimeoutAndTrap(DeviceError* error, int
 
 // Waits until *flag >= expected, or reports and traps after timeout_ns.
 __device__ __forceinline__ void WaitFlagOrTrap(const uint64_t* flag, uint64_t expected,
-                                               uint64_t timeout_ns, DeviceError* error, int rank,
-                                               int peer_pe, int step, int block = -1) {
+                                               uint64_t timeout_ns, DeviceError* error, OpId op,
+                                               int rank, int peer_pe, int step, int block = -1) {
   if (LoadAcquireSys(flag) >= expected) return;
   const uint64_t start = GlobalTimerNs();
   uint64_t seen;
   while ((seen = LoadAcquireSys(flag)) < expected) {
     if (GlobalTimerNs() - start > timeout_ns) {
-      ReportTimeoutAndTrap(error, rank, peer_pe, step, expected, seen, block);
+      ReportTimeoutAndTrap(error, op, rank, peer_pe, step, expected, seen, block);
     }
   }
 }

@@ -46,15 +46,26 @@ inline constexpr int kNumOverlapPhases = 2; // reduce-scatter, all-gather (fused
 inline constexpr size_t kMinLlSlotBytes = 256 * 1024;
 inline constexpr size_t kMaxLlSlotBytes = 2 * 1024 * 1024;
 
+// The op a kernel belongs to, for device error reports.
+enum class OpId : int32_t {
+  kUnknown = 0,
+  kAllReduce = 1,
+  kAllGatherMatmul = 2,
+  kMatmulReduceScatter = 3,
+  kMatmulAllReduce = 4,
+};
+const char* OpName(int32_t op);
+
 // What a timed-out device wait leaves behind, in mapped pinned host memory so
-// that the host can read it even after the kernel trapped.
+// that the host can read it even after the kernel trapped (the runtime's
+// watchdog thread prints it to stderr at once; DeviceErrorToFfi words it).
 struct DeviceError {
   int32_t code;      // 0: none; 1: wait timed out
   int32_t rank;      // rank (in its group) of the PE that waited
   int32_t peer_pe;   // PE whose signal did not arrive
   int32_t step;      // algorithm step (0: one-shot receive)
-  int32_t block;     // block that waited
-  int32_t pad;
+  int32_t block;     // block (all-reduce) or chunk (fused ops) that waited
+  int32_t op;        // OpId of the kernel that waited
   uint64_t epoch;    // epoch waited for
   uint64_t seen;     // signal value seen at the timeout
 };
