@@ -95,6 +95,8 @@ NB_MODULE(_jaxoverlap_cuda, m) {
       [](nb::bytes unique_id, int rank, int num_ranks, int device, size_t heap_bytes,
          size_t overlap_heap_bytes, uint64_t timeout_ns, int ranks_per_node) {
         std::string id(static_cast<const char*>(unique_id.data()), unique_id.size());
+        // Without the GIL: the caller bounds this call from another thread.
+        nb::gil_scoped_release release;
         ThrowIfError(Initialize(id, rank, num_ranks, device, heap_bytes, overlap_heap_bytes,
                                 timeout_ns, ranks_per_node));
       },
@@ -103,6 +105,7 @@ NB_MODULE(_jaxoverlap_cuda, m) {
       nb::arg("ranks_per_node"));
 
   m.def("finalize", &Finalize);
+  m.def("init_stage", []() { return std::string(InitStage()); });
   m.def("set_timeout_ns", &SetTimeout, nb::arg("timeout_ns"));
 
   m.def("info", []() {

@@ -27,8 +27,12 @@ namespace {
 
 RuntimeState g_state;
 
-// JAXOVERLAP_DEBUG=1 prints each start-up step to stderr.
+// The start-up step in progress (InitStage), so that a start-up that does not
+// return can say where it stopped; JAXOVERLAP_DEBUG=1 also prints each step.
+std::atomic<const char*> g_init_stage{"not started"};
+
 void DebugStep(const char* step) {
+  g_init_stage.store(step);
   static const bool enabled = std::getenv("JAXOVERLAP_DEBUG") != nullptr;
   if (enabled) std::fprintf(stderr, "jaxoverlap runtime: %s\n", step);
 }
@@ -104,6 +108,8 @@ const char* OpName(int32_t op) {
 }
 
 const RuntimeState& State() { return g_state; }
+
+const char* InitStage() { return g_init_stage.load(); }
 
 void SetTimeout(uint64_t timeout_ns) { g_state.timeout_ns = timeout_ns; }
 
@@ -191,7 +197,7 @@ ffi::Error Initialize(const std::string& unique_id, int rank, int num_ranks, int
   nvshmemx_init_init_attr_ver_only(attr);
   nvshmemi_version_t version = {NVSHMEM_VENDOR_MAJOR_VERSION, NVSHMEM_VENDOR_MINOR_VERSION,
                                 NVSHMEM_VENDOR_PATCH_VERSION};
-  DebugStep("nvshmemi_init_thread");
+  DebugStep("nvshmemi_init_thread (NVSHMEM's bootstrap: every PE must reach it)");
   int provided = 0;
   int status = nvshmemi_init_thread(NVSHMEM_THREAD_SERIALIZED, &provided,
                                     NVSHMEMX_INIT_WITH_UNIQUEID, &attr, version);
@@ -278,7 +284,7 @@ ffi::Error Initialize(const std::string& unique_id, int rank, int num_ranks, int
       cudaHostGetDevicePointer(reinterpret_cast<void**>(&g_state.error_device), g_state.error_host, 0));
   StartWatchdog(g_state.error_host);
   JAXOVERLAP_CUDA_RETURN_IF_ERROR(cudaDeviceSynchronize());
-  DebugStep("nvshmem_barrier_all");
+  DebugStep("nvshmem_barrier_all (every PE must have allocated its heap)");
   // Every PE has zeroed its signals before anyone may write them.
   nvshmem_barrier_all();
   JAXOVERLAP_CUDA_RETURN_IF_ERROR(cudaDeviceSynchronize());

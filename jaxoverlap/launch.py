@@ -27,7 +27,7 @@ import threading
 import time
 from typing import Any
 
-__all__ = ["main", "initialize_from_env", "free_port"]
+__all__ = ["main", "initialize_from_env", "slurm_local_devices", "free_port"]
 
 _ENV_PREFIX = "JAXOVERLAP_"
 
@@ -76,26 +76,79 @@ def reproduce_command(script: str, argv: list[str] | None = None) -> str:
   return f"{prefix}python {script} {args}".rstrip()
 
 
+def _slurm_tasks_on_node(env) -> int:
+  """Tasks of this job on this node: SLURM_NTASKS_PER_NODE, else SLURM_TASKS_PER_NODE."""
+  if env.get("SLURM_NTASKS_PER_NODE", "").strip().isdigit():
+    return int(env["SLURM_NTASKS_PER_NODE"])
+  # e.g. "4(x2),3": 4 tasks on each of the first two nodes, 3 on the third.
+  per_node = []
+  for part in env.get("SLURM_TASKS_PER_NODE", "").split(","):
+    count, _, rep = part.partition("(x")
+    if count.strip().isdigit():
+      per_node += [int(count)] * (int(rep.rstrip(")")) if rep else 1)
+  node = int(env.get("SLURM_NODEID", "0") or 0)
+  return per_node[node] if node < len(per_node) else 1
+
+
+def slurm_local_devices(env=None) -> list[int] | None:
+  """The local device ids this SLURM task should drive, from what it actually sees.
+
+  * One task per GPU: ``srun --gpus-per-task=1`` shows each task only its own
+    GPU (``CUDA_VISIBLE_DEVICES`` holds one id), which JAX then numbers 0; a
+    task that sees all the node's GPUs takes the one at ``SLURM_LOCALID``.
+  * One task per node: None, i.e. every GPU the task sees (JAX's default).
+
+  Args:
+    env: the environment (default ``os.environ``).
+
+  Raises:
+    RuntimeError: the task sees several GPUs but fewer than its local id
+      needs, so the placement is ambiguous; the message says what it saw.
+  """
+  env = os.environ if env is None else env
+  if _slurm_tasks_on_node(env) == 1:
+    return None
+  local = int(env.get("SLURM_LOCALID", "0") or 0)
+  if "CUDA_VISIBLE_DEVICES" not in env:
+    return [local]
+  visible = [d for d in env["CUDA_VISIBLE_DEVICES"].split(",") if d.strip()]
+  if len(visible) == 1:
+    return [0]
+  if local < len(visible):
+    return [local]
+  raise RuntimeError(
+      f"jaxoverlap.launch: SLURM task {local} of {_slurm_tasks_on_node(env)} on this node sees "
+      f"{len(visible)} GPUs (CUDA_VISIBLE_DEVICES={env['CUDA_VISIBLE_DEVICES']!r}), so it "
+      f"cannot take GPU {local}; run one task per GPU with srun --gpus-per-task=1, or one task "
+      "per node")
+
+
 def initialize_from_env(
     *, nvshmem: bool | None = None, heap_bytes: int | None = None
 ) -> dict[str, Any]:
   """Initialises jax.distributed (and jaxoverlap's NVSHMEM runtime) for this process.
 
   Reads the launcher's ``JAXOVERLAP_*`` variables, or SLURM's
-  (``SLURM_PROCID``, ``SLURM_NTASKS``, ``SLURM_LOCALID``). With neither, the
+  (``SLURM_PROCID``, ``SLURM_NTASKS``, ``SLURM_LOCALID``, the tasks per node
+  and ``CUDA_VISIBLE_DEVICES``: see ``slurm_local_devices``). With neither, the
   process runs alone and jax.distributed is left untouched.
 
   Args:
     nvshmem: bring up the CUDA backend's runtime (``jaxoverlap.initialize``).
-      Default: when the platform is GPU and the CUDA extension is built.
+      Default: when the platform is GPU, the CUDA extension is built and this
+      process drives one GPU (the NVSHMEM runtime takes one GPU per process; a
+      process driving several runs the ops on backend "xla", and the plans
+      say why).
     heap_bytes: passed to ``jaxoverlap.initialize``.
 
   Returns:
-    dict with ``process_id``, ``num_processes``, ``local_device`` and, when
-    NVSHMEM was brought up, ``runtime`` (``jaxoverlap.runtime_info()``).
+    dict with ``process_id``, ``num_processes``, ``local_device`` (None when
+    the process drives all the GPUs it sees) and, when NVSHMEM was brought up,
+    ``runtime`` (``jaxoverlap.runtime_info()``).
 
   Raises:
-    RuntimeError: ``nvshmem=True`` but the CUDA backend cannot start.
+    RuntimeError: ``nvshmem=True`` but the CUDA backend cannot start; or a
+      SLURM placement that names no GPU this task sees.
   """
   import jax
 
@@ -113,15 +166,16 @@ def initialize_from_env(
     )
     out.update(process_id=pid, num_processes=nproc, local_device=local)
   elif "SLURM_PROCID" in env and int(env.get("SLURM_NTASKS", "1")) > 1:
-    local = int(env.get("SLURM_LOCALID", "0"))
-    jax.distributed.initialize(local_device_ids=[local])
+    local = slurm_local_devices(env)
+    jax.distributed.initialize(local_device_ids=local)
     out.update(process_id=jax.process_index(), num_processes=jax.process_count(),
-               local_device=local)
+               local_device=None if local is None else local[0])
 
   if nvshmem is None:
     from jaxoverlap import _ffi
 
-    nvshmem = jax.default_backend() == "gpu" and _ffi.unavailable_reason() is None
+    nvshmem = (jax.default_backend() == "gpu" and _ffi.unavailable_reason() is None
+               and jax.local_device_count() == 1)
   if nvshmem:
     from jaxoverlap import runtime
 

@@ -60,6 +60,7 @@ __all__ = [
     "DEFAULT_HEAP_BYTES",
     "DEFAULT_OVERLAP_HEAP_BYTES",
     "DEFAULT_TIMEOUT_S",
+    "DEFAULT_INIT_TIMEOUT_S",
 ]
 
 DEFAULT_HEAP_BYTES = 1 << 30  # 1 GiB per GPU
@@ -67,6 +68,7 @@ DEFAULT_HEAP_BYTES = 1 << 30  # 1 GiB per GPU
 # e.g. 682 MiB per sender with 2 GPUs per node (a bf16 shard of 16384 x 16384).
 DEFAULT_OVERLAP_HEAP_BYTES = 2 << 30
 DEFAULT_TIMEOUT_S = 10.0
+DEFAULT_INIT_TIMEOUT_S = 120.0  # every wait of initialize(): peers, rank 0's id, NVSHMEM
 # NVSHMEM's own heap must hold ours plus its internal allocations.
 _NVSHMEM_HEAP_SLACK_BYTES = 256 << 20
 
@@ -136,29 +138,69 @@ def _kv_client():
   return distributed.global_state.client
 
 
-def _exchange(key: str, value: bytes | None, rank: int, timeout_s: float) -> bytes:
-  """Rank 0 (value given) publishes ``value`` under ``key``; others read it."""
+def _client_or_raise():
   client = _kv_client()
   if client is None:
     raise RuntimeError(
         "jaxoverlap.initialize: jax.distributed is not initialised but there are several "
         "processes; call jax.distributed.initialize(...) first (python -m jaxoverlap.launch does)")
+  return client
+
+
+def _missing(client, keys: dict[int, str]) -> list[int]:
+  """The ranks whose key is not (yet) in the store."""
+  out = []
+  for r, key in keys.items():
+    try:
+      client.blocking_key_value_get(key, 1)
+    except Exception:  # noqa: BLE001 - jax raises its own error types for a timeout
+      out.append(r)
+  return out
+
+
+def _gather(what: str, value: str, rank: int, num_ranks: int, timeout_s: float) -> list[str]:
+  """Every rank publishes ``value``; returns all ranks' values, in rank order.
+
+  Raises:
+    RuntimeError: some rank's value did not arrive within ``timeout_s``; the
+      message names those ranks.
+  """
+  client = _client_or_raise()
+  keys = {r: f"jaxoverlap/{_generation}/{what}/{r}" for r in range(num_ranks)}
+  client.key_value_set(keys[rank], value)
+  values = []
+  for r in range(num_ranks):
+    try:
+      values.append(client.blocking_key_value_get(keys[r], int(timeout_s * 1000)))
+    except Exception:  # noqa: BLE001
+      missing = _missing(client, keys)
+      raise RuntimeError(
+          f"jaxoverlap.initialize (rank {rank} of {num_ranks}): ranks {missing} did not reach "
+          f"the start-up step '{what}' within {timeout_s:g} s; each process must call "
+          "jaxoverlap.initialize() (a collective). Check that those processes are alive (their "
+          "output), or raise init_timeout_s (JAXOVERLAP_INIT_TIMEOUT_S)") from None
+  return values
+
+
+def _exchange(key: str, value: bytes | None, rank: int, timeout_s: float) -> bytes:
+  """Rank 0 (value given) publishes ``value`` under ``key``; others read it (bounded)."""
+  client = _client_or_raise()
   if value is not None:
     client.key_value_set(key, base64.b64encode(value).decode())
     return value
-  return base64.b64decode(client.blocking_key_value_get(key, int(timeout_s * 1000)))
+  try:
+    return base64.b64decode(client.blocking_key_value_get(key, int(timeout_s * 1000)))
+  except Exception:  # noqa: BLE001
+    raise RuntimeError(
+        f"jaxoverlap.initialize (rank {rank}): rank 0's '{key}' did not arrive within "
+        f"{timeout_s:g} s; is rank 0 alive and calling jaxoverlap.initialize()?") from None
 
 
 def _ranks_per_node(rank: int, num_ranks: int, timeout_s: float) -> tuple[int, list[str]]:
   host = socket.gethostname()
   if num_ranks == 1:
     return 1, [host]
-  client = _kv_client()
-  client.key_value_set(f"jaxoverlap/{_generation}/host/{rank}", host)
-  hosts = [
-      client.blocking_key_value_get(f"jaxoverlap/{_generation}/host/{r}", int(timeout_s * 1000))
-      for r in range(num_ranks)
-  ]
+  hosts = _gather("host", host, rank, num_ranks, timeout_s)
   counts = {h: hosts.count(h) for h in hosts}
   if len(set(counts.values())) != 1:
     raise RuntimeError(
@@ -174,18 +216,118 @@ def _ranks_per_node(rank: int, num_ranks: int, timeout_s: float) -> tuple[int, l
   return per_node, hosts
 
 
+def _resolve(heap_bytes, overlap_heap_bytes, timeout_s, ranks_per_node,
+             init_timeout_s) -> dict[str, Any]:
+  """The parameters of ``initialize``: arguments, else environment, else defaults; checked."""
+  env = os.environ
+  if heap_bytes is None:
+    heap_bytes = (_parse_bytes(env["JAXOVERLAP_HEAP_BYTES"], "JAXOVERLAP_HEAP_BYTES")
+                  if env.get("JAXOVERLAP_HEAP_BYTES") else DEFAULT_HEAP_BYTES)
+  if overlap_heap_bytes is None:
+    overlap_heap_bytes = (_parse_bytes(env["JAXOVERLAP_OVERLAP_HEAP_BYTES"],
+                                       "JAXOVERLAP_OVERLAP_HEAP_BYTES")
+                          if env.get("JAXOVERLAP_OVERLAP_HEAP_BYTES")
+                          else DEFAULT_OVERLAP_HEAP_BYTES)
+  if timeout_s is None:
+    timeout_s = _parse_seconds(env.get("JAXOVERLAP_TIMEOUT_S"), "JAXOVERLAP_TIMEOUT_S",
+                               DEFAULT_TIMEOUT_S)
+  if init_timeout_s is None:
+    init_timeout_s = _parse_seconds(env.get("JAXOVERLAP_INIT_TIMEOUT_S"),
+                                    "JAXOVERLAP_INIT_TIMEOUT_S", DEFAULT_INIT_TIMEOUT_S)
+  if ranks_per_node is None and env.get("JAXOVERLAP_RANKS_PER_NODE"):
+    text = env["JAXOVERLAP_RANKS_PER_NODE"]
+    if not text.strip().isdigit():
+      raise ValueError(f"JAXOVERLAP_RANKS_PER_NODE={text!r} is not a positive integer")
+    ranks_per_node = int(text)
+  for name, value in (("heap_bytes", heap_bytes), ("overlap_heap_bytes", overlap_heap_bytes)):
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+      raise ValueError(f"{name} must be a positive int (bytes), got {value!r}")
+  for name, value in (("timeout_s", timeout_s), ("init_timeout_s", init_timeout_s)):
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+      raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
+  if ranks_per_node is not None and (isinstance(ranks_per_node, bool)
+                                     or not isinstance(ranks_per_node, int)
+                                     or ranks_per_node < 1):
+    raise ValueError(f"ranks_per_node must be a positive int, got {ranks_per_node!r}")
+  cap = env.get("JAXOVERLAP_GEMM_ALIGNMENT_CAP")
+  if cap is not None and not _valid_alignment_cap(cap):
+    raise ValueError(f"JAXOVERLAP_GEMM_ALIGNMENT_CAP={cap!r}: expected a power of two "
+                     "from 1 to 256 (bytes)")
+  return {"heap_bytes": heap_bytes, "overlap_heap_bytes": overlap_heap_bytes,
+          "timeout_s": float(timeout_s), "ranks_per_node": ranks_per_node,
+          "init_timeout_s": float(init_timeout_s)}
+
+
+def _parse_seconds(text: str | None, what: str, default: float) -> float:
+  if not text:
+    return default
+  try:
+    return float(text)
+  except ValueError:
+    raise ValueError(f"{what}={text!r} is not a number of seconds") from None
+
+
+def _check_same_parameters(params: dict[str, Any], explicit: set[str]) -> None:
+  """A second ``initialize()`` must not ask for other parameters than the active ones.
+
+  Only the parameters the second call passes are compared: a bare
+  ``initialize()`` (e.g. after ``jaxoverlap.launch`` brought the runtime up)
+  just returns the active runtime's info.
+  """
+  active = dict(_info["parameters"], ranks_per_node=_info["ranks_per_node"])
+  differ = [f"{k}={params[k]!r} (active: {active[k]!r})" for k in sorted(explicit)
+            if k != "init_timeout_s" and params[k] != active[k]]
+  if differ:
+    raise RuntimeError(
+        f"jaxoverlap.initialize: already initialised with other parameters: "
+        f"{', '.join(differ)}. Call jaxoverlap.finalize() first (on every process) to start "
+        "again with these")
+
+
+def _run_bounded(fn, timeout_s: float, what: str, stage) -> None:
+  """Runs ``fn`` in a thread and waits at most ``timeout_s``; re-raises its error.
+
+  A call that does not return in time (NVSHMEM's start-up cannot be
+  cancelled) leaves its thread behind and raises a RuntimeError that names
+  the step ``stage()`` reports; the process should then exit.
+  """
+  box: dict[str, BaseException] = {}
+
+  def target():
+    try:
+      fn()
+    except BaseException as e:  # noqa: BLE001 - handed to the caller
+      box["error"] = e
+
+  thread = threading.Thread(target=target, name="jaxoverlap-init", daemon=True)
+  thread.start()
+  thread.join(timeout_s)
+  if thread.is_alive():
+    raise RuntimeError(
+        f"{what} did not finish within {timeout_s:g} s (stuck at: {stage()}). Likely causes: "
+        "a process that never reached jaxoverlap.initialize(), several processes placed "
+        "unevenly on the GPUs, or a bootstrap network NVSHMEM cannot use "
+        "(NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME). JAXOVERLAP_DEBUG=1 prints each step; "
+        "NVSHMEM_DEBUG=INFO shows NVSHMEM's own; JAXOVERLAP_INIT_TIMEOUT_S sets the bound. "
+        "Exit this process: NVSHMEM cannot be restarted in it")
+  if "error" in box:
+    raise box["error"]
+
+
 def initialize(
     heap_bytes: int | None = None,
     *,
     overlap_heap_bytes: int | None = None,
     timeout_s: float | None = None,
     ranks_per_node: int | None = None,
+    init_timeout_s: float | None = None,
 ) -> dict[str, Any]:
   """Brings up NVSHMEM in this process and allocates the symmetric heap.
 
   Call once per process, after ``jax.distributed.initialize`` (when there are
   several processes) and before the first op with ``backend="cuda"``. Every
-  process must call it: it is a collective.
+  process must call it: it is a collective. A second call with the same
+  parameters returns ``runtime_info()``; with other parameters it raises.
 
   Args:
     heap_bytes: size of the symmetric heap in bytes (default: environment
@@ -199,30 +341,40 @@ def initialize(
       ``runtime_info()["overlap_slot_bytes"]`` gives its size.
     timeout_s: bound on every device wait, in seconds (default
       ``JAXOVERLAP_TIMEOUT_S`` or 10 s). A wait that times out records the
-      rank, peer and step and traps the kernel.
+      op, rank, peer and step, prints them to stderr and traps the kernel.
     ranks_per_node: GPUs per node (default ``JAXOVERLAP_RANKS_PER_NODE``, else
       detected from the hosts of the processes). Setting 1 on one host makes
       each GPU its own "node", which exercises the inter-node path.
+    init_timeout_s: bound on every wait of this call, in seconds (default
+      ``JAXOVERLAP_INIT_TIMEOUT_S`` or 120 s): for the other processes, for
+      rank 0's NVSHMEM id, and for NVSHMEM's own start-up.
 
   Returns:
     ``runtime_info()``.
 
   Raises:
     RuntimeError: the CUDA extension is missing, XLA's own NVSHMEM is switched
-      on, the process does not own exactly one GPU, NVSHMEM fails to start or
-      the heap does not fit. Messages say which.
-    ValueError: a size or timeout is malformed, or JAXOVERLAP_GEMM_ALIGNMENT_CAP
-      is not a power of two from 1 to 256.
+      on, the process does not own exactly one GPU, a process did not arrive
+      within ``init_timeout_s`` (the message names the ranks or the step),
+      NVSHMEM fails to start or the heap does not fit, or the runtime is
+      already up with other parameters. Messages say which.
+    ValueError: a size or timeout is not positive or malformed, or
+      JAXOVERLAP_GEMM_ALIGNMENT_CAP is not a power of two from 1 to 256.
   """
   global _initialized, _generation, _info
   with _lock:
+    params = _resolve(heap_bytes, overlap_heap_bytes, timeout_s, ranks_per_node, init_timeout_s)
     if _initialized:
+      passed = {"heap_bytes": heap_bytes, "overlap_heap_bytes": overlap_heap_bytes,
+                "timeout_s": timeout_s, "ranks_per_node": ranks_per_node}
+      _check_same_parameters(params, {k for k, v in passed.items() if v is not None})
       return runtime_info()
     import jax
 
     from jaxoverlap import _ffi
 
-    if re.search(r"xla_gpu_experimental_enable_nvshmem(=true|=1)?(\s|$)", os.environ.get("XLA_FLAGS", "")):
+    if re.search(r"xla_gpu_experimental_enable_nvshmem(=true|=1)?(\s|$)",
+                 os.environ.get("XLA_FLAGS", "")):
       raise RuntimeError(
           "jaxoverlap.initialize: XLA's own NVSHMEM is switched on "
           "(--xla_gpu_experimental_enable_nvshmem in XLA_FLAGS); two NVSHMEM runtimes cannot "
@@ -232,27 +384,6 @@ def initialize(
     # crashed (seen on 2x H200, jax 0.11.2, NVSHMEM 3.4.5).
     devices = jax.local_devices()
     ext = _ffi.load()
-
-    if heap_bytes is None:
-      env = os.environ.get("JAXOVERLAP_HEAP_BYTES")
-      heap_bytes = _parse_bytes(env, "JAXOVERLAP_HEAP_BYTES") if env else DEFAULT_HEAP_BYTES
-    if heap_bytes <= 0:
-      raise ValueError(f"heap_bytes must be positive, got {heap_bytes}")
-    if overlap_heap_bytes is None:
-      env = os.environ.get("JAXOVERLAP_OVERLAP_HEAP_BYTES")
-      overlap_heap_bytes = (_parse_bytes(env, "JAXOVERLAP_OVERLAP_HEAP_BYTES") if env
-                            else DEFAULT_OVERLAP_HEAP_BYTES)
-    if overlap_heap_bytes <= 0:
-      raise ValueError(f"overlap_heap_bytes must be positive, got {overlap_heap_bytes}")
-    if timeout_s is None:
-      timeout_s = float(os.environ.get("JAXOVERLAP_TIMEOUT_S", DEFAULT_TIMEOUT_S))
-    if not timeout_s > 0:
-      raise ValueError(f"timeout_s must be positive, got {timeout_s}")
-    cap = os.environ.get("JAXOVERLAP_GEMM_ALIGNMENT_CAP")
-    if cap is not None and not _valid_alignment_cap(cap):
-      raise ValueError(f"JAXOVERLAP_GEMM_ALIGNMENT_CAP={cap!r}: expected a power of two "
-                       "from 1 to 256 (bytes)")
-
     if len(devices) != 1 or devices[0].platform != "gpu":
       raise RuntimeError(
           "jaxoverlap.initialize: the CUDA backend needs exactly one GPU per process; this "
@@ -261,22 +392,20 @@ def initialize(
     device = devices[0]
     ordinal = int(getattr(device, "local_hardware_id", None) or 0)
     rank, num_ranks = jax.process_index(), jax.process_count()
+    wait_s = params["init_timeout_s"]
 
     # NVLink multicast stays off (it can take a host's GPUs down; our kernels
     # do not use it), and NVSHMEM's heap must hold ours.
     os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
     os.environ.setdefault("NVSHMEM_SYMMETRIC_SIZE",
-                          str(heap_bytes + overlap_heap_bytes + _NVSHMEM_HEAP_SLACK_BYTES))
+                          str(params["heap_bytes"] + params["overlap_heap_bytes"]
+                              + _NVSHMEM_HEAP_SLACK_BYTES))
 
-    env_rpn = os.environ.get("JAXOVERLAP_RANKS_PER_NODE")
-    if ranks_per_node is None and env_rpn:
-      ranks_per_node = int(env_rpn)
-    detected, hosts = _ranks_per_node(rank, num_ranks, timeout_s=60.0)
-    if ranks_per_node is None:
-      ranks_per_node = detected
-    if ranks_per_node < 1 or num_ranks % ranks_per_node:
+    detected, hosts = _ranks_per_node(rank, num_ranks, timeout_s=wait_s)
+    rpn = params["ranks_per_node"] or detected
+    if num_ranks % rpn:
       raise ValueError(
-          f"ranks_per_node={ranks_per_node} must divide the number of processes {num_ranks}")
+          f"ranks_per_node={rpn} must divide the number of processes {num_ranks}")
 
     if len(set(hosts)) == 1:
       # One host: NVSHMEM's unique-id bootstrap talks over loopback.
@@ -285,30 +414,37 @@ def initialize(
     key = f"jaxoverlap/{_generation}/nvshmem_uid"
     uid = ext.get_unique_id() if rank == 0 else None
     if num_ranks > 1:
-      uid = _exchange(key, uid, rank, timeout_s=120.0)
+      uid = _exchange(key, uid, rank, timeout_s=wait_s)
     logger.info("jaxoverlap: NVSHMEM PE %d of %d on GPU %d, heap %d bytes", rank, num_ranks,
-                ordinal, heap_bytes)
+                ordinal, params["heap_bytes"])
     try:
-      ext.initialize(uid, rank, num_ranks, ordinal, heap_bytes, overlap_heap_bytes,
-                     int(timeout_s * 1e9),
-                     ranks_per_node)
+      _run_bounded(
+          lambda: ext.initialize(uid, rank, num_ranks, ordinal, params["heap_bytes"],
+                                 params["overlap_heap_bytes"], int(params["timeout_s"] * 1e9),
+                                 rpn),
+          wait_s, f"jaxoverlap.initialize (PE {rank} of {num_ranks}): NVSHMEM's start-up",
+          ext.init_stage)
     except RuntimeError as e:
-      raise RuntimeError(f"jaxoverlap.initialize (PE {rank} of {num_ranks}): {e}") from None
+      msg = str(e)
+      if not msg.startswith("jaxoverlap.initialize"):
+        msg = f"jaxoverlap.initialize (PE {rank} of {num_ranks}): {msg}"
+      raise RuntimeError(msg) from None
     _share_tuning_table(rank, num_ranks)
     _generation += 1
     _initialized = True
     _info = {
-        "transport": "nvshmem",
+        "transport": names.NVSHMEM,
         "pe": rank,
         "num_pes": num_ranks,
         "device": str(device),
         "cuda_ordinal": ordinal,
-        "ranks_per_node": ranks_per_node,
-        "num_nodes": num_ranks // ranks_per_node,
+        "ranks_per_node": rpn,
+        "num_nodes": num_ranks // rpn,
         "hosts": hosts,
-        "heap_bytes": heap_bytes,
-        "overlap_heap_bytes": overlap_heap_bytes,
-        "timeout_s": timeout_s,
+        "heap_bytes": params["heap_bytes"],
+        "overlap_heap_bytes": params["overlap_heap_bytes"],
+        "timeout_s": params["timeout_s"],
+        "parameters": params,
     }
     atexit.register(finalize)
     return runtime_info()

@@ -110,6 +110,8 @@ struct RuntimeState {
 ffi::Error Initialize(const std::string& unique_id, int rank, int num_ranks, int device,
                       size_t heap_bytes, size_t overlap_bytes, uint64_t timeout_ns,
                       int ranks_per_node);
+// The start-up step Initialize() is in, or reached last ("initialised").
+const char* InitStage();
 // A fresh NVSHMEM unique id (128 bytes), made on the process that will be PE 0.
 ffi::Error GetUniqueId(std::string* out);
 // Frees the heap and finalises NVSHMEM; a no-op when not initialised.

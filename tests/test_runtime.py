@@ -1,0 +1,149 @@
+"""The runtime's start-up rules on CPU: bounded waits that name what did not arrive,
+a second initialize() with other parameters, and SLURM's device placement.
+
+The NVSHMEM start-up itself needs GPUs (tests/gpu); here its waits run against
+a fake key-value store and a stuck function, and the parameter rules against a
+runtime marked as started.
+"""
+
+import threading
+import time
+
+import pytest
+
+from jaxoverlap import launch, runtime
+
+
+class FakeStore:
+  """The part of jax.distributed's key-value client the runtime uses."""
+
+  def __init__(self, values=None):
+    self.values = dict(values or {})
+
+  def key_value_set(self, key, value):
+    self.values[key] = value
+
+  def blocking_key_value_get(self, key, timeout_ms):
+    if key in self.values:
+      return self.values[key]
+    time.sleep(min(timeout_ms, 50) / 1000)
+    raise RuntimeError(f"DEADLINE_EXCEEDED: {key}")
+
+
+def test_gather_names_the_ranks_that_did_not_arrive(monkeypatch):
+  store = FakeStore({f"jaxoverlap/{runtime._generation}/host/0": "a",
+                     f"jaxoverlap/{runtime._generation}/host/2": "a"})
+  monkeypatch.setattr(runtime, "_kv_client", lambda: store)
+  with pytest.raises(RuntimeError, match=r"jaxoverlap.initialize \(rank 0 of 4\): ranks \[1, 3\] "
+                                         r"did not reach the start-up step 'host' within 0.1 s"):
+    runtime._gather("host", "a", 0, 4, timeout_s=0.1)
+  store.values[f"jaxoverlap/{runtime._generation}/host/1"] = "b"
+  store.values[f"jaxoverlap/{runtime._generation}/host/3"] = "b"
+  assert runtime._gather("host", "a", 0, 4, timeout_s=0.1) == ["a", "b", "a", "b"]
+
+
+def test_exchange_names_rank_0(monkeypatch):
+  monkeypatch.setattr(runtime, "_kv_client", lambda: FakeStore())
+  with pytest.raises(RuntimeError, match=r"\(rank 1\): rank 0's 'k' did not arrive within 0.05 s"):
+    runtime._exchange("k", None, 1, timeout_s=0.05)
+
+
+def test_without_jax_distributed_several_processes_is_an_error(monkeypatch):
+  monkeypatch.setattr(runtime, "_kv_client", lambda: None)
+  with pytest.raises(RuntimeError, match="jax.distributed is not initialised"):
+    runtime._gather("host", "a", 0, 2, timeout_s=1)
+
+
+def test_run_bounded_names_the_stuck_step():
+  release = threading.Event()
+  with pytest.raises(RuntimeError, match=r"NVSHMEM's start-up did not finish within 0.2 s "
+                                         r"\(stuck at: nvshmemi_init_thread\)"):
+    runtime._run_bounded(lambda: release.wait(5), 0.2, "NVSHMEM's start-up",
+                         lambda: "nvshmemi_init_thread")
+  release.set()
+  with pytest.raises(ValueError, match="boom"):
+    runtime._run_bounded(lambda: (_ for _ in ()).throw(ValueError("boom")), 1, "x", str)
+  runtime._run_bounded(lambda: None, 1, "x", str)
+
+
+# ---------------------------------------------------------------------------- parameters
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(timeout_s=-1), "timeout_s must be a positive number of seconds, got -1"),
+    (dict(heap_bytes=0), "heap_bytes must be a positive int"),
+    (dict(heap_bytes=1.5), "heap_bytes must be a positive int"),
+    (dict(ranks_per_node=0), "ranks_per_node must be a positive int"),
+    (dict(init_timeout_s=0), "init_timeout_s must be a positive number"),
+])
+def test_bad_parameters(kw, match):
+  args = dict(heap_bytes=None, overlap_heap_bytes=None, timeout_s=None, ranks_per_node=None,
+              init_timeout_s=None)
+  args.update(kw)
+  with pytest.raises(ValueError, match=match):
+    runtime._resolve(**args)
+
+
+def test_parameters_from_the_environment(monkeypatch):
+  monkeypatch.setenv("JAXOVERLAP_HEAP_BYTES", "512M")
+  monkeypatch.setenv("JAXOVERLAP_TIMEOUT_S", "2.5")
+  monkeypatch.setenv("JAXOVERLAP_RANKS_PER_NODE", "4")
+  p = runtime._resolve(None, None, None, None, None)
+  assert p == {"heap_bytes": 512 << 20, "overlap_heap_bytes": runtime.DEFAULT_OVERLAP_HEAP_BYTES,
+               "timeout_s": 2.5, "ranks_per_node": 4,
+               "init_timeout_s": runtime.DEFAULT_INIT_TIMEOUT_S}
+  monkeypatch.setenv("JAXOVERLAP_RANKS_PER_NODE", "two")
+  with pytest.raises(ValueError, match="JAXOVERLAP_RANKS_PER_NODE='two' is not a positive"):
+    runtime._resolve(None, None, None, None, None)
+
+
+@pytest.fixture
+def started(monkeypatch):
+  """The runtime as after initialize(): 1 GiB heap, 10 s timeout, 2 ranks per node."""
+  params = runtime._resolve(1 << 30, None, 10.0, None, None)
+  monkeypatch.setattr(runtime, "_initialized", True)
+  monkeypatch.setattr(runtime, "_info", {"parameters": params, "ranks_per_node": 2, "pe": 0})
+  monkeypatch.setattr(runtime, "runtime_info", lambda: {"initialized": True})
+
+
+def test_second_initialize_with_other_parameters_raises(started):
+  with pytest.raises(RuntimeError, match=r"already initialised with other parameters: "
+                                         r"heap_bytes=536870912 \(active: 1073741824\)"):
+    runtime.initialize(heap_bytes=512 << 20)
+  with pytest.raises(RuntimeError, match=r"ranks_per_node=1 \(active: 2\)"):
+    runtime.initialize(ranks_per_node=1)
+  with pytest.raises(ValueError, match="timeout_s must be a positive number"):
+    runtime.initialize(timeout_s=-1)  # checked even when already up
+
+
+def test_second_initialize_with_the_same_or_no_parameters_returns_the_info(started):
+  assert runtime.initialize() == {"initialized": True}
+  assert runtime.initialize(heap_bytes=1 << 30, timeout_s=10, ranks_per_node=2) == {
+      "initialized": True}
+
+
+# ---------------------------------------------------------------------------- SLURM
+
+
+@pytest.mark.parametrize("env,expected", [
+    # srun --gpus-per-task=1: each task sees its own GPU, which JAX numbers 0.
+    (dict(SLURM_NTASKS_PER_NODE="2", SLURM_LOCALID="1", CUDA_VISIBLE_DEVICES="1"), [0]),
+    (dict(SLURM_TASKS_PER_NODE="4(x2)", SLURM_NODEID="1", SLURM_LOCALID="3",
+          CUDA_VISIBLE_DEVICES="GPU-aa"), [0]),
+    # Every task sees all the node's GPUs: the one at its local id.
+    (dict(SLURM_NTASKS_PER_NODE="2", SLURM_LOCALID="1", CUDA_VISIBLE_DEVICES="0,1"), [1]),
+    (dict(SLURM_NTASKS_PER_NODE="2", SLURM_LOCALID="1"), [1]),
+    # One task per node drives all its GPUs.
+    (dict(SLURM_NTASKS_PER_NODE="1", SLURM_LOCALID="0", CUDA_VISIBLE_DEVICES="0,1"), None),
+    (dict(SLURM_TASKS_PER_NODE="1(x2)", SLURM_NODEID="0", SLURM_LOCALID="0"), None),
+], ids=["one-gpu-per-task", "one-gpu-per-task-uneven-list", "all-visible", "unset",
+        "task-per-node", "task-per-node-list"])
+def test_slurm_local_devices(env, expected):
+  assert launch.slurm_local_devices(env) == expected
+
+
+def test_slurm_placement_that_names_no_visible_gpu():
+  env = dict(SLURM_NTASKS_PER_NODE="4", SLURM_LOCALID="3", CUDA_VISIBLE_DEVICES="0,1")
+  with pytest.raises(RuntimeError, match=r"SLURM task 3 of 4 on this node sees 2 GPUs "
+                                         r"\(CUDA_VISIBLE_DEVICES='0,1'\), so it cannot take GPU 3"):
+    launch.slurm_local_devices(env)
