@@ -46,7 +46,8 @@ namespace {
 constexpr int kThreads = 512;
 constexpr int kMaxBump = kMaxGroupSize + 8;  // local peers + log2(kMaxNodes) partners + fold
 // Payload per block: small enough that mid-size messages spread over many
-// SMs (one LL8 line per thread at 4 KiB), measured on 2x H200 (NOTES.md).
+// SMs (one LL8 line per thread at 4 KiB), measured on 2x H200
+// (docs/kernels.md, "all_reduce v3").
 constexpr size_t kSimpleBytesPerBlock = 16 * 1024;
 constexpr size_t kLLBytesPerBlock = 4 * 1024;
 

@@ -64,7 +64,8 @@ ffi::Error BlasError(cublasStatus_t st, const char* expr, const char* file, int 
 // and updates them in place for new addresses, which needs the same kernel
 // sequence; a plan chosen by where XLA placed a buffer could change it. XLA's
 // buffers are at least 16-byte aligned, so plans depend on the shapes only.
-// (It was not the cause of the update failures seen so far: NOTES.md.)
+// (It was not the cause of the update failures seen so far: docs/kernels.md,
+// "CUDA graphs".)
 // JAXOVERLAP_GEMM_ALIGNMENT_CAP (a power of two, 1..256) overrides it; Init()
 // rejects other values, and jaxoverlap.initialize() checks them first.
 int64_t ParseAlignmentCap() {

@@ -246,8 +246,8 @@ ffi::Error Add(cudaStream_t stream, ffi::DataType dtype, void* out, const char* 
 // (cudaGraphExecUpdate fails), while it can update 1-D copies and kernels.
 // Cost: the kernel takes SMs that a 2-D copy on the copy engines would not
 // (gathered copies of a gpu_small training step: 3.7 ms as this kernel, 3.5 ms
-// as 2-D copies, NOTES.md); a 2-D copy outside stream capture would get that
-// back, not yet done.
+// as 2-D copies, docs/kernels.md "CUDA graphs"); a 2-D copy outside stream
+// capture would get that back, not yet done.
 ffi::Error CopyRows(cudaStream_t stream, char* dst, size_t dst_pitch, const char* src,
                     size_t src_pitch, size_t width, size_t height) {
   if (width == 0 || height == 0) return ffi::Error::Success();

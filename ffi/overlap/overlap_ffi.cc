@@ -132,8 +132,8 @@ ffi::Error MatmulAllReduceExecute(cudaStream_t stream, ffi::AnyBuffer x, ffi::An
 // buffer (gemm.cc, AlignmentCap). So captured, the checks of
 // tests/multiprocess/check_overlap.py ("graphs", "rotation", all sections) and
 // 200-step training runs pass, but a training step under jax.profiler tracing
-// still failed to update (CUDA_ERROR_GRAPH_EXEC_UPDATE_FAILURE; NOTES.md "CUDA
-// graphs"), hence opt-in. The ops last milliseconds, so a graph launch saves
+// still failed to update (CUDA_ERROR_GRAPH_EXEC_UPDATE_FAILURE; docs/kernels.md
+// "CUDA graphs"), hence opt-in. The ops last milliseconds, so a graph launch saves
 // little.
 //
 // The bindings. Every fused call takes its attributes as one struct (overlap.h,
