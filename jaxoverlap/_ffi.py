@@ -32,7 +32,8 @@ def _import():
     elif "cannot import name" in str(e) or "No module named" in str(e):
       _error = (
           "the CUDA extension jaxoverlap._jaxoverlap_cuda is not built (the package was "
-          "installed without nvcc); reinstall with nvcc on PATH (see README, 'Building')")
+          "installed without nvcc, or with JAXOVERLAP_CUDA=OFF); reinstall with nvcc on PATH "
+          "(see README, 'Building')")
     else:
       _error = f"the CUDA extension jaxoverlap._jaxoverlap_cuda cannot be loaded: {e}"
     return

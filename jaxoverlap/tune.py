@@ -2,7 +2,7 @@
 
 Run it inside every process of the job, one process per GPU:
 
-  python -m jaxoverlap.launch --nproc 8 -- -m jaxoverlap.tune
+  python -m jaxoverlap.launch --nproc 8 -m jaxoverlap.tune
   srun --ntasks-per-node 8 python -m jaxoverlap.tune --out /shared/all_reduce-tuning.json
 
 For each size (``--sizes``, per-rank bytes) every impl is first checked

@@ -91,15 +91,15 @@ def test_all_reduce_one_node_picks_a_kernel_and_protocol(one_process_per_device)
 
 
 @pytest.mark.parametrize("algorithm,rpn,nbytes,protocol", [
-    ("one_shot", 4, 8 << 10, "ll"), ("one_shot", 4, 64 << 10, "ll"),
-    ("one_shot", 4, (64 << 10) + 16, "simple"), ("two_shot", 4, 16, "simple"),
-    ("hierarchical", 2, 64 << 10, "ll"), ("hierarchical", 2, (64 << 10) + 16, "simple")])
+    ("one_shot", 4, 8 << 10, "ll"), ("one_shot", 4, 1 << 20, "ll"),
+    ("one_shot", 4, (1 << 20) + 16, "simple"), ("two_shot", 4, 16, "simple"),
+    ("hierarchical", 2, 1 << 20, "ll"), ("hierarchical", 2, (1 << 20) + 16, "simple")])
 def test_all_reduce_protocol_rule(one_process_per_device, algorithm, rpn, nbytes, protocol):
-  """A requested algorithm without a protocol takes the size rule (LL up to 64 KiB per peer)."""
+  """A requested algorithm without a protocol takes the measured size rule."""
   p = plan(Request("all_reduce", "tp", algorithm=algorithm), [(nbytes // 2,)],
            ranks_per_node=rpn)
   assert p.protocol == protocol
-  assert p.reason("protocol").startswith("rule: LL up to 65536 bytes")
+  assert p.reason("protocol").startswith("rule: LL for small messages")
   assert policy.protocol_for(algorithm, nbytes, rpn) == protocol
 
 

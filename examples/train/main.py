@@ -1,7 +1,7 @@
 """Trains a byte-level GPT on the Python standard library with jaxoverlap's TP layers.
 
-  python examples/train/main.py --workdir /tmp/run               # CPU, 8 host devices
-  python examples/train/main.py --workdir /tmp/run --config gpu_small --mesh 1,2
+  python examples/train/main.py --workdir ~/jaxoverlap-runs/cpu    # CPU, 8 host devices
+  python examples/train/main.py --workdir ~/jaxoverlap-runs/gpu --config gpu_small --mesh 1,2
 
 Flags are launch values only; the model and optimization live in config.py.
 Re-running with the same --workdir resumes from its latest checkpoint.

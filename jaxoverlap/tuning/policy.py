@@ -44,7 +44,8 @@ __all__ = [
     "Choice",
     "Policy",
     "protocol_for",
-    "LL_MAX_BYTES",
+    "ONE_SHOT_LL_MAX_BYTES",
+    "HIERARCHICAL_LL_MAX_SHARD_BYTES",
     "FUSED_ALL_REDUCE_MIN_BYTES",
     "DEFAULT_FUSED_TRANSPORT",
     "fused_chunks",
@@ -54,11 +55,13 @@ __all__ = [
 # --------------------------------------------------------------------------- protocol
 
 # The LL protocol doubles the bytes on the wire (4 B of flag per 4 B of data)
-# but needs no separate signal: it wins while the doubled bytes per peer stay
-# small. Measured on 2x H200 (docs/kernels.md, all_reduce v3): one_shot LL up
-# to 64 KiB, simple above; hierarchical LL while its shard's doubled bytes are
-# at most 64 KiB.
-LL_MAX_BYTES = 64 * 1024
+# but needs no separate signal: it wins while the message is small. Measured on
+# 2x H200 (benchmarks/results/all_reduce-2x_H200_NV18-1x2.json and -2x1.json):
+# one_shot LL beats simple up to 1 MiB (13.7 vs 17.3 us) and loses from 2 MiB
+# (24.4 vs 23.4 us); hierarchical LL beats simple while each rank's shard is up
+# to 512 KiB (19.6 vs 28.8 us; 1 MiB: 31.8 vs 28.8 us).
+ONE_SHOT_LL_MAX_BYTES = 1 << 20
+HIERARCHICAL_LL_MAX_SHARD_BYTES = 512 << 10
 
 
 def protocol_for(algorithm: str, nbytes: int, ranks_per_node: int) -> str:
@@ -73,9 +76,10 @@ def protocol_for(algorithm: str, nbytes: int, ranks_per_node: int) -> str:
     "ll" or "simple" (two_shot has only "simple").
   """
   if algorithm == names.ONE_SHOT:
-    return names.LL if nbytes <= LL_MAX_BYTES else names.SIMPLE
+    return names.LL if nbytes <= ONE_SHOT_LL_MAX_BYTES else names.SIMPLE
   if algorithm == names.HIERARCHICAL:
-    return names.LL if nbytes // max(1, ranks_per_node) * 2 <= LL_MAX_BYTES else names.SIMPLE
+    shard = nbytes // max(1, ranks_per_node)
+    return names.LL if shard <= HIERARCHICAL_LL_MAX_SHARD_BYTES else names.SIMPLE
   return names.SIMPLE
 
 
