@@ -4,10 +4,12 @@
 // Host functions raise RuntimeError with the ffi::Error's message.
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
 
 #include <cstdint>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 #include "jaxoverlap/all_reduce.h"
 #include "jaxoverlap/gemm.h"
@@ -104,6 +106,17 @@ NB_MODULE(_jaxoverlap_cuda, m) {
       nb::arg("heap_bytes"), nb::arg("overlap_heap_bytes"), nb::arg("timeout_ns"),
       nb::arg("ranks_per_node"));
 
+  m.def(
+      "initialize_peer",
+      [](std::vector<int> devices, int first_pe, int num_pes, size_t heap_bytes,
+         size_t overlap_heap_bytes, uint64_t timeout_ns) {
+        nb::gil_scoped_release release;
+        ThrowIfError(InitializePeer(devices.data(), static_cast<int>(devices.size()), first_pe,
+                                    num_pes, heap_bytes, overlap_heap_bytes, timeout_ns));
+      },
+      nb::arg("devices"), nb::arg("first_pe"), nb::arg("num_pes"), nb::arg("heap_bytes"),
+      nb::arg("overlap_heap_bytes"), nb::arg("timeout_ns"));
+
   m.def("finalize", &Finalize);
   m.def("init_stage", []() { return std::string(InitStage()); });
   m.def("set_timeout_ns", &SetTimeout, nb::arg("timeout_ns"));
@@ -112,6 +125,10 @@ NB_MODULE(_jaxoverlap_cuda, m) {
     const RuntimeState& s = State();
     nb::dict d;
     d["initialized"] = s.initialized;
+    d["mode"] = RuntimeMode() == Mode::kPeer      ? "peer"
+                : RuntimeMode() == Mode::kNvshmem ? "nvshmem"
+                                                  : "none";
+    d["num_local_devices"] = NumLocalDevices();
     d["pe"] = s.my_pe;
     d["num_pes"] = s.num_pes;
     d["device"] = s.device;
@@ -128,8 +145,9 @@ NB_MODULE(_jaxoverlap_cuda, m) {
   });
 
   m.def("device_error", []() -> nb::object {
-    const DeviceError e = LastDeviceError();
+    int pe = -1;
+    const DeviceError e = LastDeviceError(&pe);
     if (e.code == 0) return nb::none();
-    return nb::str(DeviceErrorToFfi(e).message().c_str());
+    return nb::str(DeviceErrorToFfi(e, pe).message().c_str());
   });
 }

@@ -1,9 +1,11 @@
 // Copyright 2026 The jaxoverlap Authors. SPDX-License-Identifier: Apache-2.0
 //
-// NVSHMEM bootstrap by unique id, and the one symmetric heap of the process.
-// This file is compiled by nvcc with relocatable device code: NVSHMEM's
-// initialisation sets up the device state of the module that calls it, so the
-// call must live in the same device-linked library as the kernels.
+// The runtime: NVSHMEM bootstrap by unique id (one GPU per process), or the
+// in-process runtime (one process, several GPUs of a node, peer access), and
+// the symmetric heap of each GPU. This file is compiled by nvcc with
+// relocatable device code: NVSHMEM's initialisation sets up the device state
+// of the module that calls it, so the call must live in the same
+// device-linked library as the kernels.
 #include <cuda_runtime.h>
 #include <nvshmem.h>
 #include <nvshmemx.h>
@@ -25,7 +27,11 @@ namespace jaxoverlap {
 
 namespace {
 
-RuntimeState g_state;
+RuntimeState g_states[kMaxDevices];  // by CUDA ordinal
+Mode g_mode = Mode::kNone;
+int g_devices[kMaxDevices];           // the driven GPUs, in local-rank order
+int g_num_devices = 0;
+const RuntimeState g_none;            // what State(d) returns for a GPU not driven
 
 // The start-up step in progress (InitStage), so that a start-up that does not
 // return can say where it stopped; JAXOVERLAP_DEBUG=1 also prints each step.
@@ -39,11 +45,11 @@ void DebugStep(const char* step) {
 
 ffi::Error Fail(ffi::ErrorCode code, const std::string& msg) { return ffi::Error(code, msg); }
 
-// The watchdog: a detached host thread that polls the mapped DeviceError and
-// prints it to stderr as soon as a device wait records a timeout. The trapped
-// kernel reaches the user only as XLA's CUDA_ERROR_LAUNCH_FAILED, so this line
-// is what names the op, rank, peer and step. Finalize() stops it (and waits
-// for it) before the mapped memory is freed.
+// The watchdog: a detached host thread that polls the mapped DeviceError of
+// every driven GPU and prints it to stderr as soon as a device wait records a
+// timeout. The trapped kernel reaches the user only as XLA's
+// CUDA_ERROR_LAUNCH_FAILED, so this line is what names the op, rank, peer and
+// step. Finalize() stops it (and waits for it) before the memory is freed.
 std::atomic<bool> g_watchdog_stop{false};
 std::atomic<bool> g_watchdog_running{false};
 std::atomic<bool> g_error_printed{false};
@@ -63,14 +69,15 @@ DeviceError ReadDeviceError(const DeviceError* host) {
   return e;
 }
 
-void WatchdogLoop(const DeviceError* host) {
+void WatchdogLoop() {
   while (!g_watchdog_stop.load()) {
-    if (ReadDeviceError(host).code != 0) {
+    int pe = -1;
+    if (LastDeviceError(&pe).code != 0) {
       // Give the device a moment to finish writing the record, then report.
       std::this_thread::sleep_for(std::chrono::milliseconds(5));
-      const DeviceError e = ReadDeviceError(host);
+      const DeviceError e = LastDeviceError(&pe);
       if (!g_error_printed.exchange(true)) {
-        std::fprintf(stderr, "%s\n", DeviceErrorToFfi(e).message().c_str());
+        std::fprintf(stderr, "%s\n", DeviceErrorToFfi(e, pe).message().c_str());
         std::fflush(stderr);
       }
       break;
@@ -80,11 +87,11 @@ void WatchdogLoop(const DeviceError* host) {
   g_watchdog_running.store(false);
 }
 
-void StartWatchdog(const DeviceError* host) {
+void StartWatchdog() {
   g_watchdog_stop.store(false);
   g_error_printed.store(false);
   g_watchdog_running.store(true);
-  std::thread(WatchdogLoop, host).detach();
+  std::thread(WatchdogLoop).detach();
 }
 
 void StopWatchdog() {
@@ -92,6 +99,158 @@ void StopWatchdog() {
   for (int i = 0; i < 500 && g_watchdog_running.load(); ++i) {
     std::this_thread::sleep_for(std::chrono::milliseconds(1));
   }
+}
+
+// The heap layout (runtime.h), the same on every PE.
+struct Layout {
+  size_t flag_bytes = 0, ll_slot_bytes = 0, ll_bytes = 0, slot_bytes = 0;
+  size_t oflag_bytes = 0, oack_bytes = 0, overlap_slot_bytes = 0;
+};
+
+ffi::Error MakeLayout(int num_pes, int ranks_per_node, size_t heap_bytes, size_t overlap_bytes,
+                      Layout* out) {
+  if (num_pes > kMaxPes) {
+    return Fail(ffi::ErrorCode::kInvalidArgument,
+                std::to_string(num_pes) + " PEs exceed the " + std::to_string(kMaxPes) +
+                    " this heap layout supports");
+  }
+  if (ranks_per_node < 1 || num_pes % ranks_per_node != 0) {
+    return Fail(ffi::ErrorCode::kInvalidArgument,
+                "ranks_per_node " + std::to_string(ranks_per_node) + " does not divide " +
+                    std::to_string(num_pes) + " PEs");
+  }
+  if (ranks_per_node > kMaxGroupSize) {
+    return Fail(ffi::ErrorCode::kInvalidArgument,
+                "ranks_per_node " + std::to_string(ranks_per_node) + " exceeds the " +
+                    std::to_string(kMaxGroupSize) + " GPUs per node this build supports");
+  }
+  auto round_up = [](size_t v) { return (v + 255) / 256 * 256; };
+  Layout l;
+  const size_t per_pe_slots = static_cast<size_t>(kNumParities) * kNumPhases * num_pes;
+  l.flag_bytes = round_up(sizeof(uint64_t) * per_pe_slots * kMaxBlocks);
+  l.ll_slot_bytes = heap_bytes / (4 * per_pe_slots) / (64 * 1024) * (64 * 1024);
+  l.ll_slot_bytes = std::min(kMaxLlSlotBytes, std::max(kMinLlSlotBytes, l.ll_slot_bytes));
+  l.ll_bytes = per_pe_slots * l.ll_slot_bytes;
+  const size_t fixed = l.flag_bytes + l.ll_bytes + 2 * l.ll_slot_bytes;
+  // acc (2 x S) and the payload slots (per_pe_slots x S) share the rest.
+  const size_t min_slot = 64 * 1024;
+  if (heap_bytes < fixed + (per_pe_slots + 2) * min_slot) {
+    return Fail(ffi::ErrorCode::kInvalidArgument,
+                "symmetric heap of " + std::to_string(heap_bytes) + " bytes is too small for " +
+                    std::to_string(num_pes) + " PEs; it needs at least " +
+                    std::to_string(fixed + (per_pe_slots + 2) * min_slot) + " bytes");
+  }
+  l.slot_bytes = (heap_bytes - fixed) / (per_pe_slots + 2) / 256 * 256;
+  // The fused ops' region: flags, acks, then ranks_per_node + 1 payload slots
+  // (one per sender on this node; this PE's own index and the extra one are
+  // its staging buffers).
+  l.oflag_bytes = round_up(sizeof(uint64_t) * kMaxGroupSize * kNumOverlapPhases * kMaxChunks);
+  l.oack_bytes = round_up(sizeof(uint64_t) * kMaxGroupSize);
+  const size_t need = l.oflag_bytes + l.oack_bytes + (ranks_per_node + 1) * min_slot;
+  if (overlap_bytes < need) {
+    return Fail(ffi::ErrorCode::kInvalidArgument,
+                "fused-op heap of " + std::to_string(overlap_bytes) + " bytes is too small for " +
+                    std::to_string(ranks_per_node) + " GPUs per node; it needs at least " +
+                    std::to_string(need) + " bytes");
+  }
+  l.overlap_slot_bytes =
+      (overlap_bytes - l.oflag_bytes - l.oack_bytes) / (ranks_per_node + 1) / 256 * 256;
+  *out = l;
+  return ffi::Error::Success();
+}
+
+// Sets up one GPU's state around its heap (symmetric, `heap_bytes +
+// overlap_bytes` long, already allocated): zeroed flags, device counters,
+// the comm stream and events, cuBLASLt and the error record. The current
+// device must be `device`.
+ffi::Error SetUpDevice(RuntimeState& st, Mode mode, int device, char* heap, const Layout& l,
+                       int pe, int num_pes, int ranks_per_node, size_t heap_bytes,
+                       size_t overlap_bytes, uint64_t timeout_ns) {
+  DebugStep("device buffers");
+  // Flags and LL8 cells start at zero; epochs start at 1, so nothing stale matches.
+  JAXOVERLAP_CUDA_RETURN_IF_ERROR(cudaMemset(heap, 0, l.flag_bytes + l.ll_bytes));
+  char* overlap = heap + heap_bytes;
+  JAXOVERLAP_CUDA_RETURN_IF_ERROR(cudaMemset(overlap, 0, l.oflag_bytes + l.oack_bytes));
+  st.mode = mode;
+  st.heap = heap;
+  st.flags = reinterpret_cast<uint64_t*>(heap);
+  st.ll = heap + l.flag_bytes;
+  char* scratch = st.ll + l.ll_bytes;
+  st.stage[0] = scratch;
+  st.stage[1] = scratch + l.ll_slot_bytes;
+  st.acc[0] = scratch + 2 * l.ll_slot_bytes;
+  st.ll_slot_bytes = l.ll_slot_bytes;
+  st.acc[1] = st.acc[0] + l.slot_bytes;
+  st.data = st.acc[1] + l.slot_bytes;
+  st.slot_bytes = l.slot_bytes;
+  st.acc_bytes = l.slot_bytes;
+  st.ranks_per_node = ranks_per_node;
+  st.overlap_bytes = overlap_bytes;
+  st.overlap_slot_bytes = l.overlap_slot_bytes;
+  st.oflags = reinterpret_cast<uint64_t*>(overlap);
+  st.oacks = reinterpret_cast<uint64_t*>(overlap + l.oflag_bytes);
+  st.oslots = overlap + l.oflag_bytes + l.oack_bytes;
+  // Tests on one host use this to take the network path (NVSHMEM puts) across
+  // emulated nodes, as on a real cluster where peers are not load/store-reachable.
+  const char* force_put = std::getenv("JAXOVERLAP_FORCE_NVSHMEM_PUT");
+  st.force_put = force_put != nullptr && std::string(force_put) == "1";
+  JAXOVERLAP_CUDA_RETURN_IF_ERROR(cudaMalloc(&st.pair_epochs, sizeof(uint64_t) * num_pes));
+  JAXOVERLAP_CUDA_RETURN_IF_ERROR(cudaMemset(st.pair_epochs, 0, sizeof(uint64_t) * num_pes));
+  JAXOVERLAP_CUDA_RETURN_IF_ERROR(cudaMalloc(&st.done_counter, sizeof(unsigned int)));
+  JAXOVERLAP_CUDA_RETURN_IF_ERROR(cudaMemset(st.done_counter, 0, sizeof(unsigned int)));
+  JAXOVERLAP_CUDA_RETURN_IF_ERROR(cudaMalloc(&st.overlap_epochs, sizeof(uint64_t) * num_pes));
+  JAXOVERLAP_CUDA_RETURN_IF_ERROR(
+      cudaMemset(st.overlap_epochs, 0, sizeof(uint64_t) * num_pes));
+  JAXOVERLAP_CUDA_RETURN_IF_ERROR(cudaMalloc(&st.call_epochs, sizeof(uint64_t) * kMaxGroupSize));
+  JAXOVERLAP_CUDA_RETURN_IF_ERROR(
+      cudaMemset(st.call_epochs, 0, sizeof(uint64_t) * kMaxGroupSize));
+  JAXOVERLAP_CUDA_RETURN_IF_ERROR(cudaMalloc(&st.put_counter, sizeof(unsigned int)));
+  JAXOVERLAP_CUDA_RETURN_IF_ERROR(cudaMemset(st.put_counter, 0, sizeof(unsigned int)));
+  int least_priority = 0, greatest_priority = 0;
+  JAXOVERLAP_CUDA_RETURN_IF_ERROR(
+      cudaDeviceGetStreamPriorityRange(&least_priority, &greatest_priority));
+  JAXOVERLAP_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithPriority(
+      &st.comm_stream, cudaStreamNonBlocking, greatest_priority));
+  for (cudaEvent_t& ev : st.events) {
+    JAXOVERLAP_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming));
+  }
+  DebugStep("cuBLASLt");
+  JAXOVERLAP_RETURN_IF_ERROR(gemm::Init(device));
+  JAXOVERLAP_CUDA_RETURN_IF_ERROR(
+      cudaHostAlloc(&st.error_host, sizeof(DeviceError), cudaHostAllocMapped));
+  std::memset(st.error_host, 0, sizeof(DeviceError));
+  JAXOVERLAP_CUDA_RETURN_IF_ERROR(
+      cudaHostGetDevicePointer(reinterpret_cast<void**>(&st.error_device), st.error_host, 0));
+  st.my_pe = pe;
+  st.num_pes = num_pes;
+  st.device = device;
+  st.heap_bytes = heap_bytes;
+  st.timeout_ns = timeout_ns;
+  return ffi::Error::Success();
+}
+
+void TearDownDevice(RuntimeState& st) {
+  cudaSetDevice(st.device);
+  cudaDeviceSynchronize();
+  cudaFree(st.pair_epochs);
+  cudaFree(st.done_counter);
+  cudaFree(st.overlap_epochs);
+  cudaFree(st.call_epochs);
+  cudaFree(st.put_counter);
+  for (cudaEvent_t ev : st.events) cudaEventDestroy(ev);
+  cudaStreamDestroy(st.comm_stream);
+  cudaFreeHost(st.error_host);
+  if (st.mode == Mode::kPeer) cudaFree(st.heap);
+}
+
+ffi::Error CheckNotInitialized() {
+  if (g_mode != Mode::kNone) {
+    return Fail(ffi::ErrorCode::kFailedPrecondition,
+                "jaxoverlap runtime is already initialised in this process (" +
+                    std::to_string(g_num_devices) + " GPU(s), first PE " +
+                    std::to_string(State().my_pe) + ")");
+  }
+  return ffi::Error::Success();
 }
 
 }  // namespace
@@ -107,11 +266,22 @@ const char* OpName(int32_t op) {
   return "a jaxoverlap op";
 }
 
-const RuntimeState& State() { return g_state; }
+const RuntimeState& State(int device) {
+  if (device < 0 || device >= kMaxDevices) return g_none;
+  return g_states[device];
+}
+
+const RuntimeState& State() { return g_num_devices > 0 ? g_states[g_devices[0]] : g_none; }
+
+Mode RuntimeMode() { return g_mode; }
+
+int NumLocalDevices() { return g_num_devices; }
 
 const char* InitStage() { return g_init_stage.load(); }
 
-void SetTimeout(uint64_t timeout_ns) { g_state.timeout_ns = timeout_ns; }
+void SetTimeout(uint64_t timeout_ns) {
+  for (int i = 0; i < g_num_devices; ++i) g_states[g_devices[i]].timeout_ns = timeout_ns;
+}
 
 ffi::Error GetUniqueId(std::string* out) {
   nvshmemx_uniqueid_t id = NVSHMEMX_UNIQUEID_INITIALIZER;
@@ -123,11 +293,7 @@ ffi::Error GetUniqueId(std::string* out) {
 ffi::Error Initialize(const std::string& unique_id, int rank, int num_ranks, int device,
                       size_t heap_bytes, size_t overlap_bytes, uint64_t timeout_ns,
                       int ranks_per_node) {
-  if (g_state.initialized) {
-    return Fail(ffi::ErrorCode::kFailedPrecondition,
-                "jaxoverlap runtime is already initialised in this process (PE " +
-                    std::to_string(g_state.my_pe) + ")");
-  }
+  JAXOVERLAP_RETURN_IF_ERROR(CheckNotInitialized());
   if (unique_id.size() != sizeof(nvshmemx_uniqueid_t)) {
     return Fail(ffi::ErrorCode::kInvalidArgument,
                 "NVSHMEM unique id has " + std::to_string(unique_id.size()) +
@@ -138,52 +304,14 @@ ffi::Error Initialize(const std::string& unique_id, int rank, int num_ranks, int
                                                       " is outside [0, " +
                                                       std::to_string(num_ranks) + ")");
   }
-  if (num_ranks > kMaxPes) {
+  if (device < 0 || device >= kMaxDevices) {
     return Fail(ffi::ErrorCode::kInvalidArgument,
-                std::to_string(num_ranks) + " PEs exceed the " + std::to_string(kMaxPes) +
-                    " this heap layout supports");
+                "CUDA device " + std::to_string(device) + " is outside [0, " +
+                    std::to_string(kMaxDevices) + ")");
   }
-  if (ranks_per_node < 1 || num_ranks % ranks_per_node != 0) {
-    return Fail(ffi::ErrorCode::kInvalidArgument,
-                "ranks_per_node " + std::to_string(ranks_per_node) + " does not divide " +
-                    std::to_string(num_ranks) + " PEs");
-  }
-  // Deterministic layout (runtime.h): flags, LL8 cells, scratch, payload slots.
-  auto round_up = [](size_t v) { return (v + 255) / 256 * 256; };
-  const size_t per_pe_slots = static_cast<size_t>(kNumParities) * kNumPhases * num_ranks;
-  const size_t flag_bytes = round_up(sizeof(uint64_t) * per_pe_slots * kMaxBlocks);
-  size_t ll_slot_bytes = heap_bytes / (4 * per_pe_slots) / (64 * 1024) * (64 * 1024);
-  ll_slot_bytes = std::min(kMaxLlSlotBytes, std::max(kMinLlSlotBytes, ll_slot_bytes));
-  const size_t ll_bytes = per_pe_slots * ll_slot_bytes;
-  const size_t fixed = flag_bytes + ll_bytes + 2 * ll_slot_bytes;
-  // acc (2 x S) and the payload slots (per_pe_slots x S) share the rest.
-  const size_t min_slot = 64 * 1024;
-  if (heap_bytes < fixed + (per_pe_slots + 2) * min_slot) {
-    return Fail(ffi::ErrorCode::kInvalidArgument,
-                "symmetric heap of " + std::to_string(heap_bytes) + " bytes is too small for " +
-                    std::to_string(num_ranks) + " PEs; it needs at least " +
-                    std::to_string(fixed + (per_pe_slots + 2) * min_slot) + " bytes");
-  }
-  const size_t slot_bytes = (heap_bytes - fixed) / (per_pe_slots + 2) / 256 * 256;
-  // The fused ops' region: flags, acks, then ranks_per_node + 1 payload slots
-  // (one per sender on this node; this PE's own index and the extra one are
-  // its staging buffers).
-  const size_t oflag_bytes = round_up(sizeof(uint64_t) * kMaxGroupSize * kNumOverlapPhases * kMaxChunks);
-  const size_t oack_bytes = round_up(sizeof(uint64_t) * kMaxGroupSize);
-  if (ranks_per_node > kMaxGroupSize) {
-    return Fail(ffi::ErrorCode::kInvalidArgument,
-                "ranks_per_node " + std::to_string(ranks_per_node) + " exceeds the " +
-                    std::to_string(kMaxGroupSize) + " GPUs per node this build supports");
-  }
-  if (overlap_bytes < oflag_bytes + oack_bytes + (ranks_per_node + 1) * min_slot) {
-    return Fail(ffi::ErrorCode::kInvalidArgument,
-                "fused-op heap of " + std::to_string(overlap_bytes) + " bytes is too small for " +
-                    std::to_string(ranks_per_node) + " GPUs per node; it needs at least " +
-                    std::to_string(oflag_bytes + oack_bytes + (ranks_per_node + 1) * min_slot) +
-                    " bytes");
-  }
-  const size_t overlap_slot_bytes =
-      (overlap_bytes - oflag_bytes - oack_bytes) / (ranks_per_node + 1) / 256 * 256;
+  Layout layout;
+  JAXOVERLAP_RETURN_IF_ERROR(
+      MakeLayout(num_ranks, ranks_per_node, heap_bytes, overlap_bytes, &layout));
 
   DebugStep("cudaSetDevice");
   JAXOVERLAP_CUDA_RETURN_IF_ERROR(cudaSetDevice(device));
@@ -226,144 +354,196 @@ ffi::Error Initialize(const std::string& unique_id, int rank, int num_ranks, int
                     "or GPU memory left beside XLA's preallocation; lower "
                     "XLA_PYTHON_CLIENT_MEM_FRACTION or the jaxoverlap heap size)");
   }
-  // Flags and LL8 cells start at zero; epochs start at 1, so nothing stale matches.
-  JAXOVERLAP_CUDA_RETURN_IF_ERROR(cudaMemset(heap, 0, flag_bytes + ll_bytes));
-  char* overlap = static_cast<char*>(heap) + heap_bytes;
-  JAXOVERLAP_CUDA_RETURN_IF_ERROR(cudaMemset(overlap, 0, oflag_bytes + oack_bytes));
-
-  DebugStep("device buffers");
-  g_state.heap = static_cast<char*>(heap);
-  g_state.flags = reinterpret_cast<uint64_t*>(g_state.heap);
-  g_state.ll = g_state.heap + flag_bytes;
-  char* scratch = g_state.ll + ll_bytes;
-  g_state.stage[0] = scratch;
-  g_state.stage[1] = scratch + ll_slot_bytes;
-  g_state.acc[0] = scratch + 2 * ll_slot_bytes;
-  g_state.ll_slot_bytes = ll_slot_bytes;
-  g_state.acc[1] = g_state.acc[0] + slot_bytes;
-  g_state.data = g_state.acc[1] + slot_bytes;
-  g_state.slot_bytes = slot_bytes;
-  g_state.acc_bytes = slot_bytes;
-  g_state.ranks_per_node = ranks_per_node;
-  g_state.overlap_bytes = overlap_bytes;
-  g_state.overlap_slot_bytes = overlap_slot_bytes;
-  g_state.oflags = reinterpret_cast<uint64_t*>(overlap);
-  g_state.oacks = reinterpret_cast<uint64_t*>(overlap + oflag_bytes);
-  g_state.oslots = overlap + oflag_bytes + oack_bytes;
-  // Tests on one host use this to take the network path (NVSHMEM puts) across
-  // emulated nodes, as on a real cluster where peers are not load/store-reachable.
-  const char* force_put = std::getenv("JAXOVERLAP_FORCE_NVSHMEM_PUT");
-  g_state.force_put = force_put != nullptr && std::string(force_put) == "1";
-  JAXOVERLAP_CUDA_RETURN_IF_ERROR(
-      cudaMalloc(&g_state.pair_epochs, sizeof(uint64_t) * num_pes));
-  JAXOVERLAP_CUDA_RETURN_IF_ERROR(cudaMemset(g_state.pair_epochs, 0, sizeof(uint64_t) * num_pes));
-  JAXOVERLAP_CUDA_RETURN_IF_ERROR(cudaMalloc(&g_state.done_counter, sizeof(unsigned int)));
-  JAXOVERLAP_CUDA_RETURN_IF_ERROR(cudaMemset(g_state.done_counter, 0, sizeof(unsigned int)));
-  JAXOVERLAP_CUDA_RETURN_IF_ERROR(
-      cudaMalloc(&g_state.overlap_epochs, sizeof(uint64_t) * num_pes));
-  JAXOVERLAP_CUDA_RETURN_IF_ERROR(
-      cudaMemset(g_state.overlap_epochs, 0, sizeof(uint64_t) * num_pes));
-  JAXOVERLAP_CUDA_RETURN_IF_ERROR(cudaMalloc(&g_state.call_epochs, sizeof(uint64_t) * kMaxGroupSize));
-  JAXOVERLAP_CUDA_RETURN_IF_ERROR(
-      cudaMemset(g_state.call_epochs, 0, sizeof(uint64_t) * kMaxGroupSize));
-  JAXOVERLAP_CUDA_RETURN_IF_ERROR(cudaMalloc(&g_state.put_counter, sizeof(unsigned int)));
-  JAXOVERLAP_CUDA_RETURN_IF_ERROR(cudaMemset(g_state.put_counter, 0, sizeof(unsigned int)));
-  int least_priority = 0, greatest_priority = 0;
-  JAXOVERLAP_CUDA_RETURN_IF_ERROR(cudaDeviceGetStreamPriorityRange(&least_priority, &greatest_priority));
-  JAXOVERLAP_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithPriority(
-      &g_state.comm_stream, cudaStreamNonBlocking, greatest_priority));
-  for (cudaEvent_t& ev : g_state.events) {
-    JAXOVERLAP_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming));
-  }
-  DebugStep("cuBLASLt");
-  JAXOVERLAP_RETURN_IF_ERROR(gemm::Init(device));
-  JAXOVERLAP_CUDA_RETURN_IF_ERROR(
-      cudaHostAlloc(&g_state.error_host, sizeof(DeviceError), cudaHostAllocMapped));
-  std::memset(g_state.error_host, 0, sizeof(DeviceError));
-  JAXOVERLAP_CUDA_RETURN_IF_ERROR(
-      cudaHostGetDevicePointer(reinterpret_cast<void**>(&g_state.error_device), g_state.error_host, 0));
-  StartWatchdog(g_state.error_host);
+  RuntimeState& st = g_states[device];
+  JAXOVERLAP_RETURN_IF_ERROR(SetUpDevice(st, Mode::kNvshmem, device, static_cast<char*>(heap),
+                                         layout, my_pe, num_pes, ranks_per_node, heap_bytes,
+                                         overlap_bytes, timeout_ns));
   JAXOVERLAP_CUDA_RETURN_IF_ERROR(cudaDeviceSynchronize());
   DebugStep("nvshmem_barrier_all (every PE must have allocated its heap)");
   // Every PE has zeroed its signals before anyone may write them.
   nvshmem_barrier_all();
   JAXOVERLAP_CUDA_RETURN_IF_ERROR(cudaDeviceSynchronize());
+  st.initialized = true;
+  g_devices[0] = device;
+  g_num_devices = 1;
+  g_mode = Mode::kNvshmem;
+  StartWatchdog();
+  DebugStep("initialised");
+  return ffi::Error::Success();
+}
 
-  g_state.my_pe = my_pe;
-  g_state.num_pes = num_pes;
-  g_state.device = device;
-  g_state.heap_bytes = heap_bytes;
-  g_state.timeout_ns = timeout_ns;
-  g_state.initialized = true;
+ffi::Error InitializePeer(const int* devices, int num_devices, int first_pe, int num_pes,
+                          size_t heap_bytes, size_t overlap_bytes, uint64_t timeout_ns) {
+  JAXOVERLAP_RETURN_IF_ERROR(CheckNotInitialized());
+  if (num_devices < 1 || num_devices > kMaxGroupSize) {
+    return Fail(ffi::ErrorCode::kInvalidArgument,
+                "the in-process runtime drives 1 to " + std::to_string(kMaxGroupSize) +
+                    " GPUs, got " + std::to_string(num_devices));
+  }
+  if (first_pe < 0 || first_pe + num_devices > num_pes) {
+    return Fail(ffi::ErrorCode::kInvalidArgument,
+                "PEs " + std::to_string(first_pe) + ".." +
+                    std::to_string(first_pe + num_devices - 1) + " are outside the job's " +
+                    std::to_string(num_pes));
+  }
+  for (int i = 0; i < num_devices; ++i) {
+    if (devices[i] < 0 || devices[i] >= kMaxDevices) {
+      return Fail(ffi::ErrorCode::kInvalidArgument,
+                  "CUDA device " + std::to_string(devices[i]) + " is outside [0, " +
+                      std::to_string(kMaxDevices) + ")");
+    }
+    for (int j = 0; j < i; ++j) {
+      if (devices[j] == devices[i]) {
+        return Fail(ffi::ErrorCode::kInvalidArgument,
+                    "CUDA device " + std::to_string(devices[i]) + " is listed twice");
+      }
+    }
+  }
+  Layout layout;
+  JAXOVERLAP_RETURN_IF_ERROR(
+      MakeLayout(num_pes, num_devices, heap_bytes, overlap_bytes, &layout));
+  // Every pair must reach each other by load/store (NVLink or PCIe peer access).
+  DebugStep("peer access");
+  for (int i = 0; i < num_devices; ++i) {
+    for (int j = 0; j < num_devices; ++j) {
+      if (i == j) continue;
+      int can = 0;
+      JAXOVERLAP_CUDA_RETURN_IF_ERROR(cudaDeviceCanAccessPeer(&can, devices[i], devices[j]));
+      if (!can) {
+        return Fail(ffi::ErrorCode::kFailedPrecondition,
+                    "GPU " + std::to_string(devices[i]) + " cannot access GPU " +
+                        std::to_string(devices[j]) + "'s memory (cudaDeviceCanAccessPeer is 0: "
+                        "no NVLink or PCIe peer access between them); the in-process kernels "
+                        "need every pair. Run one process per GPU (NVSHMEM), or backend='xla'");
+      }
+      JAXOVERLAP_CUDA_RETURN_IF_ERROR(cudaSetDevice(devices[i]));
+      const cudaError_t err = cudaDeviceEnablePeerAccess(devices[j], 0);
+      if (err == cudaErrorPeerAccessAlreadyEnabled) {
+        cudaGetLastError();  // XLA may have enabled it already
+      } else {
+        JAXOVERLAP_CUDA_RETURN_IF_ERROR(err);
+      }
+    }
+  }
+  PeerMap peers;
+  peers.in_process = true;
+  peers.first_pe = first_pe;
+  peers.num_local = num_devices;
+  for (int i = 0; i < num_devices; ++i) {
+    JAXOVERLAP_CUDA_RETURN_IF_ERROR(cudaSetDevice(devices[i]));
+    DebugStep("cudaMalloc (heap)");
+    void* heap = nullptr;
+    const cudaError_t err = cudaMalloc(&heap, heap_bytes + overlap_bytes);
+    if (err != cudaSuccess) {
+      cudaGetLastError();
+      return Fail(ffi::ErrorCode::kResourceExhausted,
+                  "cudaMalloc(" + std::to_string(heap_bytes + overlap_bytes) + " bytes) of the "
+                  "heap on GPU " + std::to_string(devices[i]) + " failed (" +
+                  cudaGetErrorString(err) + "): it does not fit beside XLA's preallocation; "
+                  "lower XLA_PYTHON_CLIENT_MEM_FRACTION or the jaxoverlap heap size");
+    }
+    peers.heaps[i] = static_cast<char*>(heap);
+    RuntimeState& st = g_states[devices[i]];
+    JAXOVERLAP_RETURN_IF_ERROR(SetUpDevice(st, Mode::kPeer, devices[i], peers.heaps[i], layout,
+                                           first_pe + i, num_pes, num_devices, heap_bytes,
+                                           overlap_bytes, timeout_ns));
+  }
+  for (int i = 0; i < num_devices; ++i) {
+    RuntimeState& st = g_states[devices[i]];
+    st.peers = peers;
+    st.peers.self = peers.heaps[i];
+    JAXOVERLAP_CUDA_RETURN_IF_ERROR(cudaSetDevice(devices[i]));
+    JAXOVERLAP_CUDA_RETURN_IF_ERROR(cudaDeviceSynchronize());
+    st.initialized = true;
+    g_devices[i] = devices[i];
+  }
+  g_num_devices = num_devices;
+  g_mode = Mode::kPeer;
+  StartWatchdog();
   DebugStep("initialised");
   return ffi::Error::Success();
 }
 
 void Finalize() {
-  if (!g_state.initialized) return;
-  cudaSetDevice(g_state.device);
-  cudaDeviceSynchronize();
-  nvshmem_barrier_all();
-  nvshmem_free(g_state.heap);
-  cudaFree(g_state.pair_epochs);
-  cudaFree(g_state.done_counter);
-  cudaFree(g_state.overlap_epochs);
-  cudaFree(g_state.call_epochs);
-  cudaFree(g_state.put_counter);
-  for (cudaEvent_t ev : g_state.events) cudaEventDestroy(ev);
-  cudaStreamDestroy(g_state.comm_stream);
-  gemm::Shutdown();
+  if (g_mode == Mode::kNone) return;
   StopWatchdog();
-  cudaFreeHost(g_state.error_host);
-  nvshmem_finalize();
-  g_state = RuntimeState();
-}
-
-DeviceError LastDeviceError() {
-  if (g_state.error_host == nullptr) return DeviceError{};
-  return ReadDeviceError(g_state.error_host);
-}
-
-ffi::Error CheckExecution(const char* op, cudaStream_t stream) {
-  if (!g_state.initialized) {
-    return Fail(ffi::ErrorCode::kFailedPrecondition,
-                std::string(op) + ": jaxoverlap.initialize() has not been called in this process");
+  const Mode mode = g_mode;
+  if (mode == Mode::kNvshmem) {
+    cudaSetDevice(State().device);
+    cudaDeviceSynchronize();
+    nvshmem_barrier_all();
+    nvshmem_free(State().heap);
   }
-  const DeviceError last = LastDeviceError();
-  if (last.code != 0) return DeviceErrorToFfi(last);
+  for (int i = 0; i < g_num_devices; ++i) TearDownDevice(g_states[g_devices[i]]);
+  gemm::Shutdown();
+  if (mode == Mode::kNvshmem) nvshmem_finalize();
+  for (int i = 0; i < g_num_devices; ++i) g_states[g_devices[i]] = RuntimeState();
+  g_num_devices = 0;
+  g_mode = Mode::kNone;
+}
+
+DeviceError LastDeviceError(int* pe) {
+  for (int i = 0; i < g_num_devices; ++i) {
+    const RuntimeState& st = g_states[g_devices[i]];
+    if (st.error_host == nullptr) continue;
+    const DeviceError e = ReadDeviceError(st.error_host);
+    if (e.code != 0) {
+      if (pe != nullptr) *pe = st.my_pe;
+      return e;
+    }
+  }
+  return DeviceError{};
+}
+
+ffi::Error CheckExecution(const char* op, cudaStream_t stream, int device) {
+  const RuntimeState& s = State(device);
+  if (!s.initialized) {
+    if (g_mode == Mode::kNone) {
+      return Fail(ffi::ErrorCode::kFailedPrecondition,
+                  std::string(op) + ": jaxoverlap.initialize() has not been called in this "
+                                    "process");
+    }
+    return Fail(ffi::ErrorCode::kFailedPrecondition,
+                std::string(op) + ": the runtime does not drive GPU " + std::to_string(device) +
+                    " (it drives " + std::to_string(g_num_devices) + " GPU(s) of this process; "
+                    "the mesh's devices and jaxoverlap.initialize()'s disagree)");
+  }
+  int pe = -1;
+  const DeviceError last = LastDeviceError(&pe);
+  if (last.code != 0) return DeviceErrorToFfi(last, pe);
   // The stream's device cannot be queried while XLA captures a CUDA graph;
   // it is checked on every uncaptured execution.
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
   JAXOVERLAP_CUDA_RETURN_IF_ERROR(cudaStreamIsCapturing(stream, &capture));
-  int stream_device = g_state.device;
+  int stream_device = s.device;
   if (capture == cudaStreamCaptureStatusNone) {
     JAXOVERLAP_CUDA_RETURN_IF_ERROR(cudaStreamGetDevice(stream, &stream_device));
   }
-  if (stream_device != g_state.device) {
+  if (stream_device != s.device) {
     return Fail(ffi::ErrorCode::kFailedPrecondition,
                 std::string(op) + ": XLA's stream is on device " + std::to_string(stream_device) +
-                    " but NVSHMEM was initialised on device " + std::to_string(g_state.device));
+                    " but the call is for device " + std::to_string(s.device));
   }
   return ffi::Error::Success();
 }
 
-ffi::Error DeviceErrorToFfi(const DeviceError& e) {
+ffi::Error DeviceErrorToFfi(const DeviceError& e, int pe) {
   const std::string peer = std::to_string(e.peer_pe);
-  const double timeout_s = static_cast<double>(g_state.timeout_ns) * 1e-9;
+  const double timeout_s = static_cast<double>(State().timeout_ns) * 1e-9;
   char timeout[32];
   std::snprintf(timeout, sizeof(timeout), "%g", timeout_s);
   return ffi::Error(
       ffi::ErrorCode::kDeadlineExceeded,
-      std::string("jaxoverlap: ") + OpName(e.op) + " timed out on PE " +
-          std::to_string(g_state.my_pe) + " (rank " + std::to_string(e.rank) +
-          " of its group): peer PE " + peer + " did not arrive at step " +
-          std::to_string(e.step) + " within " + timeout + " s (block or chunk " +
-          std::to_string(e.block) + ", epoch " + std::to_string(e.epoch) + ", signal seen " +
-          std::to_string(e.seen) + "). Likely causes: the ranks called the jaxoverlap ops in "
-          "different orders, with different sizes or dtypes, or over different groups; or the "
-          "process of PE " + peer + " stopped, died or was slower than JAXOVERLAP_TIMEOUT_S. The "
-          "GPU context is lost (XLA reports the trapped kernel as CUDA_ERROR_LAUNCH_FAILED, "
-          "'unspecified launch failure'); restart the processes.");
+      std::string("jaxoverlap: ") + OpName(e.op) + " timed out on PE " + std::to_string(pe) +
+          " (rank " + std::to_string(e.rank) + " of its group): peer PE " + peer +
+          " did not arrive at step " + std::to_string(e.step) + " within " + timeout +
+          " s (block or chunk " + std::to_string(e.block) + ", epoch " +
+          std::to_string(e.epoch) + ", signal seen " + std::to_string(e.seen) +
+          "). Likely causes: the ranks called the jaxoverlap ops in different orders, with "
+          "different sizes or dtypes, or over different groups; or the process of PE " + peer +
+          " stopped, died or was slower than JAXOVERLAP_TIMEOUT_S. The GPU context is lost "
+          "(XLA reports the trapped kernel as CUDA_ERROR_LAUNCH_FAILED, 'unspecified launch "
+          "failure'); restart the processes.");
 }
 
 }  // namespace jaxoverlap

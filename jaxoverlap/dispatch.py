@@ -376,6 +376,11 @@ def _cuda_plan(r, shapes, dtype, mesh, facts, num_ranks, base) -> Plan:
     raise _Fallback(str(e)) from None
   group = _group_of(groups, facts.pe)
   local_size, num_nodes = _topology(group, facts.ranks_per_node)
+  if facts.transport == names.PEER and num_nodes > 1:
+    raise _Fallback(
+        f"the group over {r.axis_name!r} spans {num_nodes} processes, and the in-process "
+        "runtime reaches only the GPUs of this process (between processes XLA's collective "
+        "runs)")
   cuda = dict(base, backend=names.CUDA, ranks_per_node=local_size, num_nodes=num_nodes,
               groups=tuple(tuple(g) for g in groups))
   if r.op == names.ALL_REDUCE:
@@ -510,6 +515,10 @@ def _fused_plan(r, shapes, dtype, group, num_nodes, facts, num_ranks, cuda) -> P
   if r.transport == names.AUTO:
     transport = _policy.DEFAULT_FUSED_TRANSPORT
     why.append(("transport", "default: the copy engines take no SMs from the GEMM"))
+  elif r.transport == names.NVSHMEM and facts.transport != names.NVSHMEM:
+    raise ValueError(f"{op}: transport='nvshmem' needs the NVSHMEM runtime (one GPU per "
+                     f"process); this runtime's transport is {facts.transport!r}: use "
+                     "'copy_engine' or 'auto'")
   else:
     transport = r.transport
     why.append(("transport", "requested"))

@@ -134,11 +134,10 @@ def initialize_from_env(
   process runs alone and jax.distributed is left untouched.
 
   Args:
-    nvshmem: bring up the CUDA backend's runtime (``jaxoverlap.initialize``).
-      Default: when the platform is GPU, the CUDA extension is built and this
-      process drives one GPU (the NVSHMEM runtime takes one GPU per process; a
-      process driving several runs the ops on backend "xla", and the plans
-      say why).
+    nvshmem: bring up the CUDA kernels' runtime (``jaxoverlap.initialize``:
+      NVSHMEM for one GPU per process, the in-process runtime for a process
+      driving several). Default: when the platform is GPU and the CUDA
+      extension is built.
     heap_bytes: passed to ``jaxoverlap.initialize``.
 
   Returns:
@@ -174,8 +173,7 @@ def initialize_from_env(
   if nvshmem is None:
     from jaxoverlap import _ffi
 
-    nvshmem = (jax.default_backend() == "gpu" and _ffi.unavailable_reason() is None
-               and jax.local_device_count() == 1)
+    nvshmem = jax.default_backend() == "gpu" and _ffi.unavailable_reason() is None
   if nvshmem:
     from jaxoverlap import runtime
 

@@ -44,7 +44,7 @@ __all__ = [
     "XLA", "CUDA", "BACKENDS",
     "COLLECTIVE", "PPERMUTE", "ONE_SHOT", "TWO_SHOT", "HIERARCHICAL", "FUSED", "UNFUSED",
     "LL", "SIMPLE", "PROTOCOLS",
-    "NVSHMEM", "COPY_ENGINE",
+    "NVSHMEM", "PEER", "COPY_ENGINE", "RUNTIME_TRANSPORTS",
     "algorithms", "protocols", "transports", "backend_of_algorithm", "renamed_value",
 ]
 
@@ -93,12 +93,16 @@ _PROTOCOLS = {ONE_SHOT: (LL, SIMPLE), TWO_SHOT: (SIMPLE,), HIERARCHICAL: (LL, SI
 # Transports of the CUDA kernels. "nvshmem": the NVSHMEM runtime, one PE per
 # process (all_reduce: direct NVLink stores to load/store-reachable peers and
 # NVSHMEM puts to the others; fused ops: NVSHMEM block puts from a kernel).
-# "copy_engine": the fused ops' shards moved by cudaMemcpyAsync into the
-# peer's mapped slot (no SM taken from the GEMM).
+# "peer": the in-process runtime, one process driving several GPUs of a node
+# with CUDA peer access (all_reduce: direct NVLink stores). "copy_engine": the
+# fused ops' shards moved by cudaMemcpyAsync into the peer's slot (no SM taken
+# from the GEMM), under either runtime.
 NVSHMEM = "nvshmem"
+PEER = "peer"
 COPY_ENGINE = "copy_engine"
+RUNTIME_TRANSPORTS = (NVSHMEM, PEER)
 _TRANSPORTS = {
-    ALL_REDUCE: (NVSHMEM,),
+    ALL_REDUCE: (NVSHMEM, PEER),
     ALL_GATHER_MATMUL: (COPY_ENGINE, NVSHMEM),
     MATMUL_REDUCE_SCATTER: (COPY_ENGINE, NVSHMEM),
     MATMUL_ALL_REDUCE: (COPY_ENGINE, NVSHMEM),

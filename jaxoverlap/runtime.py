@@ -1,19 +1,29 @@
 """NVSHMEM runtime: bootstrap, symmetric heap, topology, rank <-> PE mapping.
 
 Problem:
-  The CUDA backend moves data with device-initiated NVSHMEM puts, so every
-  process must join one NVSHMEM job (one PE per process, one GPU per PE) and
-  allocate one symmetric heap, in the same order on every process, before the
-  first kernel runs.
+  The CUDA kernels write into peers' memory, so every GPU of a job needs a
+  symmetric heap (the same layout on every GPU), allocated once, in the same
+  order everywhere, before the first kernel runs; and every GPU needs a PE
+  number that the mesh's devices map to.
 
 Algorithm:
-  ``initialize()`` runs after ``jax.distributed.initialize``. Process 0 makes
-  an NVSHMEM unique id; it travels through the jax.distributed key-value store
-  under a ``jaxoverlap/`` key; every process then initialises NVSHMEM on the GPU
-  that JAX gave it and allocates the heap once. The hosts of all processes go
-  through the same store to find the ranks per node, and rank 0's all-reduce
-  tuning table goes to every process, so that all choose alike. PE numbers
-  equal ``jax.process_index()``; this module is the one place that says so
+  ``initialize()`` picks the runtime from the process model:
+
+  * One GPU per process (the launcher, SLURM one task per GPU): NVSHMEM, after
+    ``jax.distributed.initialize``. Process 0 makes an NVSHMEM unique id; it
+    travels through the jax.distributed key-value store under a
+    ``jaxoverlap/`` key; every process then initialises NVSHMEM on its GPU and
+    allocates the heap once. PE = ``jax.process_index()``.
+  * One process driving several GPUs (JAX's default on a host; a notebook; one
+    task per node): the in-process runtime ("peer" transport). Each GPU gets a
+    heap of the same layout (cudaMalloc) and peer access to the others; no
+    NVSHMEM and no jax.distributed is needed for one process. PE =
+    process index x GPUs per process + the GPU's position among the
+    process's devices; each process is one node.
+
+  The hosts of all processes go through the key-value store to find the ranks
+  per node, and rank 0's all-reduce tuning table goes to every process, so that
+  all choose alike. This module is the one place that maps devices to PEs
   (``pe_of_device``, ``groups_along_axis``).
 
   ``facts()`` is what the dispatcher (``jaxoverlap.dispatch``) reads at every
@@ -77,6 +87,8 @@ _initialized = False
 _generation = 0
 _info: dict[str, Any] = {}
 _facts: Facts | None = None
+# The in-process runtime: the PE of every device of the job, by device id.
+_pe_by_device_id: dict[int, int] = {}
 # Rank 0's all-reduce tuning table (its path, and the parsed JSON or None),
 # shared at initialize() so that every rank's "auto" makes the same choice.
 _tuning: tuple[str, dict | None] = ("", None)
@@ -89,8 +101,9 @@ class Facts:
   Attributes:
     unavailable: why the CUDA kernels cannot run in this process, or None when
       they can.
-    transport: the runtime's transport ("nvshmem"), or None.
-    pe, num_pes: this process's PE and the number of PEs.
+    transport: the runtime's transport: "nvshmem" (one GPU per process) or
+      "peer" (one process driving several GPUs), or None.
+    pe, num_pes: this process's (first) PE and the number of PEs.
     ranks_per_node: PEs per node (node = pe // ranks_per_node).
     slot_bytes, ll_slot_bytes: the all-reduce's capacity per sender and launch.
     overlap_slot_bytes: the fused ops' capacity per sender, bytes.
@@ -322,17 +335,22 @@ def initialize(
     ranks_per_node: int | None = None,
     init_timeout_s: float | None = None,
 ) -> dict[str, Any]:
-  """Brings up NVSHMEM in this process and allocates the symmetric heap.
+  """Brings up the CUDA kernels' runtime in this process and allocates the heaps.
 
-  Call once per process, after ``jax.distributed.initialize`` (when there are
-  several processes) and before the first op with ``backend="cuda"``. Every
-  process must call it: it is a collective. A second call with the same
-  parameters returns ``runtime_info()``; with other parameters it raises.
+  A process that drives one GPU joins an NVSHMEM job (one PE per process); a
+  process that drives several GPUs (JAX's default on one host) brings up the
+  in-process runtime on them ("peer" transport; no NVSHMEM, and no
+  jax.distributed for a single process). Call once per process, after
+  ``jax.distributed.initialize`` when there are several processes, and before
+  the first op with ``backend="cuda"``. Every process must call it: it is a
+  collective. A second call with the same parameters returns
+  ``runtime_info()``; with other parameters it raises.
 
   Args:
-    heap_bytes: size of the symmetric heap in bytes (default: environment
-      variable ``JAXOVERLAP_HEAP_BYTES``, e.g. ``512M``, else 1 GiB). It must
-      fit beside XLA's preallocation (``XLA_PYTHON_CLIENT_MEM_FRACTION``).
+    heap_bytes: size of the symmetric heap of each GPU in bytes (default:
+      environment variable ``JAXOVERLAP_HEAP_BYTES``, e.g. ``512M``, else
+      1 GiB). It must fit beside XLA's preallocation
+      (``XLA_PYTHON_CLIENT_MEM_FRACTION``).
     overlap_heap_bytes: symmetric memory for the fused ops (default:
       ``JAXOVERLAP_OVERLAP_HEAP_BYTES``, else 2 GiB), allocated with the heap.
       It holds ranks_per_node + 1 equal slots; one slot must hold the largest
@@ -344,7 +362,8 @@ def initialize(
       op, rank, peer and step, prints them to stderr and traps the kernel.
     ranks_per_node: GPUs per node (default ``JAXOVERLAP_RANKS_PER_NODE``, else
       detected from the hosts of the processes). Setting 1 on one host makes
-      each GPU its own "node", which exercises the inter-node path.
+      each GPU its own "node", which exercises the inter-node path. With the
+      in-process runtime a process is a node of its GPUs.
     init_timeout_s: bound on every wait of this call, in seconds (default
       ``JAXOVERLAP_INIT_TIMEOUT_S`` or 120 s): for the other processes, for
       rank 0's NVSHMEM id, and for NVSHMEM's own start-up.
@@ -354,7 +373,8 @@ def initialize(
 
   Raises:
     RuntimeError: the CUDA extension is missing, XLA's own NVSHMEM is switched
-      on, the process does not own exactly one GPU, a process did not arrive
+      on, the process sees no GPU, two of its GPUs cannot reach each other
+      (in-process runtime: the pair is named), a process did not arrive
       within ``init_timeout_s`` (the message names the ranks or the step),
       NVSHMEM fails to start or the heap does not fit, or the runtime is
       already up with other parameters. Messages say which.
@@ -384,11 +404,14 @@ def initialize(
     # crashed (seen on 2x H200, jax 0.11.2, NVSHMEM 3.4.5).
     devices = jax.local_devices()
     ext = _ffi.load()
-    if len(devices) != 1 or devices[0].platform != "gpu":
+    if not devices or any(d.platform != "gpu" for d in devices):
       raise RuntimeError(
-          "jaxoverlap.initialize: the CUDA backend needs exactly one GPU per process; this "
-          f"process sees {[str(d) for d in devices]}. Start one process per GPU "
-          "(python -m jaxoverlap.launch, or jax.distributed.initialize(local_device_ids=[i])).")
+          "jaxoverlap.initialize: the CUDA backend needs NVIDIA GPUs; this process sees "
+          f"{[str(d) for d in devices]}")
+    if len(devices) > 1:
+      _initialize_peer(ext, devices, params)
+      atexit.register(finalize)
+      return runtime_info()
     device = devices[0]
     ordinal = int(getattr(device, "local_hardware_id", None) or 0)
     rank, num_ranks = jax.process_index(), jax.process_count()
@@ -448,6 +471,69 @@ def initialize(
     }
     atexit.register(finalize)
     return runtime_info()
+
+
+def _initialize_peer(ext, devices, params: dict[str, Any]) -> None:
+  """The in-process runtime on this process's GPUs (``initialize`` holds the lock)."""
+  global _initialized, _generation, _info, _pe_by_device_id
+  import jax
+
+  local = sorted(devices, key=lambda d: d.id)
+  num_local = len(local)
+  rank, num_processes = jax.process_index(), jax.process_count()
+  wait_s = params["init_timeout_s"]
+  if num_processes > 1:
+    counts = _gather("local_devices", str(num_local), rank, num_processes, wait_s)
+    if len(set(counts)) != 1:
+      raise RuntimeError(
+          "jaxoverlap.initialize: the processes drive different numbers of GPUs "
+          f"{[int(c) for c in counts]}; the in-process runtime needs the same number on each")
+  if params["ranks_per_node"] not in (None, num_local):
+    raise ValueError(
+        f"ranks_per_node={params['ranks_per_node']}: one process driving {num_local} GPUs is one "
+        f"node of {num_local} ranks for the in-process runtime")
+  pes = {}
+  for process in range(num_processes):
+    ids = sorted(d.id for d in jax.devices() if d.process_index == process)
+    pes.update({i: process * num_local + k for k, i in enumerate(ids)})
+  ordinals = [int(getattr(d, "local_hardware_id", i)) for i, d in enumerate(local)]
+  first_pe = rank * num_local
+  hosts = ([socket.gethostname()] if num_processes == 1 else
+           _gather("host", socket.gethostname(), rank, num_processes, wait_s))
+  logger.info("jaxoverlap: in-process runtime on GPUs %s (PEs %d..%d of %d), heap %d bytes each",
+              ordinals, first_pe, first_pe + num_local - 1, num_local * num_processes,
+              params["heap_bytes"])
+  try:
+    _run_bounded(
+        lambda: ext.initialize_peer(ordinals, first_pe, num_local * num_processes,
+                                    params["heap_bytes"], params["overlap_heap_bytes"],
+                                    int(params["timeout_s"] * 1e9)),
+        wait_s, f"jaxoverlap.initialize (process {rank}): the in-process runtime's start-up",
+        ext.init_stage)
+  except RuntimeError as e:
+    msg = str(e)
+    if not msg.startswith("jaxoverlap.initialize"):
+      msg = f"jaxoverlap.initialize (process {rank}, GPUs {ordinals}): {msg}"
+    raise RuntimeError(msg) from None
+  _share_tuning_table(rank, num_processes)
+  _generation += 1
+  _initialized = True
+  _pe_by_device_id = pes
+  _info = {
+      "transport": names.PEER,
+      "pe": first_pe,
+      "pes": [pes[d.id] for d in local],
+      "num_pes": num_local * num_processes,
+      "device": [str(d) for d in local],
+      "cuda_ordinal": ordinals,
+      "ranks_per_node": num_local,
+      "num_nodes": num_processes,
+      "hosts": hosts,
+      "heap_bytes": params["heap_bytes"],
+      "overlap_heap_bytes": params["overlap_heap_bytes"],
+      "timeout_s": params["timeout_s"],
+      "parameters": params,
+  }
 
 
 def _share_tuning_table(rank: int, num_ranks: int) -> None:
@@ -510,6 +596,7 @@ def finalize() -> None:
       ext.finalize()
     _initialized = False
     _facts = None
+    _pe_by_device_id.clear()
 
 
 def _platform() -> str:
@@ -560,7 +647,7 @@ def facts() -> Facts:
     ext = _ffi.load()
     native = ext.info()
     base = Facts(
-        unavailable=None, transport=names.NVSHMEM, pe=_info["pe"], num_pes=_info["num_pes"],
+        unavailable=None, transport=_info["transport"], pe=_info["pe"], num_pes=_info["num_pes"],
         ranks_per_node=_info["ranks_per_node"], slot_bytes=native["slot_bytes"],
         ll_slot_bytes=native["ll_slot_bytes"], overlap_slot_bytes=native["overlap_slot_bytes"],
         limits=dict(ext.limits()))
@@ -608,7 +695,15 @@ def runtime_info() -> dict[str, Any]:
 
 
 def pe_of_device(device) -> int:
-  """The NVSHMEM PE that owns a JAX device: its process index (one GPU per process)."""
+  """The PE of a JAX device.
+
+  NVSHMEM runtime (one GPU per process): the device's process index. The
+  in-process runtime: process index x GPUs per process + the device's position
+  among its process's devices (by id). Before ``initialize()``, the process
+  index.
+  """
+  if _pe_by_device_id:
+    return _pe_by_device_id[device.id]
   return int(device.process_index)
 
 
@@ -625,8 +720,9 @@ def groups_along_axis(mesh, axis_name) -> list[list[int]]:
     ordered by position along the axes.
 
   Raises:
-    ValueError: an axis is not in the mesh, or two devices of one group live
-      in the same process (the CUDA backend needs one GPU per process).
+    ValueError: an axis is not in the mesh, or two devices of one group have
+      the same PE (two devices of one process under the NVSHMEM runtime,
+      which takes one GPU per process).
   """
   import numpy as np
 
@@ -643,7 +739,9 @@ def groups_along_axis(mesh, axis_name) -> list[list[int]]:
     pes = [pe_of_device(d) for d in row]
     if len(set(pes)) != len(pes):
       raise ValueError(
-          f"the CUDA backend needs one GPU per process, but devices {[str(d) for d in row]} "
-          f"along axis {axis_name!r} share processes {pes}")
+          f"the NVSHMEM runtime takes one GPU per process, but devices "
+          f"{[str(d) for d in row]} along axis {axis_name!r} share processes {pes}; "
+          "jaxoverlap.initialize() in a process that drives several GPUs brings up the "
+          "in-process runtime instead")
     groups.append(pes)
   return groups

@@ -140,11 +140,11 @@ def test_all_reduce_measured_table_decides(one_process_per_device, monkeypatch):
 
 
 def test_devices_sharing_a_process_fall_back_or_raise():
-  """All CPU devices live in this one process: the NVSHMEM kernels cannot take the group."""
+  """All CPU devices live in this one process: the NVSHMEM runtime cannot take the group."""
   p = plan(Request("all_reduce", "tp"), [(4096,)])
   assert p.backend == "xla" and "share processes" in p.reason("backend")
-  with pytest.raises(ValueError, match="all_reduce: backend='cuda' was requested, but the CUDA "
-                                       "backend needs one GPU per process"):
+  with pytest.raises(ValueError, match="all_reduce: backend='cuda' was requested, but the "
+                                       "NVSHMEM runtime takes one GPU per process"):
     plan(Request("all_reduce", "tp", backend="cuda"), [(4096,)])
 
 
@@ -255,6 +255,59 @@ def test_xla_requests_are_plain(one_process_per_device):
   assert p.reason("backend") == "algorithm 'ppermute' is backend 'xla''s"
   p = plan(Request(AG, "tp", backend="xla", dim=0), [(8, 64), (64, 8)])
   assert (p.algorithm, p.reason("algorithm")) == ("collective", "default of backend 'xla'")
+
+
+# ---------------------------------------------------------------------------- process models
+
+
+def peer_facts(num_local=4, **kw):
+  """One process driving num_local GPUs (the in-process runtime, transport "peer")."""
+  return dataclasses_replace(facts(ranks_per_node=num_local, **kw), transport="peer")
+
+
+def dataclasses_replace(f, **kw):
+  import dataclasses
+  return dataclasses.replace(f, **kw)
+
+
+def peer_plan(request, shapes, mesh_shape=(4,), axes=("tp",), num_local=4, dtype=BF16):
+  mesh = make_mesh(mesh_shape, axes)
+  return dispatch.make_plan(request, [A(s, dtype) for s in shapes], mesh,
+                            peer_facts(num_local))
+
+
+def test_one_process_several_gpus_runs_the_kernels(one_process_per_device):
+  """JAX's default process model: every op plans the CUDA kernels, transport peer."""
+  p = peer_plan(Request("all_reduce", "tp"), [(4096,)])
+  assert (p.backend, p.algorithm, p.transport, p.num_nodes) == ("cuda", "one_shot", "peer", 1)
+  assert p.reason("transport") == "the runtime's transport"
+  p = peer_plan(Request(AG, "tp", dim=0), [(16, 64), (64, 8)])
+  assert (p.backend, p.algorithm, p.transport) == ("cuda", "fused", "copy_engine")
+  with pytest.raises(ValueError, match="transport='nvshmem' needs the NVSHMEM runtime"):
+    peer_plan(Request(RS, "tp", dim=0, transport="nvshmem"), [(16, 64), (64, 8)])
+  with pytest.raises(ValueError, match="transport='nvshmem' was requested, but this runtime's "
+                                       "transport is 'peer'"):
+    peer_plan(Request("all_reduce", "tp", transport="nvshmem"), [(4096,)])
+
+
+def test_groups_across_processes_run_xla_with_the_in_process_runtime(one_process_per_device):
+  """Two processes of 4 GPUs: a group over both runs XLA's collective, and says why."""
+  p = peer_plan(Request("all_reduce", ("dp", "tp")), [(4096,)], mesh_shape=(2, 4),
+                axes=("dp", "tp"))
+  assert p.backend == "xla" and "spans 2 processes" in p.reason("backend")
+  p = peer_plan(Request("all_reduce", "tp"), [(4096,)], mesh_shape=(2, 4), axes=("dp", "tp"))
+  assert p.backend == "cuda" and p.groups == ((0, 1, 2, 3), (4, 5, 6, 7))
+  with pytest.raises(ValueError, match="spans 2 processes"):
+    peer_plan(Request("all_reduce", "dp", backend="cuda"), [(4096,)], mesh_shape=(2, 4),
+              axes=("dp", "tp"))
+
+
+def test_pe_of_device_in_process(monkeypatch):
+  """The in-process runtime numbers PEs process by process, devices by id."""
+  devices = jax.devices()[:8]
+  monkeypatch.setattr(runtime, "_pe_by_device_id", {d.id: i for i, d in enumerate(devices)})
+  mesh = make_mesh((2, 4), ("dp", "tp"))
+  assert runtime.groups_along_axis(mesh, "dp") == [[0, 4], [1, 5], [2, 6], [3, 7]]
 
 
 # ---------------------------------------------------------------------------- log

@@ -38,6 +38,7 @@
 #include "jaxoverlap/check.h"
 #include "jaxoverlap/device_utils.cuh"
 #include "jaxoverlap/runtime.h"
+#include "jaxoverlap/transport.cuh"
 
 namespace jaxoverlap::all_reduce {
 
@@ -57,6 +58,7 @@ constexpr int kPhaseInterNode = 1;
 constexpr int kPhaseAllGather = 2;
 
 struct HeapView {
+  PeerMap peers;  // where peers' copies of this heap live (transport.cuh)
   uint64_t* flags;
   char* ll;
   char* data;
@@ -105,8 +107,8 @@ __device__ __forceinline__ uint4* LlAt(const HeapView& h, uint64_t epoch, int ph
 }
 
 template <typename P>
-__device__ __forceinline__ P* PeerPtr(P* symmetric, int pe) {
-  return static_cast<P*>(nvshmem_ptr(symmetric, pe));
+__device__ __forceinline__ P* PeerPtr(const HeapView& h, P* symmetric, int pe) {
+  return PeerAddress(h.peers, symmetric, pe);
 }
 
 __device__ __forceinline__ uint64_t EpochWith(const Params& p, int pe) {
@@ -119,9 +121,10 @@ __device__ __forceinline__ void StoreRelease(uint64_t* addr, uint64_t v) {
 
 // After every thread of the block wrote its payload to `pe`: make the writes
 // visible system-wide, then raise the flag (thread 0 only).
-__device__ __forceinline__ void SignalPeer(uint64_t* local_flag_symmetric, int pe, uint64_t epoch) {
+__device__ __forceinline__ void SignalPeer(const HeapView& h, uint64_t* local_flag_symmetric,
+                                           int pe, uint64_t epoch) {
   __threadfence_system();
-  StoreRelease(PeerPtr(local_flag_symmetric, pe), epoch);
+  StoreRelease(PeerPtr(h, local_flag_symmetric, pe), epoch);
 }
 
 __device__ __forceinline__ void StoreLL(uint4* dst, uint2 data, uint32_t flag) {
@@ -270,7 +273,7 @@ __global__ void __launch_bounds__(kThreads) OneShotLLKernel(Params p) {
     if (r < t.local_size && r != t.local_rank) {
       const int pe = t.local_pes[r];
       epoch[r] = EpochWith(p, pe);
-      remote[r] = PeerPtr(LlAt(h, epoch[r], kPhaseReduceScatter, p.my_pe), pe);
+      remote[r] = PeerPtr(h, LlAt(h, epoch[r], kPhaseReduceScatter, p.my_pe), pe);
       local[r] = LlAt(h, epoch[r], kPhaseReduceScatter, pe);
     }
   }
@@ -328,7 +331,8 @@ __global__ void __launch_bounds__(kThreads) OneShotSimpleKernel(Params p) {
   for (int r = 0; r < kMaxGroupSize; ++r) {
     if (r < t.local_size && r != t.local_rank) {
       epoch[r] = EpochWith(p, t.local_pes[r]);
-      remote[r] = PeerPtr(DataAt(h, epoch[r], kPhaseReduceScatter, p.my_pe), t.local_pes[r]);
+      remote[r] =
+          PeerPtr(h, DataAt(h, epoch[r], kPhaseReduceScatter, p.my_pe), t.local_pes[r]);
     }
   }
   for (size_t v = vb + threadIdx.x; v < ve; v += blockDim.x) {
@@ -349,8 +353,8 @@ __global__ void __launch_bounds__(kThreads) OneShotSimpleKernel(Params p) {
   if (threadIdx.x == 0) {
     for (int r = 0; r < t.local_size; ++r) {
       if (r != t.local_rank) {
-        SignalPeer(FlagAt(h, epoch[r], kPhaseReduceScatter, p.my_pe, blockIdx.x), t.local_pes[r],
-                   epoch[r]);
+        SignalPeer(h, FlagAt(h, epoch[r], kPhaseReduceScatter, p.my_pe, blockIdx.x),
+                   t.local_pes[r], epoch[r]);
       }
     }
   }
@@ -406,7 +410,8 @@ __device__ bool InterNodeSend(const Params& p, const float* acc, size_t off, siz
   if constexpr (kLL) {
     const uint32_t flag = static_cast<uint32_t>(e);
     const size_t lb = off / 2, le = (off + count + 1) / 2;
-    uint4* direct = p.force_put ? nullptr : PeerPtr(LlAt(h, e, kPhaseInterNode, p.my_pe), pe);
+    uint4* direct =
+        p.force_put ? nullptr : PeerPtr(h, LlAt(h, e, kPhaseInterNode, p.my_pe), pe);
     if (direct != nullptr) {
       for (size_t l = lb + threadIdx.x; l < le; l += blockDim.x) {
         const size_t i = 2 * l;
@@ -430,7 +435,7 @@ __device__ bool InterNodeSend(const Params& p, const float* acc, size_t off, siz
   } else {
     uint64_t* flag = FlagAt(h, e, kPhaseInterNode, p.my_pe, blockIdx.x);
     char* dst = DataAt(h, e, kPhaseInterNode, p.my_pe) + off * sizeof(float);
-    float* direct = p.force_put ? nullptr : PeerPtr(reinterpret_cast<float*>(dst), pe);
+    float* direct = p.force_put ? nullptr : PeerPtr(h, reinterpret_cast<float*>(dst), pe);
     if (direct != nullptr) {
       const size_t vecs = count / 4;  // off is a multiple of 4 floats (16 B)
       for (size_t v = threadIdx.x; v < vecs; v += blockDim.x) {
@@ -438,7 +443,7 @@ __device__ bool InterNodeSend(const Params& p, const float* acc, size_t off, siz
       }
       for (size_t i = vecs * 4 + threadIdx.x; i < count; i += blockDim.x) direct[i] = acc[off + i];
       __syncthreads();
-      if (threadIdx.x == 0) SignalPeer(flag, pe, e);
+      if (threadIdx.x == 0) SignalPeer(h, flag, pe, e);
       return false;
     }
     if (count > 0) {
@@ -512,7 +517,7 @@ __global__ void __launch_bounds__(kThreads) ReduceScatterAllGatherKernel(Params 
       const size_t qb = min(len, blockIdx.x * p.per_block), qe = min(len, qb + p.per_block);
       const T* src = in + static_cast<size_t>(q) * p.shard;
       T* dst = reinterpret_cast<T*>(
-          PeerPtr(DataAt(h, epoch[q], kPhaseReduceScatter, p.my_pe), t.local_pes[q]));
+          PeerPtr(h, DataAt(h, epoch[q], kPhaseReduceScatter, p.my_pe), t.local_pes[q]));
       for (size_t v = qb / kVec + threadIdx.x; v < qe / kVec; v += blockDim.x) {
         reinterpret_cast<uint4*>(dst)[v] = reinterpret_cast<const uint4*>(src)[v];
       }
@@ -522,8 +527,8 @@ __global__ void __launch_bounds__(kThreads) ReduceScatterAllGatherKernel(Params 
     if (threadIdx.x == 0) {
       for (int q = 0; q < G; ++q) {
         if (q != t.local_rank) {
-          SignalPeer(FlagAt(h, epoch[q], kPhaseReduceScatter, p.my_pe, blockIdx.x), t.local_pes[q],
-                     epoch[q]);
+          SignalPeer(h, FlagAt(h, epoch[q], kPhaseReduceScatter, p.my_pe, blockIdx.x),
+                     t.local_pes[q], epoch[q]);
         }
       }
     }
@@ -615,7 +620,7 @@ __global__ void __launch_bounds__(kThreads) ReduceScatterAllGatherKernel(Params 
 #pragma unroll
   for (int r = 0; r < kMaxGroupSize; ++r) {
     if (r < G && r != t.local_rank) {
-      remote[r] = PeerPtr(DataAt(h, epoch[r], kPhaseAllGather, p.my_pe), t.local_pes[r]);
+      remote[r] = PeerPtr(h, DataAt(h, epoch[r], kPhaseAllGather, p.my_pe), t.local_pes[r]);
     }
   }
   for (size_t v = ob / kVec + threadIdx.x; v < oe / kVec; v += blockDim.x) {
@@ -639,8 +644,8 @@ __global__ void __launch_bounds__(kThreads) ReduceScatterAllGatherKernel(Params 
     if (threadIdx.x == 0) {
       for (int r = 0; r < G; ++r) {
         if (r != t.local_rank) {
-          SignalPeer(FlagAt(h, epoch[r], kPhaseAllGather, p.my_pe, blockIdx.x), t.local_pes[r],
-                     epoch[r]);
+          SignalPeer(h, FlagAt(h, epoch[r], kPhaseAllGather, p.my_pe, blockIdx.x),
+                     t.local_pes[r], epoch[r]);
         }
       }
     }
@@ -782,7 +787,7 @@ ffi::Error MakeTopology(const int64_t* groups, size_t num_entries, int64_t group
     return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
                       "all_reduce: PE " + std::to_string(my_pe) +
                           " is in none of the groups of this call; the mesh's devices and the "
-                          "NVSHMEM PEs disagree (one process per GPU, PE = jax.process_index())");
+                          "runtime's PEs disagree (jaxoverlap.runtime.pe_of_device)");
   }
   Topology t;
   t.num_ranks = static_cast<int>(group_size);
@@ -846,10 +851,9 @@ ffi::Error MakeTopology(const int64_t* groups, size_t num_entries, int64_t group
   return ffi::Error::Success();
 }
 
-ffi::Error AllReduce(cudaStream_t stream, Algorithm algorithm, Protocol protocol,
-                     ffi::DataType dtype, const void* in, void* out, size_t num_elements,
-                     const Topology& topo) {
-  const RuntimeState& s = State();
+ffi::Error AllReduce(const RuntimeState& s, cudaStream_t stream, Algorithm algorithm,
+                     Protocol protocol, ffi::DataType dtype, const void* in, void* out,
+                     size_t num_elements, const Topology& topo) {
   if (!s.initialized) {
     return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
                       "all_reduce: jaxoverlap.initialize() has not been called in this process");
@@ -885,6 +889,7 @@ ffi::Error AllReduce(cudaStream_t stream, Algorithm algorithm, Protocol protocol
   Params p{};
   p.topo = topo;
   p.my_pe = s.my_pe;
+  p.heap.peers = s.peers;
   p.heap.flags = s.flags;
   p.heap.ll = s.ll;
   p.heap.data = s.data;

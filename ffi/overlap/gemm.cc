@@ -16,6 +16,7 @@
 #include <string>
 
 #include "jaxoverlap/check.h"
+#include "jaxoverlap/runtime.h"
 
 namespace jaxoverlap::gemm {
 
@@ -31,11 +32,16 @@ struct Plan {
 
 using Key = std::array<int64_t, 16>;
 
-struct State {
-  std::mutex mu;
+// One cuBLASLt handle and workspace per GPU (the handlers of a process's GPUs
+// run concurrently); one plan cache for all, keyed by the GPU too.
+struct PerDevice {
   cublasLtHandle_t handle = nullptr;
   void* workspace = nullptr;
-  int device = -1;
+};
+
+struct State {
+  std::mutex mu;
+  PerDevice devices[kMaxDevices];
   std::map<Key, Plan> plans;
 };
 
@@ -192,15 +198,19 @@ ffi::Error MakePlan(const Gemm& g, cublasLtHandle_t handle, Plan* plan) {
 ffi::Error Init(int device) {
   State& s = S();
   std::lock_guard<std::mutex> lock(s.mu);
-  if (s.handle != nullptr) return ffi::Error::Success();
+  if (device < 0 || device >= kMaxDevices) {
+    return ffi::Error::InvalidArgument("gemm: CUDA device " + std::to_string(device) +
+                                       " is outside [0, " + std::to_string(kMaxDevices) + ")");
+  }
+  PerDevice& d = s.devices[device];
+  if (d.handle != nullptr) return ffi::Error::Success();
   if (AlignmentCap() == 0) {
     return ffi::Error::InvalidArgument(
         "JAXOVERLAP_GEMM_ALIGNMENT_CAP must be a power of two from 1 to 256 (bytes)");
   }
   JAXOVERLAP_CUDA_RETURN_IF_ERROR(cudaSetDevice(device));
-  JAXOVERLAP_CUBLAS_RETURN_IF_ERROR(cublasLtCreate(&s.handle));
-  JAXOVERLAP_CUDA_RETURN_IF_ERROR(cudaMalloc(&s.workspace, kWorkspaceBytes));
-  s.device = device;
+  JAXOVERLAP_CUBLAS_RETURN_IF_ERROR(cublasLtCreate(&d.handle));
+  JAXOVERLAP_CUDA_RETURN_IF_ERROR(cudaMalloc(&d.workspace, kWorkspaceBytes));
   return ffi::Error::Success();
 }
 
@@ -214,10 +224,14 @@ void Shutdown() {
     cublasLtMatmulDescDestroy(p.desc);
   }
   s.plans.clear();
-  if (s.workspace != nullptr) cudaFree(s.workspace);
-  if (s.handle != nullptr) cublasLtDestroy(s.handle);
-  s.workspace = nullptr;
-  s.handle = nullptr;
+  for (int device = 0; device < kMaxDevices; ++device) {
+    PerDevice& d = s.devices[device];
+    if (d.handle == nullptr) continue;
+    cudaSetDevice(device);
+    if (d.workspace != nullptr) cudaFree(d.workspace);
+    cublasLtDestroy(d.handle);
+    d = PerDevice();
+  }
 }
 
 int64_t CachedPlans() {
@@ -236,21 +250,28 @@ ffi::Error Run(cudaStream_t stream, const Gemm& g) {
         std::to_string(g.ldb) + " ldd=" + std::to_string(g.ldd));
   }
   State& s = S();
+  if (g.device < 0 || g.device >= kMaxDevices) {
+    return ffi::Error::InvalidArgument("gemm: CUDA device " + std::to_string(g.device) +
+                                       " is outside [0, " + std::to_string(kMaxDevices) + ")");
+  }
   const Plan* plan = nullptr;
+  PerDevice d;
   {
     std::lock_guard<std::mutex> lock(s.mu);
-    if (s.handle == nullptr) {
+    d = s.devices[g.device];
+    if (d.handle == nullptr) {
       return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
-                        "gemm: cuBLASLt is not initialised (jaxoverlap.initialize() first)");
+                        "gemm: cuBLASLt is not initialised on GPU " + std::to_string(g.device) +
+                            " (jaxoverlap.initialize() first)");
     }
     const Key key = {static_cast<int64_t>(g.dtype), static_cast<int64_t>(g.precision),
                      g.rows, g.n, g.k, g.lda, g.ldb, g.ldd, g.batch, g.stride_a, g.stride_d,
                      Alignment(g.a), Alignment(g.b), Alignment(g.d),
-                     g.c != nullptr ? Alignment(g.c) : 0, 0};
+                     g.c != nullptr ? Alignment(g.c) : 0, g.device};
     auto it = s.plans.find(key);
     if (it == s.plans.end()) {
       Plan p;
-      ffi::Error e = MakePlan(g, s.handle, &p);
+      ffi::Error e = MakePlan(g, d.handle, &p);
       if (e.failure()) {
         if (p.a) cublasLtMatrixLayoutDestroy(p.a);
         if (p.b) cublasLtMatrixLayoutDestroy(p.b);
@@ -266,8 +287,8 @@ ffi::Error Run(cudaStream_t stream, const Gemm& g) {
   const float beta = g.c != nullptr ? 1.0f : 0.0f;
   const void* c = g.c != nullptr ? g.c : g.d;
   JAXOVERLAP_CUBLAS_RETURN_IF_ERROR(cublasLtMatmul(
-      s.handle, plan->desc, &alpha, g.b, plan->a, g.a, plan->b, &beta, c, plan->d, g.d,
-      plan->d, &plan->algo, s.workspace, kWorkspaceBytes, stream));
+      d.handle, plan->desc, &alpha, g.b, plan->a, g.a, plan->b, &beta, c, plan->d, g.d,
+      plan->d, &plan->algo, d.workspace, kWorkspaceBytes, stream));
   return ffi::Error::Success();
 }
 

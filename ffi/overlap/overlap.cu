@@ -49,6 +49,7 @@
 #include "jaxoverlap/gemm.h"
 #include "jaxoverlap/overlap.h"
 #include "jaxoverlap/runtime.h"
+#include "jaxoverlap/transport.cuh"
 
 namespace jaxoverlap::overlap {
 
@@ -92,17 +93,19 @@ __global__ void BeginKernel(uint64_t* overlap_epochs, uint64_t* call_epochs, Gro
 
 // Sets `flag` on `pe` to this call's epoch with rank j, after all earlier
 // work on the stream (the copy engine's transfer) is complete.
-__global__ void SignalKernel(uint64_t* flag, const uint64_t* call_epochs, int j, int pe) {
+__global__ void SignalKernel(PeerMap peers, uint64_t* flag, const uint64_t* call_epochs, int j,
+                             int pe) {
   __threadfence_system();
-  nvshmemx_signal_op(flag, call_epochs[j], NVSHMEM_SIGNAL_SET, pe);
+  SignalSet(peers, flag, call_epochs[j], pe);
 }
 
 // Tells every peer that this PE is done reading its slot in this call.
-__global__ void AckKernel(uint64_t* my_ack_flag, const uint64_t* call_epochs, Group g) {
+__global__ void AckKernel(PeerMap peers, uint64_t* my_ack_flag, const uint64_t* call_epochs,
+                          Group g) {
   const int j = threadIdx.x;
   if (j >= g.size || j == g.rank) return;
   __threadfence_system();
-  nvshmemx_signal_op(my_ack_flag, call_epochs[j], NVSHMEM_SIGNAL_SET, g.pes[j]);
+  SignalSet(peers, my_ack_flag, call_epochs[j], g.pes[j]);
 }
 
 // Block b waits until flags[b] >= (epoch with rank j) - lag.
@@ -288,14 +291,19 @@ struct Call {
 // Checks what could fail half-way through a call before any work is enqueued
 // (a call that stopped after its first transfer would leave its peers waiting).
 ffi::Error Precheck(const Call& c) {
+  if (c.opt.transport == Transport::kNvshmem && c.s.mode != Mode::kNvshmem) {
+    return ffi::Error::InvalidArgument(
+        std::string(c.op) + ": transport 'nvshmem' needs the NVSHMEM runtime (one GPU per "
+        "process); this process drives its GPUs in-process: use transport 'copy_engine'");
+  }
   if (c.opt.transport != Transport::kCopyEngine) return ffi::Error::Success();
   for (int j = 0; j < c.g.size; ++j) {
-    if (j == c.g.rank || nvshmem_ptr(c.s.oslots, c.g.pes[j]) != nullptr) continue;
+    if (j == c.g.rank || PeerAddress(c.s.peers, c.s.oslots, c.g.pes[j]) != nullptr) continue;
     return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
                       std::string(c.op) + ": transport 'copy_engine' needs peer PE " +
                           std::to_string(c.g.pes[j]) +
                           " to be load/store-reachable (NVLink/PCIe peer access), and it is "
-                          "not; use algorithm 'nvshmem'");
+                          "not; use transport 'nvshmem'");
   }
   return ffi::Error::Success();
 }
@@ -309,7 +317,8 @@ ffi::Error Begin(const Call& c) {
 
 ffi::Error End(const Call& c) {
   JAXOVERLAP_RETURN_IF_ERROR(Handoff(c.s.events[1], c.s.comm_stream, c.compute));  // join
-  AckKernel<<<1, kMaxGroupSize, 0, c.compute>>>(c.s.oacks + c.my_local(), c.s.call_epochs, c.g);
+  AckKernel<<<1, kMaxGroupSize, 0, c.compute>>>(c.s.peers, c.s.oacks + c.my_local(),
+                                                c.s.call_epochs, c.g);
   JAXOVERLAP_RETURN_IF_LAUNCH_ERROR("AckKernel launch");
   return ffi::Error::Success();
 }
@@ -336,7 +345,7 @@ ffi::Error Send(const Call& c, int j, char* dst, const char* src, size_t width, 
   const int pe = c.g.pes[j];
   cudaStream_t comm = c.s.comm_stream;
   if (c.opt.transport == Transport::kCopyEngine) {
-    char* peer = static_cast<char*>(nvshmem_ptr(dst, pe));
+    char* peer = PeerAddress(c.s.peers, dst, pe);
     if (peer == nullptr) {  // Precheck() makes this unreachable
       return ffi::Error(ffi::ErrorCode::kInternal,
                         std::string(c.op) + ": no peer mapping of PE " + std::to_string(pe));
@@ -350,7 +359,7 @@ ffi::Error Send(const Call& c, int j, char* dst, const char* src, size_t width, 
       JAXOVERLAP_CUDA_RETURN_IF_ERROR(cudaMemcpy2DAsync(peer, dst_pitch, src, src_pitch, width,
                                                         height, cudaMemcpyDeviceToDevice, comm));
     }
-    SignalKernel<<<1, 1, 0, comm>>>(flag, c.s.call_epochs, j, pe);
+    SignalKernel<<<1, 1, 0, comm>>>(c.s.peers, flag, c.s.call_epochs, j, pe);
     JAXOVERLAP_RETURN_IF_LAUNCH_ERROR("SignalKernel launch");
   } else {
     PutKernel<<<kPutBlocks, kPutThreads, 0, comm>>>(dst, src, width, height, src_pitch, dst_pitch,
@@ -385,6 +394,7 @@ gemm::Gemm ShardGemm(const Call& c, ffi::DataType dtype, const void* a, const vo
   gemm::Gemm g;
   g.dtype = dtype;
   g.precision = c.opt.precision;
+  g.device = c.s.device;
   g.rows = rows;
   g.n = n;
   g.k = k;
@@ -505,9 +515,8 @@ ffi::Error CheckDtype(const char* op, ffi::DataType dtype) {
 
 }  // namespace
 
-ffi::Error MakeGroup(const char* op, ffi::Span<const int64_t> groups, int64_t group_size,
-                     Group* group) {
-  const RuntimeState& s = State();
+ffi::Error MakeGroup(const RuntimeState& s, const char* op, ffi::Span<const int64_t> groups,
+                     int64_t group_size, Group* group) {
   const size_t entries = groups.size();
   if (group_size < 1 || group_size > kMaxGroupSize || entries % group_size != 0) {
     return ffi::Error::InvalidArgument(std::string(op) + ": group size " +
@@ -544,14 +553,13 @@ ffi::Error MakeGroup(const char* op, ffi::Span<const int64_t> groups, int64_t gr
   return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
                     std::string(op) + ": PE " + std::to_string(s.my_pe) +
                         " is in none of the groups of this call; the mesh's devices and the "
-                        "NVSHMEM PEs disagree (one process per GPU, PE = jax.process_index())");
+                        "runtime's PEs disagree (jaxoverlap.runtime.pe_of_device)");
 }
 
-ffi::Error AllGatherMatmul(cudaStream_t stream, const Group& group, const Options& opt,
-                           ffi::DataType dtype, const void* x_ptr, const void* w, void* out_ptr,
-                           void* gathered_ptr, int64_t outer, int64_t rows, int64_t k,
-                           int64_t n) {
-  const RuntimeState& s = State();
+ffi::Error AllGatherMatmul(const RuntimeState& s, cudaStream_t stream, const Group& group,
+                           const Options& opt, ffi::DataType dtype, const void* x_ptr,
+                           const void* w, void* out_ptr, void* gathered_ptr, int64_t outer,
+                           int64_t rows, int64_t k, int64_t n) {
   const Call c{s, group, opt, stream, "all_gather_matmul", OpId::kAllGatherMatmul};
   JAXOVERLAP_RETURN_IF_ERROR(CheckDtype(c.op, dtype));
   const size_t es = ElementBytes(dtype);
@@ -623,10 +631,10 @@ ffi::Error AllGatherMatmul(cudaStream_t stream, const Group& group, const Option
   return End(c);
 }
 
-ffi::Error MatmulReduceScatter(cudaStream_t stream, const Group& group, const Options& opt,
-                               ffi::DataType dtype, const void* x, const void* w, void* out,
-                               int64_t outer, int64_t rows, int64_t k, int64_t n) {
-  const RuntimeState& s = State();
+ffi::Error MatmulReduceScatter(const RuntimeState& s, cudaStream_t stream, const Group& group,
+                               const Options& opt, ffi::DataType dtype, const void* x,
+                               const void* w, void* out, int64_t outer, int64_t rows, int64_t k,
+                               int64_t n) {
   const Call c{s, group, opt, stream, "matmul_reduce_scatter", OpId::kMatmulReduceScatter};
   JAXOVERLAP_RETURN_IF_ERROR(CheckDtype(c.op, dtype));
   const size_t es = ElementBytes(dtype);
@@ -638,10 +646,9 @@ ffi::Error MatmulReduceScatter(cudaStream_t stream, const Group& group, const Op
   return End(c);
 }
 
-ffi::Error MatmulAllReduce(cudaStream_t stream, const Group& group, const Options& opt,
-                           ffi::DataType dtype, const void* x, const void* w, void* out_ptr,
-                           int64_t rows, int64_t k, int64_t n) {
-  const RuntimeState& s = State();
+ffi::Error MatmulAllReduce(const RuntimeState& s, cudaStream_t stream, const Group& group,
+                           const Options& opt, ffi::DataType dtype, const void* x, const void* w,
+                           void* out_ptr, int64_t rows, int64_t k, int64_t n) {
   const Call c{s, group, opt, stream, "matmul_all_reduce", OpId::kMatmulAllReduce};
   JAXOVERLAP_RETURN_IF_ERROR(CheckDtype(c.op, dtype));
   const size_t es = ElementBytes(dtype);

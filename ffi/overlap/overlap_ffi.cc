@@ -21,9 +21,9 @@ namespace ffi = xla::ffi;
 namespace {
 
 // The checks every fused call makes before it enqueues anything.
-ffi::Error Prepare(const char* op, cudaStream_t stream, const Attrs& attrs, Group* group,
-                   Options* opt) {
-  JAXOVERLAP_RETURN_IF_ERROR(CheckExecution(op, stream));
+ffi::Error Prepare(const char* op, cudaStream_t stream, int32_t device, const Attrs& attrs,
+                   Group* group, Options* opt) {
+  JAXOVERLAP_RETURN_IF_ERROR(CheckExecution(op, stream, device));
   const bool transport_ok =
       attrs.transport == Transport::kCopyEngine || attrs.transport == Transport::kNvshmem;
   const bool precision_ok = attrs.precision == gemm::Precision::kDefault ||
@@ -35,7 +35,7 @@ ffi::Error Prepare(const char* op, cudaStream_t stream, const Attrs& attrs, Grou
         std::to_string(attrs.chunks) + " (1.." + std::to_string(kMaxChunks) + ") precision=" +
         std::to_string(static_cast<int>(attrs.precision)));
   }
-  JAXOVERLAP_RETURN_IF_ERROR(MakeGroup(op, attrs.groups, attrs.group_size, group));
+  JAXOVERLAP_RETURN_IF_ERROR(MakeGroup(State(device), op, attrs.groups, attrs.group_size, group));
   opt->transport = attrs.transport;
   opt->chunks = static_cast<int>(attrs.chunks);
   opt->precision = attrs.precision;
@@ -53,13 +53,13 @@ ffi::Error CheckBuffer(const char* op, const char* name, const ffi::AnyBuffer& b
   return ffi::Error::Success();
 }
 
-ffi::Error AllGatherMatmulImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer w,
-                               ffi::AnyBuffer* out, ffi::AnyBuffer* gathered,
+ffi::Error AllGatherMatmulImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer x,
+                               ffi::AnyBuffer w, ffi::AnyBuffer* out, ffi::AnyBuffer* gathered,
                                const Attrs& a) {
   const char* op = "all_gather_matmul";
   Group g;
   Options opt;
-  JAXOVERLAP_RETURN_IF_ERROR(Prepare(op, stream, a, &g, &opt));
+  JAXOVERLAP_RETURN_IF_ERROR(Prepare(op, stream, device, a, &g, &opt));
   const ffi::DataType t = x.element_type();
   JAXOVERLAP_RETURN_IF_ERROR(CheckBuffer(op, "x", x, t, a.outer * a.rows * a.k));
   JAXOVERLAP_RETURN_IF_ERROR(CheckBuffer(op, "w", w, t, a.k * a.n));
@@ -68,43 +68,46 @@ ffi::Error AllGatherMatmulImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBu
     JAXOVERLAP_RETURN_IF_ERROR(
         CheckBuffer(op, "gathered", *gathered, t, a.outer * g.size * a.rows * a.k));
   }
-  return AllGatherMatmul(stream, g, opt, t, x.untyped_data(), w.untyped_data(),
+  return AllGatherMatmul(State(device), stream, g, opt, t, x.untyped_data(), w.untyped_data(),
                          out->untyped_data(),
                          gathered != nullptr ? gathered->untyped_data() : nullptr, a.outer, a.rows,
                          a.k, a.n);
 }
 
-ffi::Error AllGatherMatmulExecute(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer w,
-                                  ffi::Result<ffi::AnyBuffer> out, Attrs attrs) {
-  return AllGatherMatmulImpl(stream, x, w, &*out, nullptr, attrs);
+ffi::Error AllGatherMatmulExecute(cudaStream_t stream, int32_t device, ffi::AnyBuffer x,
+                                  ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> out,
+                                  Attrs attrs) {
+  return AllGatherMatmulImpl(stream, device, x, w, &*out, nullptr, attrs);
 }
 
-ffi::Error AllGatherMatmulGatheredExecute(cudaStream_t stream, ffi::AnyBuffer x,
+ffi::Error AllGatherMatmulGatheredExecute(cudaStream_t stream, int32_t device, ffi::AnyBuffer x,
                                           ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> out,
                                           ffi::Result<ffi::AnyBuffer> gathered, Attrs attrs) {
-  return AllGatherMatmulImpl(stream, x, w, &*out, &*gathered, attrs);
+  return AllGatherMatmulImpl(stream, device, x, w, &*out, &*gathered, attrs);
 }
 
-ffi::Error MatmulReduceScatterExecute(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer w,
-                                      ffi::Result<ffi::AnyBuffer> out, Attrs a) {
+ffi::Error MatmulReduceScatterExecute(cudaStream_t stream, int32_t device, ffi::AnyBuffer x,
+                                      ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> out,
+                                      Attrs a) {
   const char* op = "matmul_reduce_scatter";
   Group g;
   Options opt;
-  JAXOVERLAP_RETURN_IF_ERROR(Prepare(op, stream, a, &g, &opt));
+  JAXOVERLAP_RETURN_IF_ERROR(Prepare(op, stream, device, a, &g, &opt));
   const ffi::DataType t = x.element_type();
   JAXOVERLAP_RETURN_IF_ERROR(CheckBuffer(op, "x", x, t, a.outer * g.size * a.rows * a.k));
   JAXOVERLAP_RETURN_IF_ERROR(CheckBuffer(op, "w", w, t, a.k * a.n));
   JAXOVERLAP_RETURN_IF_ERROR(CheckBuffer(op, "out", *out, t, a.outer * a.rows * a.n));
-  return MatmulReduceScatter(stream, g, opt, t, x.untyped_data(), w.untyped_data(),
+  return MatmulReduceScatter(State(device), stream, g, opt, t, x.untyped_data(),
+                             w.untyped_data(),
                              out->untyped_data(), a.outer, a.rows, a.k, a.n);
 }
 
-ffi::Error MatmulAllReduceExecute(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer w,
-                                  ffi::Result<ffi::AnyBuffer> out, Attrs a) {
+ffi::Error MatmulAllReduceExecute(cudaStream_t stream, int32_t device, ffi::AnyBuffer x,
+                                  ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> out, Attrs a) {
   const char* op = "matmul_all_reduce";
   Group g;
   Options opt;
-  JAXOVERLAP_RETURN_IF_ERROR(Prepare(op, stream, a, &g, &opt));
+  JAXOVERLAP_RETURN_IF_ERROR(Prepare(op, stream, device, a, &g, &opt));
   if (a.outer != 1) {
     return ffi::Error::InvalidArgument(std::string(op) + ": outer must be 1, got " +
                                        std::to_string(a.outer));
@@ -113,7 +116,8 @@ ffi::Error MatmulAllReduceExecute(cudaStream_t stream, ffi::AnyBuffer x, ffi::An
   JAXOVERLAP_RETURN_IF_ERROR(CheckBuffer(op, "x", x, t, g.size * a.rows * a.k));
   JAXOVERLAP_RETURN_IF_ERROR(CheckBuffer(op, "w", w, t, a.k * a.n));
   JAXOVERLAP_RETURN_IF_ERROR(CheckBuffer(op, "out", *out, t, g.size * a.rows * a.n));
-  return MatmulAllReduce(stream, g, opt, t, x.untyped_data(), w.untyped_data(),
+  return MatmulAllReduce(State(device), stream, g, opt, t, x.untyped_data(),
+                         w.untyped_data(),
                          out->untyped_data(), a.rows, a.k, a.n);
 }
 
@@ -146,6 +150,7 @@ namespace {
 auto OneOutputBinding() {
   return xla::ffi::Ffi::Bind()
       .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+      .Ctx<xla::ffi::DeviceOrdinal>()  // the GPU of this call (its runtime state)
       .Arg<xla::ffi::AnyBuffer>()   // x
       .Arg<xla::ffi::AnyBuffer>()   // w: [k, n]
       .Ret<xla::ffi::AnyBuffer>()   // out
@@ -156,6 +161,7 @@ auto OneOutputBinding() {
 auto GatheredBinding() {
   return xla::ffi::Ffi::Bind()
       .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+      .Ctx<xla::ffi::DeviceOrdinal>()  // the GPU of this call (its runtime state)
       .Arg<xla::ffi::AnyBuffer>()   // x: [outer, rows, k]
       .Arg<xla::ffi::AnyBuffer>()   // w: [k, n]
       .Ret<xla::ffi::AnyBuffer>()   // out: [outer, size * rows, n]

@@ -49,11 +49,12 @@ ffi::Error MakeTopology(const int64_t* groups, size_t num_entries, int64_t group
                         int num_pes, int ranks_per_node, Topology* topo);
 
 // All-reduce of `num_elements` elements of `dtype` from `in` to `out` over the
-// group, on `stream`. Messages larger than one launch's capacity go through in
-// chunks; every launch depends only on the arguments (command-buffer safe).
-ffi::Error AllReduce(cudaStream_t stream, Algorithm algorithm, Protocol protocol,
-                     ffi::DataType dtype, const void* in, void* out, size_t num_elements,
-                     const Topology& topo);
+// group, on `stream`, by the GPU whose runtime is `s`. Messages larger than
+// one launch's capacity go through in chunks; every launch depends only on the
+// arguments (command-buffer safe).
+ffi::Error AllReduce(const RuntimeState& s, cudaStream_t stream, Algorithm algorithm,
+                     Protocol protocol, ffi::DataType dtype, const void* in, void* out,
+                     size_t num_elements, const Topology& topo);
 
 }  // namespace jaxoverlap::all_reduce
 

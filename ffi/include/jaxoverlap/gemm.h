@@ -33,6 +33,7 @@ enum class Precision : int32_t {
 // by stride_a / stride_d elements per batch, B is shared. C, when given, has
 // D's layout (ldd, stride_d) and is added before the one rounding to D's type.
 struct Gemm {
+  int device = 0;                              // the GPU (CUDA ordinal) of `stream`
   ffi::DataType dtype = ffi::DataType::BF16;  // A, B and D
   Precision precision = Precision::kDefault;   // float32 only
   int64_t rows = 0, n = 0, k = 0;
@@ -45,12 +46,13 @@ struct Gemm {
   const void* c = nullptr;  // D = A @ B + C when not null
 };
 
-// Creates the cuBLASLt handle and the workspace on `device`; once per process.
+// Creates the cuBLASLt handle and the workspace of GPU `device`; once per GPU.
 ffi::Error Init(int device);
 // Releases them (at finalisation).
 void Shutdown();
-// Enqueues `g` on `stream`. A GEMM with rows, n or batch 0 is a no-op; k must
-// be positive (the ops handle empty operands before any kernel).
+// Enqueues `g` on `stream` (a stream of GPU g.device). A GEMM with rows, n or
+// batch 0 is a no-op; k must be positive (the ops handle empty operands before
+// any kernel).
 ffi::Error Run(cudaStream_t stream, const Gemm& g);
 // Plans cached so far (for runtime_info and tests).
 int64_t CachedPlans();

@@ -32,10 +32,10 @@ struct Group {
   int local[kMaxGroupSize] = {};    // their local ranks on the node (slot/flag index)
 };
 
-// Builds the group holding this PE from the flat `groups` attribute.
-// Errors: malformed groups, this PE in none, a member on another node.
-ffi::Error MakeGroup(const char* op, ffi::Span<const int64_t> groups, int64_t group_size,
-                     Group* group);
+// Builds the group holding the PE of runtime `s` from the flat `groups`
+// attribute. Errors: malformed groups, this PE in none, a member on another node.
+ffi::Error MakeGroup(const RuntimeState& s, const char* op, ffi::Span<const int64_t> groups,
+                     int64_t group_size, Group* group);
 
 // The attributes of every fused custom call (decoded as one struct; computed
 // by jaxoverlap/_cuda.py from the plan and the shapes). For
@@ -58,21 +58,24 @@ struct Options {
 // out[o, g*rows + i, :] = x_g[o, i, :] @ w for every group rank g, where x_g
 // is rank g's x: [outer, rows, k]; w: [k, n]; out: [outer, size*rows, n].
 // When `gathered` is not null it receives the x_g: [outer, size*rows, k].
-ffi::Error AllGatherMatmul(cudaStream_t stream, const Group& group, const Options& opt,
-                           ffi::DataType dtype, const void* x, const void* w, void* out,
-                           void* gathered, int64_t outer, int64_t rows, int64_t k, int64_t n);
+// Each runs on the GPU whose runtime is `s`.
+ffi::Error AllGatherMatmul(const RuntimeState& s, cudaStream_t stream, const Group& group,
+                           const Options& opt, ffi::DataType dtype, const void* x, const void* w,
+                           void* out, void* gathered, int64_t outer, int64_t rows, int64_t k,
+                           int64_t n);
 
 // out[o, i, :] = sum_g (x_g[o, rank*rows + i, :] @ w_g): x: [outer, size*rows, k],
 // w: [k, n], out: [outer, rows, n].
-ffi::Error MatmulReduceScatter(cudaStream_t stream, const Group& group, const Options& opt,
-                               ffi::DataType dtype, const void* x, const void* w, void* out,
-                               int64_t outer, int64_t rows, int64_t k, int64_t n);
+ffi::Error MatmulReduceScatter(const RuntimeState& s, cudaStream_t stream, const Group& group,
+                               const Options& opt, ffi::DataType dtype, const void* x,
+                               const void* w, void* out, int64_t outer, int64_t rows, int64_t k,
+                               int64_t n);
 
 // out = sum_g x_g @ w_g, the same on every rank: x: [size*rows, k], w: [k, n],
 // out: [size*rows, n].
-ffi::Error MatmulAllReduce(cudaStream_t stream, const Group& group, const Options& opt,
-                           ffi::DataType dtype, const void* x, const void* w, void* out,
-                           int64_t rows, int64_t k, int64_t n);
+ffi::Error MatmulAllReduce(const RuntimeState& s, cudaStream_t stream, const Group& group,
+                           const Options& opt, ffi::DataType dtype, const void* x, const void* w,
+                           void* out, int64_t rows, int64_t k, int64_t n);
 
 }  // namespace jaxoverlap::overlap
 

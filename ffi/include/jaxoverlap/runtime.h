@@ -1,8 +1,14 @@
 // Copyright 2026 The jaxoverlap Authors. SPDX-License-Identifier: Apache-2.0
 //
-// The NVSHMEM runtime of one process: one PE, one GPU, one symmetric heap
+// The runtime of one process: its GPUs, each a PE with one symmetric heap
 // allocated once at start-up and sub-allocated deterministically (every PE
-// computes the same layout, so offsets agree without communication).
+// computes the same layout, so offsets agree without communication). Two
+// runtimes provide the heaps (transport.cuh says how kernels reach peers):
+//  * NVSHMEM (Mode::kNvshmem): one PE per process, one GPU per PE.
+//  * In-process (Mode::kPeer): one process drives several GPUs of a node; each
+//    GPU is a PE with a cudaMalloc'ed heap, peer access enabled between them.
+// State is kept per GPU (by CUDA ordinal), because XLA runs the handlers of a
+// process's GPUs concurrently, each on its own stream.
 //
 // Heap layout (all symmetric; every PE computes the same offsets):
 //   flags    [kNumParities][kNumPhases][num_pes][kMaxBlocks] uint64  "simple" completion flags
@@ -34,6 +40,7 @@ namespace jaxoverlap {
 
 namespace ffi = xla::ffi;
 
+inline constexpr int kMaxDevices = 16;      // CUDA ordinals a process may drive
 inline constexpr int kMaxBlocks = 128;      // blocks of one collective kernel
 inline constexpr int kNumParities = 2;      // double buffering by epoch parity
 inline constexpr int kNumPhases = 3;        // reduce-scatter, inter-node, all-gather
@@ -70,8 +77,27 @@ struct DeviceError {
   uint64_t seen;     // signal value seen at the timeout
 };
 
+enum class Mode : int32_t {
+  kNone = 0,
+  kNvshmem = 1,  // one PE per process (NVSHMEM)
+  kPeer = 2,     // one process, several GPUs of one node (in-process peer access)
+};
+
+// Where this node's PEs keep their heaps (Mode::kPeer), or "ask NVSHMEM"
+// (in_process false). Trivially copyable: passed by value to kernels.
+struct PeerMap {
+  bool in_process = false;
+  int first_pe = 0;                 // PE of local index 0 (in_process)
+  int num_local = 0;                // PEs of this node (in_process)
+  const char* self = nullptr;       // this PE's heap (in_process)
+  char* heaps[kMaxGroupSize] = {};  // each local PE's heap, by local index (in_process)
+};
+
+// The runtime of one GPU (PE).
 struct RuntimeState {
   bool initialized = false;
+  Mode mode = Mode::kNone;
+  PeerMap peers;
   int my_pe = -1;
   int num_pes = 0;
   int device = -1;
@@ -110,24 +136,37 @@ struct RuntimeState {
 ffi::Error Initialize(const std::string& unique_id, int rank, int num_ranks, int device,
                       size_t heap_bytes, size_t overlap_bytes, uint64_t timeout_ns,
                       int ranks_per_node);
+// Brings the in-process runtime up on `devices` (CUDA ordinals, in local-rank
+// order): PE first_pe + i on devices[i], of num_pes in the job; each process
+// is one node of devices.size() PEs. Enables peer access between all pairs.
+// Errors: a pair without peer access (named), allocation failures.
+ffi::Error InitializePeer(const int* devices, int num_devices, int first_pe, int num_pes,
+                          size_t heap_bytes, size_t overlap_bytes, uint64_t timeout_ns);
 // The start-up step Initialize() is in, or reached last ("initialised").
 const char* InitStage();
 // A fresh NVSHMEM unique id (128 bytes), made on the process that will be PE 0.
 ffi::Error GetUniqueId(std::string* out);
-// Frees the heap and finalises NVSHMEM; a no-op when not initialised.
+// Frees the heaps (and finalises NVSHMEM); a no-op when not initialised.
 void Finalize();
+// The runtime of the GPU with CUDA ordinal `device` (not initialised for a
+// GPU the runtime does not drive); State() is the first driven GPU's.
+const RuntimeState& State(int device);
 const RuntimeState& State();
+// The runtime's mode, and the number of GPUs it drives in this process.
+Mode RuntimeMode();
+int NumLocalDevices();
 // Sets the device-wait timeout (ns) used by kernels launched after this call.
 void SetTimeout(uint64_t timeout_ns);
-// The record of a device wait that timed out, or code 0.
-DeviceError LastDeviceError();
-// ffi::Error describing `e` (code must be non-zero).
-ffi::Error DeviceErrorToFfi(const DeviceError& e);
-// The checks every handler makes before it enqueues anything: the runtime is
-// up, no earlier device wait timed out, and XLA's `stream` is on NVSHMEM's
-// device (queried only when the stream is not being captured into a graph).
-// Messages start with `op`.
-ffi::Error CheckExecution(const char* op, cudaStream_t stream);
+// The record of a device wait that timed out on any GPU of this process, or
+// code 0; `pe` receives the PE whose wait timed out.
+DeviceError LastDeviceError(int* pe = nullptr);
+// ffi::Error describing `e`, recorded on PE `pe` (code must be non-zero).
+ffi::Error DeviceErrorToFfi(const DeviceError& e, int pe);
+// The checks every handler makes before it enqueues anything: the runtime
+// drives GPU `device` (XLA's device ordinal of the call), no device wait timed
+// out, and XLA's `stream` is on that GPU (queried only when the stream is not
+// being captured into a graph). Messages start with `op`.
+ffi::Error CheckExecution(const char* op, cudaStream_t stream, int device);
 
 }  // namespace jaxoverlap
 
