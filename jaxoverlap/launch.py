@@ -2,7 +2,8 @@
 
 Usage:
   python -m jaxoverlap.launch --nproc 2 examples/train/main.py --distributed ...
-  python -m jaxoverlap.launch --nproc 2 --share_gpu tests/multiprocess/check_all_reduce.py
+  python -m jaxoverlap.launch --nproc 2 --share_gpu -m pytest tests/gpu/ranks/rank_all_reduce.py \
+      --confcutdir tests/gpu/ranks
 
 Each child gets ``JAXOVERLAP_COORDINATOR``, ``JAXOVERLAP_NUM_PROCESSES``,
 ``JAXOVERLAP_PROCESS_ID`` and ``JAXOVERLAP_LOCAL_DEVICE`` in its environment,

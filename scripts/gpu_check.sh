@@ -1,29 +1,43 @@
 #!/usr/bin/env bash
-# One call on the GPU machine: build the package from this tree, then run the
-# multi-process GPU checks and/or the benchmarks; logs and JSON go to $OUT.
-#   bash scripts/gpu_check.sh [check|verify|verify2|sanitize|bench|bench2|autobench|fold|tune|all]
-#   4/8 GPUs (issue 6): multigpu_check | multigpu_bench | multigpu_fused (multigpu: all three)
-#   fused ops (issue 4): ovcheck (all sections) | ovquick | ovgraphs | ovsanitize | ovbench | ovbenchfull
-#   issue 5: ovcalibrate (CAL_PART=ag_rs or ar) | train | profile | ovprofilegraphs | decode
-#   (several steps in one call: bash scripts/gpu_check.sh verify bench)
-# Uses the machine's preinstalled packages (nothing is downloaded). Needs 2
-# GPUs for NCCL-based references (psum); with 1 GPU the checks run as 2
-# processes on it (--share_gpu) and skip what needs NCCL.
+# One call on the GPU machine: build the package from this tree, then run the GPU test
+# suite or a benchmark; logs and JSON go to $OUT (few files: one log per verb).
+#   bash scripts/gpu_check.sh build
+#   bash scripts/gpu_check.sh suite [extra pytest args]   # pytest -m gpu tests/gpu
+#       SKIP_BUILD=1: no build first. SANITIZE=memcheck,racecheck: also the compute-sanitizer
+#       runs (tests/gpu/test_gpu_sanitize.py, e.g. suite -k sanitize).
+#       On 2 GPUs, three parts of under 10 minutes each (the ids: tests/gpu/test_gpu_*.py):
+#         bash scripts/gpu_check.sh suite -k fused                 (build; the fused ops: w2, 4, 8)
+#         SKIP_BUILD=1 bash scripts/gpu_check.sh suite -k "errors or (all_reduce and w2-)"
+#         SKIP_BUILD=1 bash scripts/gpu_check.sh suite -k "all_reduce and not w2-"
+#   benchmarks: bench | bench2 | autobench | quickbench | tune | ovbench | ovbenchfull
+#       | ovwindowed | ovcalibrate (CAL_PART=ag_rs or ar) | train | profile | ovprofilegraphs
+#       | decode; 4/8 GPUs: multigpu_bench | multigpu_fused
+#   (several benchmark verbs in one call: bash scripts/gpu_check.sh bench autobench)
+# Uses the machine's preinstalled packages (nothing is downloaded).
 set -uo pipefail
+SELF="$(cd "$(dirname "$0")" && pwd)/$(basename "$0")"
+cd "$(dirname "$SELF")/.." || exit 1
 export NVSHMEM_DISABLE_NVLS=1 NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/jaxoverlap-out}
 mkdir -p "$OUT"
 PY=${PYTHON:-python3}
-WHAT=${1:-all}
-if [ $# -gt 1 ]; then  # several steps in one call: gpu_check.sh rest sanitize quickbench
-  rc=0; for w in "$@"; do SKIP_BUILD=${SKIP_BUILD:-} bash "$0" "$w" || rc=1; SKIP_BUILD=1; done; exit $rc
+WHAT=${1:-}
+VERBS=" build suite bench bench2 autobench quickbench tune ovbench ovbenchfull ovwindowed"
+VERBS="$VERBS ovcalibrate train profile ovprofilegraphs decode multigpu_bench multigpu_fused "
+if [ -z "$WHAT" ] || [[ "$VERBS" != *" $WHAT "* ]]; then
+  echo "usage: bash scripts/gpu_check.sh <verb> (verbs:$VERBS)" >&2
+  exit 2
 fi
+if [ "$WHAT" != suite ] && [ $# -gt 1 ]; then  # several benchmark verbs in one call
+  rc=0; for w in "$@"; do SKIP_BUILD=${SKIP_BUILD:-} bash "$SELF" "$w" || rc=1; SKIP_BUILD=1; done; exit $rc
+fi
+shift
 status=0
 FILTER='GRPC|WatchTasks|coordination_service|Connection refused|CANCELLED|Source Location|grpc_util|^\[rank .\] $|^\[rank .\] [WI][0-9]{4}'
 
 nvidia-smi -L | tee "$OUT/gpus.txt"
 NGPU=$(nvidia-smi -L | wc -l)
-if [ -z "${SKIP_BUILD:-}" ]; then
+if [ -z "${SKIP_BUILD:-}" ] || [ "$WHAT" = build ]; then
   echo "== build ($NGPU GPUs)"
   start=$(date +%s)
   SKBUILD_CMAKE_DEFINE="CMAKE_CUDA_ARCHITECTURES=90" \
@@ -31,7 +45,6 @@ if [ -z "${SKIP_BUILD:-}" ]; then
     || { tail -40 "$OUT/build.log"; echo "BUILD FAILED"; exit 1; }
   echo "built in $(( $(date +%s) - start )) s"
 fi
-if [ "$NGPU" -ge 2 ]; then LAUNCH="--nproc 2"; else LAUNCH="--nproc 2 --share_gpu"; export JAXOVERLAP_NO_NCCL=1; fi
 
 run() {  # run <log name> <timeout s> <env...> -- <launcher args...>
   local name=$1 limit=$2; shift 2
@@ -41,47 +54,23 @@ run() {  # run <log name> <timeout s> <env...> -- <launcher args...>
   [ "$rc" -eq 0 ] || { echo "!! $name exited with $rc"; status=1; }
 }
 
-if [ "$WHAT" = check ] || [ "$WHAT" = all ]; then
-  run check_1x2 280 $PY -m jaxoverlap.launch $LAUNCH --timeout_s 270 tests/multiprocess/check_all_reduce.py
-  run check_2x1 150 JAXOVERLAP_RANKS_PER_NODE=1 $PY -m jaxoverlap.launch $LAUNCH --timeout_s 140 \
-    tests/multiprocess/check_all_reduce.py sweep stress late
-  run errors_heap 45 $PY -m jaxoverlap.launch $LAUNCH --timeout_s 40 tests/multiprocess/check_errors.py heap
-  run errors_timeout 60 $PY -m jaxoverlap.launch $LAUNCH --timeout_s 50 tests/multiprocess/check_errors.py timeout
+# ---- the GPU test suite: tests/gpu (each test launches its ranks, bounded by --timeout_s).
+# gpu-suite.log: pytest's output; gpu-ranks.log: every launch's output; gpu-suite.xml: JUnit.
+if [ "$WHAT" = suite ]; then
+  export JAXOVERLAP_GPU_TEST_LOG="$OUT/gpu-ranks.log"
+  : >"$JAXOVERLAP_GPU_TEST_LOG"
+  if [ -n "${SANITIZE:-}" ]; then export JAXOVERLAP_SANITIZE="$SANITIZE"; fi
+  echo "== suite: pytest -m gpu tests/gpu $*"
+  $PY -m pytest -m gpu tests/gpu -rA -p no:cacheprovider --junitxml="$OUT/gpu-suite.xml" "$@" 2>&1 \
+    | tee "$OUT/gpu-suite.log" | grep -vE "$FILTER" | tail -n "${SUITE_TAIL:-60}"
+  rc=${PIPESTATUS[0]}
+  [ "$rc" -eq 0 ] || { echo "!! suite exited with $rc (details: $OUT/gpu-suite.log)"; status=1; }
 fi
 
-if [ "$WHAT" = sanitize ] || [ "$WHAT" = all ]; then
-  for tool in ${SANITIZE_TOOLS:-memcheck racecheck}; do
-    run "sanitize_$tool" 150 $PY -m jaxoverlap.launch $LAUNCH --timeout_s 140 \
-      --wrapper "compute-sanitizer --tool $tool --kernel-name kns=jaxoverlap --report-api-errors no --error-exitcode 3" \
-      tests/multiprocess/check_all_reduce.py quick
-    grep -E "ERROR SUMMARY|RACECHECK SUMMARY|Invalid|Race" "$OUT/sanitize_$tool.log" | sort | uniq -c | head
-  done
-fi
-
-if [ "$WHAT" = verify ]; then  # short re-check after a kernel change
-  run verify_1x2 200 $PY -m jaxoverlap.launch $LAUNCH --timeout_s 190 tests/multiprocess/check_all_reduce.py \
-    quick stress grads axes late
-  run verify_2x1 150 JAXOVERLAP_RANKS_PER_NODE=1 $PY -m jaxoverlap.launch $LAUNCH --timeout_s 140 \
-    tests/multiprocess/check_all_reduce.py quick stress
-  run verify_2x1_put 150 JAXOVERLAP_RANKS_PER_NODE=1 JAXOVERLAP_FORCE_NVSHMEM_PUT=1 $PY -m jaxoverlap.launch \
-    $LAUNCH --timeout_s 140 tests/multiprocess/check_all_reduce.py quick stress
-fi
-
-if [ "$WHAT" = rest ]; then  # the sections a failed run did not reach
-  run check_1x2_rest 120 $PY -m jaxoverlap.launch $LAUNCH --timeout_s 110 tests/multiprocess/check_all_reduce.py grads axes late
-  run errors_timeout 60 $PY -m jaxoverlap.launch $LAUNCH --timeout_s 50 tests/multiprocess/check_errors.py timeout
-fi
-
+# ---- benchmarks (command lines and JSON unchanged)
 if [ "$WHAT" = quickbench ]; then
   run quickbench_1x2 120 $PY -m jaxoverlap.launch --nproc 2 --timeout_s 110 benchmarks/all_reduce.py \
     --out "$OUT/quick" --sizes 8K,64K,256K,512K,1M,2M,4M --reps 20
-fi
-
-if [ "$WHAT" = verify2 ]; then  # the 2-"node" paths only
-  run verify_2x1 150 JAXOVERLAP_RANKS_PER_NODE=1 $PY -m jaxoverlap.launch $LAUNCH --timeout_s 140 \
-    tests/multiprocess/check_all_reduce.py quick stress
-  run verify_2x1_put 150 JAXOVERLAP_RANKS_PER_NODE=1 JAXOVERLAP_FORCE_NVSHMEM_PUT=1 $PY -m jaxoverlap.launch \
-    $LAUNCH --timeout_s 140 tests/multiprocess/check_all_reduce.py quick stress
 fi
 
 if [ "$WHAT" = bench2 ] && [ "$NGPU" -ge 2 ]; then
@@ -91,44 +80,20 @@ if [ "$WHAT" = bench2 ] && [ "$NGPU" -ge 2 ]; then
     --nproc 2 --timeout_s 270 benchmarks/all_reduce.py --out "$OUT/put" --sizes 8K,64K,256K,1M,4M
 fi
 
-if [ "$WHAT" = fold ]; then  # 3 "nodes" (not a power of two): 3 processes on 2 GPUs, no NCCL
-  run fold_3x1 150 JAXOVERLAP_RANKS_PER_NODE=1 JAXOVERLAP_NO_NCCL=1 $PY -m jaxoverlap.launch --nproc 3 \
-    --num_gpus "$NGPU" --timeout_s 140 tests/multiprocess/check_all_reduce.py quick late
-  run fold_3x1_put 120 JAXOVERLAP_RANKS_PER_NODE=1 JAXOVERLAP_NO_NCCL=1 JAXOVERLAP_FORCE_NVSHMEM_PUT=1 \
-    $PY -m jaxoverlap.launch --nproc 3 --num_gpus "$NGPU" --timeout_s 110 \
-    tests/multiprocess/check_all_reduce.py quick
-fi
-
 if [ "$WHAT" = tune ] && [ "$NGPU" -ge 2 ]; then
   run tune 120 $PY -m jaxoverlap.launch --nproc 2 --timeout_s 110 \
     -m jaxoverlap.tune --out "$OUT/tuning.json" --sizes 8K,256K --reps 10
 fi
 
-# issue 6: 4 or 8 GPUs, every topology; in three parts of under 10 minutes each
-# (multigpu = all three, for a machine without that limit).
-if { [ "$WHAT" = multigpu ] || [ "$WHAT" = multigpu_check ]; } && [ "$NGPU" -ge 4 ]; then
-  # ranks per node: all on one node, then 2-GPU and 1-GPU "nodes"; 3 "nodes" for the fold.
-  for rpn in "$NGPU" 2 1; do
-    run "check_${NGPU}gpu_rpn${rpn}" 300 JAXOVERLAP_RANKS_PER_NODE=$rpn $PY -m jaxoverlap.launch \
-      --nproc "$NGPU" --timeout_s 290 tests/multiprocess/check_all_reduce.py quick grads axes late
-  done
-  [ "$NGPU" -ge 8 ] && run check_8gpu_rpn4 300 JAXOVERLAP_RANKS_PER_NODE=4 $PY -m jaxoverlap.launch \
-    --nproc 8 --timeout_s 290 tests/multiprocess/check_all_reduce.py quick grads axes late
-  run check_3x1 200 JAXOVERLAP_RANKS_PER_NODE=1 $PY -m jaxoverlap.launch --nproc 3 --timeout_s 190 \
-    tests/multiprocess/check_all_reduce.py quick late
-  [ "$NGPU" -ge 6 ] && run check_3x2 200 JAXOVERLAP_RANKS_PER_NODE=2 $PY -m jaxoverlap.launch --nproc 6 --timeout_s 190 \
-    tests/multiprocess/check_all_reduce.py quick late
-fi
-if { [ "$WHAT" = multigpu ] || [ "$WHAT" = multigpu_bench ]; } && [ "$NGPU" -ge 4 ]; then
+if [ "$WHAT" = multigpu_bench ] && [ "$NGPU" -ge 4 ]; then
   for rpn in "$NGPU" 2 1; do
     run "bench_${NGPU}gpu_rpn${rpn}" 280 JAXOVERLAP_RANKS_PER_NODE=$rpn $PY -m jaxoverlap.launch \
       --nproc "$NGPU" --timeout_s 270 benchmarks/all_reduce.py --out "$OUT" --machine "${NGPU}x H200"
   done
 fi
-if { [ "$WHAT" = multigpu ] || [ "$WHAT" = multigpu_fused ]; } && [ "$NGPU" -ge 4 ]; then
-  # the fused ops at 4/8 ranks (rank-adaptive order over more than 2 ranks)
-  run "ovcheck_${NGPU}gpu" 300 $PY -m jaxoverlap.launch --nproc "$NGPU" --timeout_s 290 \
-    tests/multiprocess/check_overlap.py quick grads rotation multi
+
+if [ "$WHAT" = multigpu_fused ] && [ "$NGPU" -ge 4 ]; then
+  # the fused ops' benchmark at 4/8 ranks (their checks: suite -k "w4-rpn4 or w8-rpn8")
   run "ovbench_${NGPU}gpu" 280 $PY -m jaxoverlap.launch --nproc "$NGPU" --timeout_s 270 \
     benchmarks/overlap.py --out "$OUT" --quick --machine "${NGPU}x H200"
 fi
@@ -140,32 +105,12 @@ if [ "$WHAT" = autobench ] && [ "$NGPU" -ge 2 ]; then  # auto (with the shipped 
     benchmarks/all_reduce.py --out "$OUT/auto" --impls jaxoverlap:auto,xla:psum,floor:launch --reps 20
 fi
 
-if { [ "$WHAT" = bench ] || [ "$WHAT" = all ]; } && [ "$NGPU" -ge 2 ]; then
+if [ "$WHAT" = bench ] && [ "$NGPU" -ge 2 ]; then
   run bench_1x2 280 $PY -m jaxoverlap.launch --nproc 2 --timeout_s 270 benchmarks/all_reduce.py --out "$OUT"
   run bench_2x1 280 JAXOVERLAP_RANKS_PER_NODE=1 $PY -m jaxoverlap.launch --nproc 2 --timeout_s 270 \
     benchmarks/all_reduce.py --out "$OUT"
 fi
 # ---- fused ops: AG+GEMM, GEMM+RS, GEMM+AR
-if [ "$WHAT" = ovcheck ]; then
-  run ovcheck 400 $PY -m jaxoverlap.launch $LAUNCH --timeout_s 390 tests/multiprocess/check_overlap.py
-fi
-if [ "$WHAT" = ovquick ]; then
-  run ovquick 200 $PY -m jaxoverlap.launch $LAUNCH --timeout_s 190 tests/multiprocess/check_overlap.py \
-    quick rotation multi errors
-fi
-if [ "$WHAT" = ovgraphs ]; then  # the CUDA-graph question (NOTES.md): plain handlers, then captured ones
-  run ovgraphs 150 $PY -m jaxoverlap.launch $LAUNCH --timeout_s 140 tests/multiprocess/check_overlap.py graphs
-  run ovgraphs_cmdbuf 150 JAXOVERLAP_FUSED_CMD_BUFFER=1 $PY -m jaxoverlap.launch $LAUNCH --timeout_s 140 \
-    tests/multiprocess/check_overlap.py graphs rotation
-fi
-if [ "$WHAT" = ovsanitize ]; then
-  for tool in ${SANITIZE_TOOLS:-memcheck racecheck}; do
-    run "ovsanitize_$tool" 240 $PY -m jaxoverlap.launch $LAUNCH --timeout_s 230 \
-      --wrapper "compute-sanitizer --tool $tool --report-api-errors no --error-exitcode 3" \
-      tests/multiprocess/check_overlap.py quick
-    grep -E "ERROR SUMMARY|RACECHECK SUMMARY|Invalid|Race" "$OUT/ovsanitize_$tool.log" | sort | uniq -c | head
-  done
-fi
 if [ "$WHAT" = ovbench ] && [ "$NGPU" -ge 2 ]; then
   run ovbench 400 $PY -m jaxoverlap.launch --nproc 2 --timeout_s 390 benchmarks/overlap.py \
     --out "$OUT" --quick ${OVBENCH_FLAGS:-}
@@ -215,7 +160,7 @@ if [ "$WHAT" = profile ] && [ "$NGPU" -ge 2 ]; then
       --out "$OUT" --backend "$b"
   done
 fi
-if [ "$WHAT" = ovprofilegraphs ] && [ "$NGPU" -ge 2 ]; then  # NOTES.md "CUDA graphs": profiler or addresses?
+if [ "$WHAT" = ovprofilegraphs ] && [ "$NGPU" -ge 2 ]; then  # profiler or addresses? (docs/kernels.md)
   run profile_cmdbuf_notrace 100 JAXOVERLAP_FUSED_CMD_BUFFER=1 $PY -m jaxoverlap.launch --nproc 2 \
     --timeout_s 90 benchmarks/profile_step.py --out "$OUT/notrace" --backend cuda --notrace
   run profile_cmdbuf 100 JAXOVERLAP_FUSED_CMD_BUFFER=1 $PY -m jaxoverlap.launch --nproc 2 \

@@ -300,7 +300,7 @@ def test_cuda_algorithm_with_xla_backend():
     (dict(algorithm="ppermute", protocol="simple"), "all_reduce: protocol='simple' applies to "
                                                     "backend 'cuda' only"),
     (dict(transport="copy_engine"), "all_reduce: transport='copy_engine' is unknown; valid: "
-                                    "'auto', ('nvshmem',) (backend 'cuda')"),
+                                    "'auto', ('nvshmem', 'peer') (backend 'cuda')"),
     (dict(protocol=1), "all_reduce: protocol must be a str, got 1"),
 ], ids=["unknown", "two_shot-ll", "xla", "ppermute", "transport", "not-str"])
 def test_all_reduce_protocol_and_transport(kw, msg):

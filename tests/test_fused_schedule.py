@@ -33,7 +33,7 @@ engine's copy then signal kernel is modelled; the 'nvshmem' transport (one
 kernel that puts, then raises the flag) orders the same two steps.
 
 It checks the schedule's design, mirrored here in Python, not the CUDA code
-itself; tests/multiprocess/check_overlap.py checks the code on GPUs.
+itself; tests/gpu (ranks/rank_overlap.py) checks the code on GPUs.
 """
 
 from __future__ import annotations

@@ -18,7 +18,8 @@ advances (AllReduce() in the same file), as a message-passing model:
   argument of all_reduce.cu's header comment).
 
 It checks the schedule's design, mirrored here in Python, not the CUDA code
-itself; the GPU sweep (tests/multiprocess) checks the code for 1 and 2 nodes.
+itself; the GPU suite (tests/gpu/ranks/rank_all_reduce.py) checks the code for 1 to 8
+nodes.
 """
 
 import itertools

@@ -133,8 +133,8 @@ ffi::Error MatmulAllReduceExecute(cudaStream_t stream, int32_t device, ffi::AnyB
 // and, when buffers move, re-records it and updates the graph in place. For
 // that, no call enqueues a 2-D memcpy on an XLA buffer (CUDA cannot update one;
 // overlap.cu, CopyRows) and cuBLASLt plans do not depend on where XLA placed a
-// buffer (gemm.cc, AlignmentCap). So captured, the checks of
-// tests/multiprocess/check_overlap.py ("graphs", "rotation", all sections) and
+// buffer (gemm.cc, AlignmentCap). So captured, the GPU tests of
+// tests/gpu/ranks/rank_overlap.py (test_graphs, test_rotation, all of them) and
 // 200-step training runs pass, but a training step under jax.profiler tracing
 // still failed to update (CUDA_ERROR_GRAPH_EXEC_UPDATE_FAILURE; docs/kernels.md
 // "CUDA graphs"), hence opt-in. The ops last milliseconds, so a graph launch saves

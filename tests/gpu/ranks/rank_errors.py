@@ -1,0 +1,72 @@
+"""Rank side: failures are clear errors, never hangs (2 processes).
+
+Run by tests/gpu/test_gpu_errors.py, each test in its own launch (see
+conftest.py):
+
+* heap: a symmetric heap too small for the PEs is refused with a message that
+  names the sizes, before NVSHMEM starts (no process hangs). The runtime is not
+  brought up beforehand, and cannot be in this process afterwards (the
+  start-up keys are taken), so this test runs alone.
+* timeout: rank 1 never joins the all-reduce; rank 0's device wait gives up
+  after ``JAXOVERLAP_TIMEOUT_S`` (the outer test sets 2 s) and the recorded
+  error names peer PE 1 and the step. The GPU context is lost after the trap,
+  so the test is marked ``ends_process``: the conftest writes the report and
+  ends the process with ``os._exit``.
+"""
+
+from __future__ import annotations
+
+import time
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+
+def test_heap_too_small_is_refused(dist, ops):
+  ops.require_cuda("the NVSHMEM heap")
+  from jaxoverlap import runtime
+
+  with pytest.raises(RuntimeError) as e:
+    runtime.initialize(heap_bytes=1 << 20)
+  msg = str(e.value)
+  assert "too small" in msg and "bytes" in msg, f"unclear error for a 1 MiB heap: {msg}"
+  assert not runtime.is_initialized()
+
+
+@pytest.mark.ends_process
+def test_device_wait_timeout_names_the_peer(runtime, topology, mesh, ops, rank, nproc):
+  ops.require_cuda("the device-wait timeout")
+  import jaxoverlap
+
+  if nproc != 2:
+    pytest.skip("2 processes: rank 1 stays away from rank 0's all-reduce")
+  timeout_s = float(jaxoverlap.runtime_info()["timeout_s"])
+  assert timeout_s <= 3.0, f"run with JAXOVERLAP_TIMEOUT_S=2 (the device wait is {timeout_s} s)"
+  algorithm = "one_shot" if topology.num_nodes == 1 else "hierarchical"
+  f = jax.jit(jax.shard_map(
+      lambda x: jax.lax.pcast(ops.all_reduce(x, "x", algorithm=algorithm, protocol="ll"), "x",
+                              to="varying"),
+      mesh=mesh, in_specs=P("x"), out_specs=P("x")))
+  x = jax.make_array_from_process_local_data(NamedSharding(mesh, P("x")),
+                                             np.ones(1024, np.float32), (1024 * nproc,))
+  compiled = f.lower(x).compile()
+  if rank != 0:
+    time.sleep(3 * timeout_s)  # longer than rank 0's device wait
+    jax.distributed.shutdown()  # a barrier with rank 0: neither sees the other vanish
+    return
+  t0 = time.time()
+  try:
+    compiled(x).block_until_ready()
+    raised = None
+  except Exception as e:  # noqa: BLE001 - XLA reports the trapped kernel as a runtime error
+    raised = e
+  waited = time.time() - t0
+  err = jaxoverlap.runtime_info()["device_error"]
+  jax.distributed.shutdown()
+  assert raised is not None, f"the call returned after {waited:.1f} s without peer PE 1"
+  assert err is not None and "peer PE 1" in err and "step 0" in err, (
+      f"device_error after {waited:.1f} s does not name peer PE 1 and step 0: {err!r}; "
+      f"the call raised {type(raised).__name__}: {str(raised)[:500]}")

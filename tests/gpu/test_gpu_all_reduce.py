@@ -1,0 +1,51 @@
+"""all_reduce(backend="cuda") in several processes and topologies (tests/gpu/ranks).
+
+Each case is one launch of ranks/rank_all_reduce.py; every rank's outcome of
+every test is checked (_harness.py). World 2 runs everything, as one node of 2
+GPUs, as 2 "nodes" of 1 (the inter-node path over NVLink stores) and with
+NVSHMEM puts forced; larger worlds run the quick tests, in every ranks-per-node
+split, including a non-power-of-two node count (3 and 3 x 2: the MPICH fold).
+On a machine with fewer GPUs than ranks, processes share GPUs evenly (ids end
+in -Npergpu) and what needs NCCL is skipped.
+"""
+
+import dataclasses
+
+import pytest
+
+import _harness
+from _harness import World
+
+pytestmark = [pytest.mark.gpu, _harness.requires_gpus]
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+  world: World
+  select: tuple = ()
+  timeout_s: int = 300
+
+
+QUICK = ("-m", "quick")
+# Timeouts: about 2.5x the expected time of the launch (world 2 on 2x H200: start-up ~20 s,
+# the sweep ~50 s, the stress loops ~45 s).
+CASES = [
+    Case(World(2, 2), timeout_s=330),                    # everything, 1 node x 2
+    Case(World(2, 1), timeout_s=330),                    # everything, 2 "nodes" x 1
+    Case(World(2, 1, put=True), ("-m", "quick or stress"), timeout_s=240),
+    Case(World(3, 1), QUICK, timeout_s=180),             # 3 nodes: the fold (2 GPUs: on one)
+    Case(World(4, 1), QUICK, timeout_s=180),
+    Case(World(4, 2), QUICK, timeout_s=180),
+    Case(World(4, 4), QUICK, timeout_s=180),
+    Case(World(6, 2), QUICK, timeout_s=240),             # 3 nodes x 2
+    Case(World(8, 4), QUICK, timeout_s=240),
+    Case(World(8, 1), QUICK, timeout_s=240),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.world.label() for c in CASES])
+def test_all_reduce(case, tmp_path):
+  run = _harness.run_ranks(tmp_path, "rank_all_reduce.py", case.world, select=case.select,
+                           timeout_s=case.timeout_s)
+  run.print_summary()
+  run.check()

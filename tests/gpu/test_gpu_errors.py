@@ -1,0 +1,28 @@
+"""Failures of the CUDA backend are clear errors, never hangs (2 processes; tests/gpu/ranks).
+
+Each test is its own launch of ranks/rank_errors.py: the too-small heap needs a
+process without the runtime, and the device-wait timeout loses rank 0's GPU
+context.
+"""
+
+import pytest
+
+import _harness
+from _harness import World
+
+pytestmark = [pytest.mark.gpu, _harness.requires_gpus]
+
+
+def test_heap_too_small(tmp_path):
+  run = _harness.run_ranks(tmp_path, "rank_errors.py", World(2, 2),
+                           select=("-k", "test_heap_too_small_is_refused"), timeout_s=120)
+  run.print_summary()
+  run.check()
+
+
+def test_device_wait_timeout(tmp_path):
+  run = _harness.run_ranks(tmp_path, "rank_errors.py", World(2, 2),
+                           select=("-k", "test_device_wait_timeout_names_the_peer"),
+                           timeout_s=150, env={"JAXOVERLAP_TIMEOUT_S": "2"})
+  run.print_summary()
+  run.check()
