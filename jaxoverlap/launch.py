@@ -210,7 +210,17 @@ def main(argv: list[str] | None = None) -> int:
                       help="run a module (like python -m) instead of a script")
   parser.add_argument("script", nargs="?", help="Python script (omit with -m)")
   parser.add_argument("args", nargs=argparse.REMAINDER)
+  argv = list(sys.argv[1:] if argv is None else argv)
+  # Everything after "-m MODULE" belongs to the module (python -m's convention),
+  # also options that look like the launcher's own.
+  module_args: list[str] | None = None
+  if "-m" in argv and argv.index("-m") + 1 < len(argv):
+    i = argv.index("-m")
+    argv, module_args = argv[:i + 2], argv[i + 2:]
   a = parser.parse_args(argv)
+  if module_args is not None:
+    a.args = ([a.script] if a.script else []) + a.args + module_args
+    a.script = None
   if a.module is None and a.script is None:
     parser.error("give a script or -m module")
   if a.nproc < 1:
@@ -218,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
 
   port = a.port or free_port()
   if a.module is not None:
-    target = ["-m", a.module] + ([a.script] if a.script else []) + a.args
+    target = ["-m", a.module] + a.args
   else:
     target = [a.script] + a.args
   cmd = shlex.split(a.wrapper) + [sys.executable] + target

@@ -94,3 +94,17 @@ def test_reproduce_command_names_the_launcher_and_the_settings(monkeypatch):
   assert (launch.reproduce_command("benchmarks/x.py", ["--quick"])
           == "JAXOVERLAP_FUSED_CMD_BUFFER=1 python -m jaxoverlap.launch --nproc 2 "
              "benchmarks/x.py --quick")
+
+
+def test_module_arguments_pass_through_even_when_they_look_like_options(tmp_path):
+  """python -m's convention: everything after -m MODULE is the module's (--out, --nproc...)."""
+  module = tmp_path / "echo_args.py"
+  module.write_text("import sys\nprint('args', sys.argv[1:], flush=True)\n")
+  env = dict(os.environ, JAX_PLATFORMS="cpu",
+             PYTHONPATH=str(tmp_path) + os.pathsep + _ROOT + os.pathsep +
+             os.environ.get("PYTHONPATH", ""))
+  out = subprocess.run([sys.executable, "-m", "jaxoverlap.launch", "--nproc", "1", "-m",
+                        "echo_args", "--out", "x", "--nproc", "3"],
+                       env=env, capture_output=True, text=True, timeout=60)
+  assert out.returncode == 0, out.stdout + out.stderr
+  assert "[rank 0] args ['--out', 'x', '--nproc', '3']" in out.stdout
