@@ -34,8 +34,10 @@ _HOST_DEVICES = flags.DEFINE_integer(
     "host_devices", 8, "Simulated CPU devices (XLA --xla_force_host_platform_device_count); "
     "only the CPU platform uses them.")
 _DISTRIBUTED = flags.DEFINE_bool(
-    "distributed", False, "Multi-process run: jaxoverlap.launch.initialize_from_env() reads "
-    "the launcher's environment and initializes jax.distributed and jaxoverlap.")
+    "distributed", False, "Multi-process run: require the environment of jaxoverlap.launch or "
+    "SLURM (without this flag a process alone also runs; either way "
+    "jaxoverlap.launch.initialize_from_env() brings up jax.distributed when there are several "
+    "processes, and jaxoverlap's runtime on GPUs).")
 
 
 def main(argv):
@@ -47,9 +49,13 @@ def main(argv):
     os.environ["XLA_FLAGS"] = (
         f"{xla_flags} --xla_force_host_platform_device_count={_HOST_DEVICES.value}").strip()
 
-  if _DISTRIBUTED.value:
-    from jaxoverlap import launch
-    launch.initialize_from_env()
+  from jaxoverlap import launch
+  if _DISTRIBUTED.value and not launch.launched():
+    raise app.UsageError("--distributed: no jaxoverlap.launch or SLURM environment found; start "
+                         "with python -m jaxoverlap.launch --nproc N or srun")
+  # One process per GPU (launcher, SLURM) or one process driving all its GPUs: both bring
+  # up jaxoverlap's runtime on GPUs, so that backend "cuda" can run.
+  launch.initialize_from_env()
 
   import train  # imports jax
 

@@ -114,11 +114,18 @@ requires_gpus = pytest.mark.skipif(skip_reason() is not None, reason=skip_reason
 
 @dataclasses.dataclass(frozen=True)
 class World:
-  """N processes as nodes of ``rpn`` ranks (JAXOVERLAP_RANKS_PER_NODE), optionally all puts."""
+  """N processes as nodes of ``rpn`` ranks (JAXOVERLAP_RANKS_PER_NODE), optionally all puts.
+
+  ``start`` says how the processes start: "launcher" (``python -m jaxoverlap.launch``, one
+  GPU each or packed), "in_process" (one process, no launcher, driving every GPU it sees:
+  the in-process runtime) or "slurm" (the processes started directly with SLURM's variables
+  as ``srun --gpus-per-task=1`` sets them: each sees only its own GPU).
+  """
 
   nproc: int
   rpn: int
   put: bool = False  # JAXOVERLAP_FORCE_NVSHMEM_PUT=1: NVSHMEM puts across "nodes"
+  start: str = "launcher"
 
   def gpus(self, available: int) -> int:
     """GPUs the processes spread over: one each if there are enough, else packed evenly."""
@@ -130,9 +137,11 @@ class World:
 
   def label(self, available: int | None = None) -> str:
     available = gpu_count() or self.nproc if available is None else available
+    if self.start == "in_process":
+      return f"p1-{available}gpus-in-process"
     k = self.per_gpu(available)
     return (f"w{self.nproc}-rpn{self.rpn}" + (f"-{k}pergpu" if k > 1 else "")
-            + ("-put" if self.put else ""))
+            + ("-put" if self.put else "") + ("-slurm" if self.start == "slurm" else ""))
 
   def launcher_args(self, available: int) -> list[str]:
     g = self.gpus(available)
@@ -141,6 +150,8 @@ class World:
     return ["--share_gpu"] if g == 1 else ["--num_gpus", str(g)]
 
   def env(self, available: int) -> dict[str, str]:
+    if self.start == "in_process":
+      return {}
     env = {"JAXOVERLAP_RANKS_PER_NODE": str(self.rpn)}
     if self.per_gpu(available) > 1:
       env["JAXOVERLAP_NO_NCCL"] = "1"
@@ -353,11 +364,25 @@ def run_ranks(tmp_path: Path, module: str, world: World, *, select=(), timeout_s
   child_env = _child_env({**world.env(available), **(env or {})}, report_dir)
   # Each rank's own start-up bound (jaxoverlap.initialize), inside ours.
   child_env.setdefault("JAXOVERLAP_INIT_TIMEOUT_S", str(int(max(30, startup_s - 20))))
-  cmd = [sys.executable, "-m", "jaxoverlap.launch", "--nproc", str(world.nproc),
-         *world.launcher_args(available), "--timeout_s", str(int(timeout_s))]
-  if wrapper:
-    cmd += ["--wrapper", wrapper]
-  cmd += ["-m", "pytest", str(RANKS_DIR / module), *RANK_PYTEST_ARGS, *select]
+  pytest_cmd = [sys.executable, "-m", "pytest", str(RANKS_DIR / module), *RANK_PYTEST_ARGS,
+                *select]
+  if world.start == "in_process":
+    cmd = ["timeout", str(int(timeout_s)), *pytest_cmd]
+  elif world.start == "slurm":
+    # srun --ntasks=N --gpus-per-task=1 on one node, as its variables say (JAX's SLURM
+    # cluster finds the coordinator from SLURM_JOB_ID and SLURM_STEP_NODELIST).
+    child_env.update(SLURM_JOB_ID=str(1000 + os.getpid() % 3000), SLURM_STEP_NODELIST="localhost",
+                     SLURM_NTASKS=str(world.nproc), SLURM_NTASKS_PER_NODE=str(world.nproc),
+                     SLURM_STEP_NUM_NODES="1", SLURM_NODEID="0")
+    tasks = [f"SLURM_PROCID={r} SLURM_LOCALID={r} CUDA_VISIBLE_DEVICES={r % max(1, available)} "
+             f"{shlex.join(pytest_cmd)}" for r in range(world.nproc)]
+    cmd = ["timeout", str(int(timeout_s)), "bash", "-c", " & ".join(tasks) + " & wait"]
+  else:
+    cmd = [sys.executable, "-m", "jaxoverlap.launch", "--nproc", str(world.nproc),
+           *world.launcher_args(available), "--timeout_s", str(int(timeout_s))]
+    if wrapper:
+      cmd += ["--wrapper", wrapper]
+    cmd += ["-m", "pytest", str(RANKS_DIR / module), *RANK_PYTEST_ARGS, *select]
   start = time.monotonic()
   stopped = None
   with open(log_path, "wb") as log:

@@ -26,3 +26,14 @@ def test_device_wait_timeout(tmp_path):
                            timeout_s=150, env={"JAXOVERLAP_TIMEOUT_S": "2"})
   run.print_summary()
   run.check()
+
+
+def test_mismatched_sizes_are_named(tmp_path):
+  """Issue: ranks that all-reduce different sizes got only CUDA_ERROR_LAUNCH_FAILED."""
+  run = _harness.run_ranks(tmp_path, "rank_errors.py", World(2, 2),
+                           select=("-k", "test_mismatched_sizes_are_named"),
+                           timeout_s=150, env={"JAXOVERLAP_TIMEOUT_S": "2"})
+  run.print_summary()
+  run.check()
+  # The watchdog's line reaches stderr before the process ends.
+  assert "jaxoverlap: all_reduce timed out on PE" in run.output(), run.tail()

@@ -78,11 +78,12 @@ class _Report:
   """This rank's outcomes, rewritten as JSON after every test."""
 
   def __init__(self, directory: str):
-    self.rank = int(os.environ.get("JAXOVERLAP_PROCESS_ID", "0"))
+    self.rank = int(os.environ.get("JAXOVERLAP_PROCESS_ID", os.environ.get("SLURM_PROCID", "0")))
     self.path = os.path.join(directory, f"rank{self.rank}.json")
     self.data = {
         "rank": self.rank,
-        "nproc": int(os.environ.get("JAXOVERLAP_NUM_PROCESSES", "1")),
+        "nproc": int(os.environ.get("JAXOVERLAP_NUM_PROCESSES",
+                                    os.environ.get("SLURM_NTASKS", "1"))),
         "pid": os.getpid(),
         "stage": "configured",
         "runtime_up": False,

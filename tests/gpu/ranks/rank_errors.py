@@ -70,3 +70,47 @@ def test_device_wait_timeout_names_the_peer(runtime, topology, mesh, ops, rank, 
   assert err is not None and "peer PE 1" in err and "step 0" in err, (
       f"device_error after {waited:.1f} s does not name peer PE 1 and step 0: {err!r}; "
       f"the call raised {type(raised).__name__}: {str(raised)[:500]}")
+
+
+@pytest.mark.ends_process
+def test_mismatched_sizes_are_named(runtime, topology, mesh, ops, rank, nproc, kv):
+  """A user's bug: the ranks all-reduce arrays of different sizes at the same time.
+
+  The rank whose wait times out must say which op, rank, peer and step did not
+  arrive, with a hint, in runtime_info()["device_error"] and on stderr (the
+  watchdog's line; the outer test reads the output), not only XLA's
+  CUDA_ERROR_LAUNCH_FAILED.
+  """
+  ops.require_cuda("the device-wait timeout")
+  import jaxoverlap
+
+  if nproc != 2 or topology.num_nodes != 1:
+    pytest.skip("2 processes on one node")
+  # 4 KiB on rank 0 (one LL block), 64 KiB on rank 1 (16 blocks): rank 1's blocks 1-15 wait
+  # for lines rank 0 never sends.
+  n = 1024 if rank == 0 else 16384
+  f = jax.jit(jax.shard_map(
+      lambda x: jax.lax.pcast(ops.all_reduce(x, "x", algorithm="one_shot", protocol="ll"), "x",
+                              to="varying"),
+      mesh=mesh, in_specs=P("x"), out_specs=P("x")))
+  # Each process builds its own program: the sizes differ, as in the user's bug.
+  local_mesh_array = jax.make_array_from_process_local_data(
+      NamedSharding(mesh, P("x")), np.ones(n, np.float32), (n * nproc,))
+  try:
+    f(local_mesh_array).block_until_ready()
+    raised = None
+  except Exception as e:  # noqa: BLE001 - XLA reports the trapped kernel as a runtime error
+    raised = e
+  time.sleep(1.0)  # the watchdog polls every 20 ms
+  err = jaxoverlap.runtime_info()["device_error"]
+  outcomes = kv.gather(f"{raised is not None}|{err or ''}")
+  jax.distributed.shutdown()
+  timed_out = [o for o in outcomes if o.split("|", 1)[1]]
+  assert timed_out, f"no rank recorded a device-wait timeout: {outcomes}"
+  for o in timed_out:
+    msg = o.split("|", 1)[1]
+    for part in ("all_reduce timed out on PE", "did not arrive at step", "Likely causes",
+                 "different orders, with different sizes"):
+      assert part in msg, f"{part!r} missing from the recorded error: {msg}"
+  if err:
+    assert raised is not None, "the rank that timed out returned from its call"
