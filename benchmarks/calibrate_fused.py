@@ -20,31 +20,33 @@ or several runs), its time is the median of its measurements.
 
 What it reports:
 
-* chunks: per (op, shape), the chunk count ``_cuda.auto_chunks`` picks NOW
-  (computed here from the shape as the lowering does, so a changed rule is
-  checked against old sweeps) and its time, against the fastest measured
-  count: regret = t_rule / t_best - 1. A regret above --regret_limit (5 %) is
+* chunks: per (op, shape), the chunk count the rule picks NOW
+  (``jaxoverlap.tuning.policy.fused_chunks`` of ``jaxoverlap.dispatch.geometry``
+  of the benchmark's per-rank shapes: the functions the dispatcher calls, so a
+  changed rule is checked against old sweeps) and its time, against the
+  fastest measured count: regret = t_rule / t_best - 1. A regret above --regret_limit (5 %) is
   a shape where the rule should change; a pick no sweep measured is listed.
 * repeat spread: max / min - 1 over the measurements of one configuration,
   the noise the regrets stand beside.
 * matmul_all_reduce's threshold: per shape, the fused kernel (the rule's
   chunk count) against the GEMM then jaxoverlap.all_reduce, with the output
   bytes per rank; the smallest size from which the fused kernel wins at every
-  measured size is the value ``_cuda.FUSED_ALL_REDUCE_MIN_BYTES`` should have
+  measured size is the value ``policy.FUSED_ALL_REDUCE_MIN_BYTES`` should have
   (below it auto takes the GEMM then the all-reduce). A size where the two are
   within --regret_limit of each other is a tie: the current value is
   consistent with it either way.
-* the GEMM rate behind auto_chunks' cost model: per shape, the per-rank GEMM
+* the GEMM rate behind fused_chunks' cost model: per shape, the per-rank GEMM
   flops (2 M K N / P for all three ops) over the time of xla:local_gemm; the
-  median against ``_cuda._GEMM_FLOPS_PER_S``.
+  median against the rate the rule assumes (``policy._GEMM_FLOPS_PER_S``, a
+  calibration constant with no public name).
 
 Output: tables on stdout and <out>/fused_calibration-<machine>.json (the rows,
 the recommended values beside the current ones, the source files, and
-``constants_from``: the _cuda.py whose constants were checked, which is the
+``constants_from``: the policy.py whose constants were checked, which is the
 installed jaxoverlap's). Exit code 1 when the data contradict
-jaxoverlap/_cuda.py: the rule's regret above the limit on some shape, or a
-measured size on the wrong side of ``FUSED_ALL_REDUCE_MIN_BYTES`` by more than
-a tie. The measured threshold and GEMM rate are printed beside the current
+jaxoverlap/tuning/policy.py: the rule's regret above the limit on some shape,
+or a measured size on the wrong side of ``FUSED_ALL_REDUCE_MIN_BYTES`` by more
+than a tie. The measured threshold and GEMM rate are printed beside the current
 values for information; a different but consistent threshold (e.g. 16 MiB
 where 16 MiB is a tie) does not count.
 
@@ -55,20 +57,21 @@ pooled (pass all their files) before changing a constant.
 
 from __future__ import annotations
 
-import datetime
-import json
-import os
-import re
 import statistics
-import sys
 from typing import Any, Mapping, Sequence
 
+import harness
+import overlap
+from harness import GEMM_ALL_REDUCE as GEMM_AR, LOCAL_GEMM as FLOOR
+
 BENCHMARK = "fused_calibration"
-AUTO = "jaxoverlap:copy_engine"
-GEMM_AR = "jaxoverlap:gemm_all_reduce"
-FLOOR = "xla:local_gemm"
-_CHUNKED = re.compile(r"^jaxoverlap:copy_engine/c(\d+)$")
+AUTO = "jaxoverlap:copy_engine"  # the chunk count chosen by the rule (recorded as "chunks")
 _ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4}
+
+
+def _chunks(op: str, impl: str) -> int | None:
+  """k of ``jaxoverlap:copy_engine/c<k>`` (``harness.impl_kwargs``), else None."""
+  return harness.impl_kwargs(op, impl)["chunks"] if impl.startswith(AUTO + "/") else None
 
 
 def _key(r: Mapping[str, Any]) -> tuple[str, tuple[int, ...]]:
@@ -84,9 +87,9 @@ def measurements(records: Sequence[Mapping[str, Any]]) -> dict:
   for r in records:
     entry = out.setdefault(_key(r), {
         "chunks": {}, "itemsize": _ITEMSIZE.get(r.get("dtype", "bfloat16"), 2)})
-    m = _CHUNKED.match(r["impl"])
-    if m:
-      entry["chunks"].setdefault(int(m.group(1)), []).append(r["time_us"])
+    k = _chunks(r["op"], r["impl"])
+    if k is not None:
+      entry["chunks"].setdefault(k, []).append(r["time_us"])
     elif r["impl"] == AUTO and r.get("chunks"):
       entry["chunks"].setdefault(int(r["chunks"]), []).append(r["time_us"])
     else:
@@ -95,21 +98,20 @@ def measurements(records: Sequence[Mapping[str, Any]]) -> dict:
 
 
 def rule_inputs(op: str, shape: Sequence[int], world: int, itemsize: int = 2) -> dict[str, Any]:
-  """``_cuda.auto_chunks``' arguments for a benchmarks/overlap.py (op, [M, K, N]).
+  """``policy.fused_chunks``' arguments for a benchmarks/overlap.py (op, [M, K, N]).
 
-  The benchmark's per-rank shapes (no batch dims): all_gather_matmul x [M/P, K],
-  w [K, N/P]; matmul_reduce_scatter and matmul_all_reduce x [M, K/P], w [K/P, N]
-  with a block of M/P rows. The values are those jaxoverlap/_cuda.py's
-  lowerings compute for these shapes (AG: the shard and the local shard's
-  GEMM; RS/AR: one block and its GEMM).
+  As the dispatcher computes them: ``dispatch.geometry`` of the benchmark's
+  per-rank shapes (``overlap.local_shapes``: all_gather_matmul x [M/P, K],
+  w [K, N/P]; matmul_reduce_scatter and matmul_all_reduce x [M, K/P],
+  w [K/P, N], a block of M/P rows), dimension 0.
   """
-  m, k, n = shape
-  rows = m // world
-  if op == "all_gather_matmul":
-    return {"payload_bytes": rows * k * itemsize, "rows": rows,
-            "gemm_flops": 2.0 * rows * k * (n // world)}
-  return {"payload_bytes": rows * n * itemsize, "rows": rows,
-          "gemm_flops": 2.0 * rows * (k // world) * n}
+  from jaxoverlap import dispatch, names
+
+  ab = {name: ab for ab, name in overlap.OPS.items()}[op]
+  shapes = overlap.local_shapes(ab, tuple(shape), world)
+  dim = None if op == names.MATMUL_ALL_REDUCE else 0
+  geo = dispatch.geometry(op, shapes["x"], shapes["w"], dim, world, itemsize)
+  return {"payload_bytes": geo.chunk_bytes, "pieces": geo.pieces, "gemm_flops": geo.gemm_flops}
 
 
 def chunk_rows(records: Sequence[Mapping[str, Any]], world: int) -> list[dict[str, Any]]:
@@ -120,7 +122,7 @@ def chunk_rows(records: Sequence[Mapping[str, Any]], world: int) -> list[dict[st
   times_us and counts are strings, as in JSON); rule_us and regret are None
   where no measurement has the rule's chunk count.
   """
-  from jaxoverlap import _cuda
+  from jaxoverlap.tuning import policy
 
   rows = []
   for (op, shape), entry in measurements(records).items():
@@ -128,7 +130,7 @@ def chunk_rows(records: Sequence[Mapping[str, Any]], world: int) -> list[dict[st
       continue
     times = {k: statistics.median(v) for k, v in sorted(entry["chunks"].items())}
     best_k = min(times, key=times.get)
-    rule_k = _cuda.auto_chunks(op, **rule_inputs(op, shape, world, entry["itemsize"]))
+    rule_k = policy.fused_chunks(op, **rule_inputs(op, shape, world, entry["itemsize"]))
     rule_us = times.get(rule_k)
     rows.append({"op": op, "shape": list(shape),
                  "times_us": {str(k): round(t, 2) for k, t in times.items()},
@@ -207,7 +209,7 @@ def _fmt_bytes(b: int | None) -> str:
 
 def analyze(results: Sequence[Mapping[str, Any]], regret_limit: float) -> dict[str, Any]:
   """The calibration of the files ``results`` (loaded overlap JSON dicts, one or more runs)."""
-  from jaxoverlap import _cuda
+  from jaxoverlap.tuning import policy
 
   records = [r for res in results for r in res["records"]]
   worlds = {res.get("world") for res in results}
@@ -220,8 +222,8 @@ def analyze(results: Sequence[Mapping[str, Any]], regret_limit: float) -> dict[s
   rate = gemm_rate(records, world)
   over = [r for r in chunks if r["regret"] is not None and r["regret"] > regret_limit]
   spread = repeat_spread(records)
-  current = {"FUSED_ALL_REDUCE_MIN_BYTES": _cuda.FUSED_ALL_REDUCE_MIN_BYTES,
-             "_GEMM_FLOPS_PER_S": _cuda._GEMM_FLOPS_PER_S}
+  current = {"FUSED_ALL_REDUCE_MIN_BYTES": policy.FUSED_ALL_REDUCE_MIN_BYTES,
+             "_GEMM_FLOPS_PER_S": policy._GEMM_FLOPS_PER_S}  # pylint: disable=protected-access
   # The current threshold is consistent with the data if no measured size
   # below it wins and none above it loses, by more than the regret limit (a
   # tie fits either side).
@@ -236,7 +238,7 @@ def analyze(results: Sequence[Mapping[str, Any]], regret_limit: float) -> dict[s
       "rule_unmeasured": [(r["op"], r["shape"], r["rule_chunks"]) for r in chunks
                           if r["regret"] is None],
       "recommended": {"FUSED_ALL_REDUCE_MIN_BYTES": threshold, "_GEMM_FLOPS_PER_S": rate},
-      "current": current, "constants_from": _cuda.__file__,
+      "current": current, "constants_from": policy.__file__,
       "changes_needed": bool(over) or not consistent_threshold,
   }
 
@@ -279,37 +281,26 @@ def table(report: Mapping[str, Any]) -> str:
 def main(argv):
   from absl import flags
 
-  from jaxoverlap import launch, tuning
-
   del argv
   fl = flags.FLAGS
   paths = [p for p in fl.results if p]
   if not paths:
     raise SystemExit("--results: no files given")
-  results = []
-  for p in paths:
-    with open(p) as f:
-      results.append(json.load(f))
+  results = [harness.load_json(p) for p in paths]
   report = analyze(results, fl.regret_limit)
   print(table(report))
   machine = results[0].get("machine", "unknown")
-  out = {"benchmark": BENCHMARK, "machine": machine,
-         "command": launch.reproduce_command("benchmarks/calibrate_fused.py"),
-         "method": "analysis of the overlap JSON files in 'sources' (rank 0's times); see "
-                   "benchmarks/calibrate_fused.py",
-         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-         "versions": tuning.package_versions(),
-         "sources": [{"path": p, "command": r.get("command"), "date": r.get("date")}
-                     for p, r in zip(paths, results)],
-         **report}
-  os.makedirs(fl.out, exist_ok=True)
-  path = os.path.join(fl.out, f"{BENCHMARK}-{machine.replace(' ', '_')}.json")
-  with open(path, "w") as f:
-    json.dump(out, f, indent=1)
-    f.write("\n")
+  path = harness.path(fl.out, BENCHMARK, machine)
+  harness.write_result(
+      path, None, benchmark=BENCHMARK, machine=machine, script="benchmarks/calibrate_fused.py",
+      method="analysis of the overlap JSON files in 'sources' (rank 0's times); see "
+             "benchmarks/calibrate_fused.py", latency=False,
+      extra={"sources": [{"path": p, "command": r.get("command"), "date": r.get("date")}
+                         for p, r in zip(paths, results)], **report})
   print(f"wrote {path}")
   if report["changes_needed"]:
-    print("CHANGES NEEDED: the measured values differ from jaxoverlap/_cuda.py's constants")
+    print("CHANGES NEEDED: the measured values differ from jaxoverlap/tuning/policy.py's "
+          "constants")
     return 1
   return 0
 
@@ -318,7 +309,6 @@ if __name__ == "__main__":
   from absl import app, flags
 
   flags.DEFINE_list("results", [], "overlap JSON files of the chunk sweep")
-  flags.DEFINE_string("out", "benchmarks/results", "folder for the JSON")
   flags.DEFINE_float("regret_limit", 0.05, "auto's allowed excess over the best chunk count")
-  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-  app.run(lambda argv: sys.exit(main(argv)))
+  harness.define_flags("out")
+  app.run(main)

@@ -20,22 +20,13 @@ mesh, e.g. ``repeat:xla:xla (dp1 tp2)``. Nothing is re-measured.
 
 from __future__ import annotations
 
-import importlib.util
 import itertools
-import json
 import os
 import sys
 from typing import Any, Mapping, Sequence
 
-_HERE = os.path.dirname(os.path.abspath(__file__))
-
-
-def _train_step():
-  spec = importlib.util.spec_from_file_location("train_step_benchmark",
-                                                os.path.join(_HERE, "train_step.py"))
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
+import harness
+import train_step as ts
 
 
 def file_tag(path: str) -> str:
@@ -57,7 +48,6 @@ def runs_by_preset(files: Mapping[str, Mapping[str, Any]]) -> dict[str, list[dic
 
 def pair_rows(runs: Mapping[str, Sequence[Mapping[str, Any]]]) -> list[dict[str, Any]]:
   """Every pair of runs of one preset: max |diff|, its step, points over the tolerance."""
-  ts = _train_step()
   rows = []
   for preset, group in runs.items():
     for a, b in itertools.combinations(group, 2):
@@ -92,11 +82,10 @@ def main(argv: Sequence[str]) -> int:
   args = parser.parse_args(argv)
   files = {}
   for path in (p for p in args.files.split(",") if p):
-    with open(path) as f:
-      tag = file_tag(path)
-      if tag in files:
-        raise SystemExit(f"two files with the tag {tag!r}; rename one ({path})")
-      files[tag] = json.load(f)
+    tag = file_tag(path)
+    if tag in files:
+      raise SystemExit(f"two files with the tag {tag!r}; rename one ({path})")
+    files[tag] = harness.load_json(path)
   print(table(pair_rows(runs_by_preset(files))))
   return 0
 

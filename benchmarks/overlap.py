@@ -20,10 +20,13 @@ parallelism over the mesh axis "x" of P ranks (``--shapes`` entries
       y = RS(x @ w) over the rows, [M/P, N].
   ar  matmul_all_reduce: x, w as rs; y = psum(x @ w), [M, N].
 
-Implementations (BRIEF section 7 ``impl``):
-  jaxoverlap:copy_engine, jaxoverlap:nvshmem  the public op, backend "cuda";
-      jaxoverlap:<transport>/c<k> passes chunks=k (``--chunks``);
-  jaxoverlap:gemm_all_reduce  (ar) the GEMM, then jaxoverlap.all_reduce;
+Implementations (the ``impl`` of the results format; ``harness.impl_kwargs``
+maps each to the public op's keywords):
+  jaxoverlap:copy_engine, jaxoverlap:nvshmem  the public op, backend "cuda",
+      algorithm "fused", that transport; jaxoverlap:<transport>/c<k> passes
+      chunks=k (``--chunks``);
+  jaxoverlap:gemm_all_reduce  (ar) algorithm "unfused": the GEMM, then the
+      CUDA all_reduce;
   xla:naive      backend "xla", algorithm "collective" (collective, then GEMM;
                  or GEMM, then collective);
   xla:ppermute   backend "xla", algorithm "ppermute" (ring of shard GEMMs);
@@ -47,62 +50,57 @@ times a runtime zero, so XLA can neither drop, merge nor overlap the links;
 every link's output is an output of the jit, so no GEMM can be cut down to
 the element the next link reads. The chained input is donated and written in
 place. Every impl is first checked against xla:naive on the same inputs
-(|a - b| <= 1e-2 * max|ref| + 2e-2 * |ref| everywhere, computed on the
-devices); a mismatch is reported as WRONG and not timed, an impl that raises
-(e.g. the CUDA path refusing a shape) as ERROR; both are listed under
-"rejected" in the JSON. Then --warmup
-untimed runs per impl, and --reps timed runs with the impls interleaved run by
-run (drift hits all alike). time_us = (median run - median of the same chain
-without the ops) / chain, on rank 0's clock. exposed_us = time_us -
-xla:local_gemm, hidden_fraction = 1 - exposed_us / xla:collective (raw, not
-clipped: negative when slower than GEMM + collective in series).
+(``harness.close``: |a - b| <= 1e-2 * max|ref| + 2e-2 * |ref| everywhere,
+computed on the devices); a mismatch is reported as WRONG and not timed, an
+impl that raises (e.g. the CUDA path refusing a shape) as ERROR; both are
+listed under "rejected" in the JSON. Then --warmup untimed runs per impl, and
+--reps timed runs with the impls interleaved run by run
+(``harness.time_interleaved``: drift hits all alike). time_us = (median run -
+median of the same chain without the ops) / chain, on rank 0's clock (at
+least 0.01). exposed_us = time_us - xla:local_gemm, hidden_fraction = 1 -
+exposed_us / xla:collective (raw, not clipped: negative when slower than GEMM
++ collective in series). bytes = what the collective moves per rank: x's
+shard (ag) or the [M, N] partial product (rs, ar).
 
-Records of jaxoverlap:copy_engine/nvshmem also carry what the lowering chose
-(transport, chunks, chunks_source: "auto" or "requested"); gemm_all_reduce's
-carry all_reduce_algorithm.
+Records of jaxoverlap:copy_engine/nvshmem also carry what the lowering chose,
+from the plan of ``jaxoverlap.decisions()`` (transport, chunks,
+chunks_source: "auto" or "requested"); gemm_all_reduce's carry
+all_reduce_algorithm ("<algorithm>/<protocol>" of its all-reduce).
 
 Inputs: bf16 (--dtype) normal values, x scaled by 1, w by 1/sqrt(K), each
 rank's shards from numpy.random.default_rng([rank, M, K, N]).
 
 Rank 0 prints one row per (op, shape) and writes <out>/overlap-<machine>.json
-(BRIEF section 7 records, rewritten after every row, so a killed run keeps
-the rows it finished); benchmarks/plot_overlap.py draws the PNG and the
-tables.
+(the results format of jaxoverlap.tuning.results, rewritten after every row,
+so a killed run keeps the rows it finished); benchmarks/plot_overlap.py draws
+the PNG and the tables.
 """
 
 from __future__ import annotations
 
-import functools
-import json
 import os
-import statistics
-import sys
-import time
 
 import numpy as np
 
-OPS = {"ag": "all_gather_matmul", "rs": "matmul_reduce_scatter", "ar": "matmul_all_reduce"}
-ABBREV = {name: ab for ab, name in OPS.items()}
-AXIS = "x"
+import harness
+from harness import LOCAL_GEMM as FLOOR, COLLECTIVE as COMM, NAIVE, PPERMUTE, WINDOWED
+from harness import GEMM_ALL_REDUCE as GEMM_AR
 
-FLOOR = "xla:local_gemm"
-COMM = "xla:collective"
-NAIVE = "xla:naive"
-PPERMUTE = "xla:ppermute"
-WINDOWED = "xla:windowed_einsum"
+OPS = {"ag": "all_gather_matmul", "rs": "matmul_reduce_scatter", "ar": "matmul_all_reduce"}
+AXIS = "x"
 TRANSPORTS = ("copy_engine", "nvshmem")
-GEMM_AR = "jaxoverlap:gemm_all_reduce"
 BASELINES = (FLOOR, COMM)  # not the op: no correctness check, no exposed/hidden fields
 
 WINDOWED_XLA_FLAGS = ("--xla_gpu_multi_streamed_windowed_einsum=true",
                       "--xla_gpu_threshold_for_windowed_einsum_mib=0")
 
-# BRIEF section 5's shapes, then Llama-style TP=2 projections (d_model 4096 / d_ff 14336 and
-# 8192 / 28672: the column-parallel up projection, the row-parallel down projection).
-_SECTION5 = "ag:16384,4096,4096;rs:16384,4096,4096;ag:8192,8192,28672;rs:8192,8192,28672"
+# The shapes of docs/results.md's baseline table ("Baselines measured at the start", AG+GEMM and
+# GEMM+RS in JAX), then Llama-style TP=2 projections (d_model 4096 / d_ff 14336 and 8192 /
+# 28672: the column-parallel up projection, the row-parallel down projection).
+_BASELINE = "ag:16384,4096,4096;rs:16384,4096,4096;ag:8192,8192,28672;rs:8192,8192,28672"
 _LLAMA = ";".join(f"ag:{m},4096,14336;ag:{m},8192,28672;rs:{m},14336,4096;rs:{m},28672,8192;"
                   f"ar:{m},14336,4096;ar:{m},28672,8192" for m in (2048, 8192, 32768))
-DEFAULT_SHAPES = _SECTION5 + ";" + _LLAMA
+DEFAULT_SHAPES = _BASELINE + ";" + _LLAMA
 QUICK_SHAPES = ("ag:16384,4096,4096;rs:16384,4096,4096;ar:16384,4096,4096;"
                 "ag:2048,4096,14336;rs:2048,14336,4096;ar:2048,14336,4096")
 
@@ -157,40 +155,27 @@ def check_divisible(op: str, mkn: tuple[int, int, int], world: int) -> None:
 
 
 def local_shapes(op: str, mkn: tuple[int, int, int], world: int) -> dict[str, tuple[int, int]]:
-  """Per-rank shapes: ``x``, ``w``, ``y`` (the op's output) and ``gemm`` (local_gemm's output)."""
+  """Per-rank shapes: ``x``, ``w``, ``y`` (the op's output), ``gemm`` (local_gemm's output)
+  and ``comm`` (what the collective moves: x's shard for ag, the partial product for rs, ar)."""
   m, k, n = mkn
   p = world
   if op == "ag":
-    return {"x": (m // p, k), "w": (k, n // p), "y": (m, n // p), "gemm": (m, n // p)}
+    return {"x": (m // p, k), "w": (k, n // p), "y": (m, n // p), "gemm": (m, n // p),
+            "comm": (m // p, k)}
   y = (m // p, n) if op == "rs" else (m, n)
-  return {"x": (m, k // p), "w": (k // p, n), "y": y, "gemm": (m, n)}
+  return {"x": (m, k // p), "w": (k // p, n), "y": y, "gemm": (m, n), "comm": (m, n)}
 
 
-def parse_impl(impl: str) -> tuple[str, str, int | None]:
-  """``impl`` -> (backend, algorithm, chunks) of the public op; baselines -> ("xla", name, None).
-
-  "jaxoverlap:copy_engine/c4" -> ("cuda", "copy_engine", 4); "xla:naive" ->
-  ("xla", "collective", None); "xla:local_gemm" -> ("xla", "local_gemm", None).
+def chunks_of(impl: str) -> int | None:
+  """The chunk count an impl requests (``jaxoverlap:<transport>/c<k>``), else None.
 
   Raises:
-    ValueError: an unknown name.
+    ValueError: a name that is neither a baseline nor an impl of the ops
+      (``harness.impl_kwargs``).
   """
-  lib, _, alg = impl.partition(":")
-  if lib == "xla" and alg in ("naive", "ppermute", "local_gemm", "collective",
-                              "windowed_einsum"):
-    return "xla", {"naive": "collective"}.get(alg, alg), None
-  if lib == "jaxoverlap":
-    name, slash, chunks = alg.partition("/")
-    if name == "gemm_all_reduce" and not slash:
-      return "cuda", name, None
-    if name in TRANSPORTS:
-      if not slash:
-        return "cuda", name, None
-      if chunks[:1] == "c" and chunks[1:].isdigit() and int(chunks[1:]) >= 1:
-        return "cuda", name, int(chunks[1:])
-  raise ValueError(
-      f"unknown impl {impl!r}; expected one of {FLOOR}, {COMM}, {NAIVE}, {PPERMUTE}, "
-      f"{WINDOWED}, jaxoverlap:copy_engine, jaxoverlap:nvshmem (optionally /c<k>), {GEMM_AR}")
+  if impl in (FLOOR, COMM, WINDOWED):
+    return None
+  return harness.impl_kwargs(OPS["ar"], impl).get("chunks")  # ar: every op's names
 
 
 def impls_for(op: str, *, chunks=(), windowed: bool = False, requested=()) -> list[str]:
@@ -218,9 +203,7 @@ def impls_for(op: str, *, chunks=(), windowed: bool = False, requested=()) -> li
     allowed = default
   if not requested:
     return default
-  for impl in requested:
-    parse_impl(impl)
-  extra = [i for i in requested if i not in allowed and parse_impl(i)[2] is not None]
+  extra = [i for i in requested if i not in allowed and chunks_of(i) is not None]
   return [i for i in allowed if i in requested] + [i for i in extra if i not in allowed]
 
 
@@ -250,23 +233,18 @@ def add_overlap_metrics(records: list[dict]) -> list[dict]:
   return records
 
 
-def short_name(impl: str) -> str:
-  """"jaxoverlap:copy_engine/c4" -> "copy_engine/c4", "xla:naive" -> "naive"."""
-  return impl.split(":", 1)[1]
-
-
 def progress_row(op: str, mkn, records: list[dict], failed: dict[str, str]) -> str:
   """One line: op, shape, then impl=us (exposed, hidden) for every impl; failed as impl=WHY."""
   parts = []
   for r in records:
-    s = f"{short_name(r['impl'])}={r['time_us']:.1f}"
+    s = f"{harness.short_name(r['impl'])}={r['time_us']:.1f}"
     if "exposed_us" in r:
       s += f" (exposed {r['exposed_us']:.0f}"
       if "hidden_fraction" in r:
         s += f", hidden {100 * r['hidden_fraction']:.0f}%"
       s += ")"
     parts.append(s)
-  parts += [f"{short_name(i)}={why}" for i, why in failed.items()]
+  parts += [f"{harness.short_name(i)}={why}" for i, why in failed.items()]
   return f"{op} {'x'.join(map(str, mkn))}  " + "  ".join(parts)
 
 
@@ -431,11 +409,7 @@ class _Case:
         return (lambda y: lax.psum_scatter(y, AXIS, scatter_dimension=0, tiled=True)), "yc", (
             ), P(AXIS, None)
       return (lambda y: lax.psum(y, AXIS)), "yc", (), P()
-    backend, algorithm, chunks = parse_impl(impl)
-    fn = getattr(jaxoverlap, OPS[op])
-    kw = dict(backend=backend, algorithm=algorithm)
-    if chunks is not None:
-      kw["chunks"] = chunks
+    fn, kw = getattr(jaxoverlap, OPS[op]), harness.impl_kwargs(OPS[op], impl)
     return (lambda x, w: fn(x, w, AXIS, **kw)), "x", ("w",), self.out_spec
 
   def chain_fn(self, impl, carrier="x"):
@@ -505,64 +479,20 @@ class _Case:
     return ys
 
 
-RTOL, ATOL_REL = 2e-2, 1e-2
-
-
-@functools.cache
-def _close_fn():
-  import jax
-  import jax.numpy as jnp
-
-  @jax.jit
-  def f(a, b):
-    a, b = a.astype(jnp.float32), b.astype(jnp.float32)
-    atol = ATOL_REL * jnp.max(jnp.abs(b))
-    err = jnp.abs(a - b)
-    return jnp.all(err <= atol + RTOL * jnp.abs(b)), jnp.max(err), atol
-
-  return f
-
-
-def close(a, b) -> tuple[bool, float, float]:
-  """(ok, max |a - b|, atol): |a - b| <= atol + RTOL * |b| everywhere, atol = ATOL_REL * max|b|.
-
-  np.allclose's test, computed on the devices over the global arrays, so that
-  every process gets the same answer without copying outputs to the host.
-  """
-  import numpy as np
-
-  ok, err, atol = _close_fn()(a, b)
-  return bool(np.asarray(ok)), float(np.asarray(err)), float(np.asarray(atol))
-
-
-def _fused_choice(op: str, impl: str) -> dict:
-  """What the lowering chose for the last call of ``impl`` (chunks, transport, ...)."""
-  cuda = sys.modules.get("jaxoverlap._cuda")
-  if cuda is None:
-    return {}
-  if impl == GEMM_AR:
-    if cuda.decisions:
-      d = cuda.decisions[-1]
-      return {"all_reduce_algorithm": f"{d['algorithm']}/{d['protocol']}"}
-    return {}
-  mine = [d for d in cuda.fused_decisions if d["op"] == OPS[op]]
-  if not mine:
-    return {}
-  d = mine[-1]
-  return {"transport": d["transport"], "chunks": d["chunks"], "chunks_source": d["chunks_source"]}
-
-
 def run_case(op, mkn, impls, *, mesh, dtype, chain, reps, warmup, ranks_per_node=None,
              log=print):
   """Checks and times ``impls`` for one (op, shape).
 
   Returns:
-    (records, rejected, failed): BRIEF section 7 records with exposed_us and
-    hidden_fraction; ``{"op", "impl", "shape", "reason"}`` of impls that were
-    not timed; ``{impl: "WRONG" or "ERROR"}`` for the progress row.
+    (records, rejected, failed): records of the results format of
+    jaxoverlap.tuning.results with exposed_us and hidden_fraction;
+    ``{"op", "impl", "shape", "reason"}`` of impls that were not timed;
+    ``{impl: "WRONG" or "ERROR"}`` for the progress row.
   """
   import jax
   import jax.numpy as jnp
+
+  import jaxoverlap
 
   dtype = jnp.dtype(dtype)
   case = _Case(op, mkn, mesh, dtype, chain)
@@ -582,24 +512,26 @@ def run_case(op, mkn, impls, *, mesh, dtype, chain, reps, warmup, ranks_per_node
   order += [NAIVE] if checked or NAIVE in impls else []
   order += [i for i in impls if i not in order]
   for impl in order:
+    jaxoverlap.clear_decisions()
     try:
       fn, carrier, rest = case.chain_fn(impl)
       case.build((carrier, "zero") + rest)
-      ys = case.call(fn, carrier, rest)  # compiles
+      ys = case.call(fn, carrier, rest)  # compiles: the plans are made here
     except Exception as e:  # noqa: BLE001: lowering or runtime refusal, reported per impl
       reject(impl, "ERROR", f"{type(e).__name__}: {e}"[:500])
       continue
-    choice = _fused_choice(op, impl) if impl.startswith("jaxoverlap:") else {}
+    choice = harness.plan_fields(harness.last_plan(OPS[op])) if impl.startswith(
+        "jaxoverlap:") else {}
     if impl == NAIVE:
       ref = ys[-1]
     elif impl not in BASELINES:
       if ref is None:
         reject(impl, "ERROR", "no xla:naive reference to check against")
         continue
-      ok, err, atol = close(ys[-1], ref)
+      ok, err, atol = harness.close(ys[-1], ref)
       if not ok:
         reject(impl, "WRONG", f"differs from xla:naive: max |diff| {err:.4g} (atol {atol:.4g}, "
-               f"rtol {RTOL})")
+               f"rtol {harness.RTOL})")
         continue
     del ys
     if impl in impls:
@@ -608,178 +540,115 @@ def run_case(op, mkn, impls, *, mesh, dtype, chain, reps, warmup, ranks_per_node
   if not fns:
     return records, rejected, failed
 
-  # The chain without the ops, once per carried input.
-  timed = {}
-  for carrier in sorted({c for _, c, _, _ in fns.values()}):
-    fn, _, _ = case.chain_fn(None, carrier)
-    timed[("empty", carrier)] = (fn, carrier, (), {})
-  timed.update({(impl, None): v for impl, v in fns.items()})
-
-  def run(key):
-    fn, carrier, rest, _ = timed[key]
-    case.call(fn, carrier, rest)
+  # The chain without the ops, once per carried input (compiled before timing).
+  empties = {c: case.chain_fn(None, c)[0] for c in sorted({c for _, c, _, _ in fns.values()})}
+  for carrier, fn in empties.items():
+    case.call(fn, carrier, ())
+  calls = {("empty", c): (lambda fn=fn, c=c: case.call(fn, c, ())) for c, fn in empties.items()}
+  calls.update({(impl, None): (lambda f=f: case.call(*f[:3])) for impl, f in fns.items()})
 
   # A tiny all-reduce before every timed run lines the processes up: a fused
   # op waits for its peer, so a process that starts late would otherwise add
   # its lateness (host dispatch jitter, ~0.1 ms) to the other's time.
-  jax = case._jax
+  spec = jax.sharding.PartitionSpec(AXIS)
   ones = jax.device_put(np.ones((case.world,), np.float32),
-                        jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(AXIS)))
-  barrier_fn = jax.jit(jax.shard_map(lambda v: jax.lax.psum(v, AXIS), mesh=mesh,
-                                     in_specs=jax.sharding.PartitionSpec(AXIS),
-                                     out_specs=jax.sharding.PartitionSpec(AXIS)))
-
-  def barrier():
-    barrier_fn(ones).block_until_ready()
-
-  for key in timed:
-    for _ in range(warmup + (1 if key[0] == "empty" else 0)):
-      run(key)
-  times = {key: [] for key in timed}
-  for _ in range(reps):
-    for key in timed:  # interleaved: drift hits every impl alike
-      barrier()
-      t0 = time.perf_counter()
-      run(key)
-      times[key].append(time.perf_counter() - t0)
-  empty_s = {key[1]: statistics.median(t) for key, t in times.items() if key[0] == "empty"}
-  for impl, (fn, carrier, rest, choice) in fns.items():
-    us = (statistics.median(times[(impl, None)]) - empty_s[carrier]) / chain * 1e6
-    rec = {"op": OPS[op], "impl": impl, "dtype": dtype.name, "shape": list(mkn),
-           "world": world, "ranks_per_node": ranks_per_node or world, "time_us": round(us, 2)}
-    rec.update(choice)
-    records.append(rec)
+                        jax.sharding.NamedSharding(mesh, spec))
+  barrier = jax.jit(jax.shard_map(lambda v: jax.lax.psum(v, AXIS), mesh=mesh, in_specs=spec,
+                                  out_specs=spec))
+  times = harness.time_interleaved(calls, reps=reps, warmup=warmup,
+                                   before=lambda: barrier(ones).block_until_ready())
+  comm_bytes = int(np.prod(local_shapes(op, mkn, world)["comm"])) * dtype.itemsize
+  for impl, (_, carrier, _, choice) in fns.items():
+    us = (harness.median(times[(impl, None)]) - harness.median(times[("empty", carrier)])
+          ) / chain * 1e6
+    records.append({"op": OPS[op], "impl": impl, "dtype": dtype.name, "shape": list(mkn),
+                    "bytes": comm_bytes, "world": world,
+                    "ranks_per_node": ranks_per_node or world,
+                    "time_us": round(max(us, 0.01), 2), **choice})
   add_overlap_metrics(records)
   return records, rejected, failed
-
-
-def _ranks_per_node(info, world):
-  import jax
-
-  rt = info.get("runtime") or {}
-  if rt.get("ranks_per_node"):
-    return int(rt["ranks_per_node"])
-  env = os.environ.get("JAXOVERLAP_RANKS_PER_NODE")
-  if env:
-    return int(env)
-  if "JAXOVERLAP_COORDINATOR" in os.environ or jax.process_count() == 1:
-    return world  # the launcher starts its processes on one node
-  return jax.local_device_count()
-
-
-# --------------------------------------------------------------------------- main
 
 
 def define_flags():
   """Defines the command-line flags (only when run as a script, so importing is free)."""
   from absl import flags
 
-  flags.DEFINE_string("out", "benchmarks/results", "folder for the JSON")
-  flags.DEFINE_string("machine", "2x H200 NV18", "machine name for the results")
+  harness.define_flags("out", "machine", "dtype", "merge", "host_devices",
+                       impls=([], "implementations to run (default: all of the mode)"),
+                       chain=(5, "ops per jit'd chain"), reps=(10, "timed runs per impl (median "
+                                                                  "reported)"),
+                       warmup=(2, "untimed runs per impl before timing"))
   flags.DEFINE_string("shapes", DEFAULT_SHAPES,
                       "global shapes 'op:M,K,N;...' of Y = X @ W, op in ag, rs, ar")
   flags.DEFINE_bool("quick", False, "only the shapes " + QUICK_SHAPES + " (replaces --shapes)")
-  flags.DEFINE_list("impls", [], "implementations to run (default: all of the mode)")
   flags.DEFINE_list("chunks", [], "chunk counts k: adds jaxoverlap:copy_engine/c<k>")
-  flags.DEFINE_string("dtype", "bfloat16", "element type")
-  flags.DEFINE_integer("chain", 5, "ops per jit'd chain")
-  flags.DEFINE_integer("reps", 10, "timed runs per impl (median reported)")
-  flags.DEFINE_integer("warmup", 2, "untimed runs per impl before timing")
   flags.DEFINE_bool("windowed_einsum", False,
                     "run xla:windowed_einsum (with local_gemm and collective) under "
                     + " ".join(WINDOWED_XLA_FLAGS) + "; writes overlap_windowed_einsum-*.json")
-  flags.DEFINE_bool("merge", False, "keep the rows of an existing JSON for the (op, shape)s "
-                    "this run does not measure (a full run split over several invocations)")
-  flags.DEFINE_integer("host_devices", 0, "simulate this many CPU devices (CPU smoke runs; "
-                       "sets XLA_FLAGS and JAX_PLATFORMS=cpu before jax starts)")
 
 
 def main(argv):
   del argv
   from absl import app, flags
 
-  FLAGS = flags.FLAGS
+  fl = flags.FLAGS
   try:
-    shapes = parse_shapes(QUICK_SHAPES if FLAGS.quick else FLAGS.shapes)
-    chunks = [int(c) for c in FLAGS.chunks]
+    shapes = parse_shapes(QUICK_SHAPES if fl.quick else fl.shapes)
+    chunks = [int(c) for c in fl.chunks]
     for op in OPS:
-      impls_for(op, chunks=chunks, windowed=FLAGS.windowed_einsum, requested=FLAGS.impls)
+      impls_for(op, chunks=chunks, windowed=fl.windowed_einsum, requested=fl.impls)
   except ValueError as e:
     raise app.UsageError(str(e)) from e
-  if FLAGS.chain < 1 or FLAGS.reps < 1 or FLAGS.warmup < 0:
+  if fl.chain < 1 or fl.reps < 1 or fl.warmup < 0:
     raise app.UsageError("--chain and --reps must be >= 1, --warmup >= 0")
-  if any(i == WINDOWED for i in FLAGS.impls) and not FLAGS.windowed_einsum:
+  if any(i == WINDOWED for i in fl.impls) and not fl.windowed_einsum:
     raise app.UsageError(f"{WINDOWED} runs only with --windowed_einsum (a run of its own)")
 
   # XLA reads XLA_FLAGS once, when its first backend starts: before any jax use.
-  xla_flags = os.environ.get("XLA_FLAGS", "").split()
-  if FLAGS.windowed_einsum:
-    xla_flags += list(WINDOWED_XLA_FLAGS)
-  if FLAGS.host_devices:
-    xla_flags.append(f"--xla_force_host_platform_device_count={FLAGS.host_devices}")
-    os.environ["JAX_PLATFORMS"] = "cpu"
-  os.environ["XLA_FLAGS"] = " ".join(xla_flags)
+  if fl.windowed_einsum:
+    os.environ["XLA_FLAGS"] = " ".join(os.environ.get("XLA_FLAGS", "").split()
+                                       + list(WINDOWED_XLA_FLAGS))
+  harness.use_host_devices(fl.host_devices)
+  run = harness.start(AXIS)
+  for op, mkn in shapes:
+    try:
+      check_divisible(op, mkn, run.world)
+    except ValueError as e:
+      raise app.UsageError(str(e)) from e
+  run.log(f"overlap: world {run.world} ({run.platform}), ranks_per_node {run.ranks_per_node}, "
+          f"chain {fl.chain}, reps {fl.reps}, XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}")
 
   from jaxoverlap import launch
 
-  info = launch.initialize_from_env()
-  import jax
-
-  from jaxoverlap import tuning
-
-  rank = info["process_id"]
-  world = jax.device_count()
-  mesh = jax.make_mesh((world,), (AXIS,), axis_types=(jax.sharding.AxisType.Auto,))
-  rpn = _ranks_per_node(info, world)
-  platform = jax.devices()[0].platform
-  log = print if rank == 0 else (lambda *a, **k: None)
-  for op, mkn in shapes:
-    try:
-      check_divisible(op, mkn, world)
-    except ValueError as e:
-      raise app.UsageError(str(e)) from e
-  log(f"overlap: world {world} ({platform}), ranks_per_node {rpn}, chain {FLAGS.chain}, "
-      f"reps {FLAGS.reps}, XLA_FLAGS={os.environ['XLA_FLAGS']!r}", flush=True)
-
   command = launch.reproduce_command("benchmarks/overlap.py")
-  path = result_path(FLAGS.out, FLAGS.machine, FLAGS.windowed_einsum)
-  old = None
-  if FLAGS.merge and os.path.exists(path):
-    with open(path) as f:
-      old = json.load(f)
+  path = result_path(fl.out, fl.machine, fl.windowed_einsum)
+  old = harness.load_json(path, missing_ok=True) if fl.merge else None
   commands = (old.get("commands") or [old.get("command")]) if old else []
-  if platform != "gpu":
-    log(f"platform {platform}: the jaxoverlap:* impls (CUDA only) are not run")
+  if run.platform != "gpu":
+    run.log(f"platform {run.platform}: the jaxoverlap:* impls (CUDA only) are not run")
   records, rejected = [], []
   for op, mkn in shapes:
-    impls = impls_for(op, chunks=chunks, windowed=FLAGS.windowed_einsum, requested=FLAGS.impls)
-    if platform != "gpu":
+    impls = impls_for(op, chunks=chunks, windowed=fl.windowed_einsum, requested=fl.impls)
+    if run.platform != "gpu":
       impls = [i for i in impls if not i.startswith("jaxoverlap:")]
-    recs, rej, failed = run_case(op, mkn, impls, mesh=mesh, dtype=FLAGS.dtype,
-                                 chain=FLAGS.chain, reps=FLAGS.reps, warmup=FLAGS.warmup,
-                                 ranks_per_node=rpn, log=log)
+    recs, rej, failed = run_case(op, mkn, impls, mesh=run.mesh, dtype=fl.dtype, chain=fl.chain,
+                                 reps=fl.reps, warmup=fl.warmup,
+                                 ranks_per_node=run.ranks_per_node, log=run.log)
     records += recs
     rejected += rej
-    log(progress_row(op, mkn, recs, failed), flush=True)
-    if rank == 0:
+    run.log(progress_row(op, mkn, recs, failed))
+    if run.rank == 0:
       done = shapes[:shapes.index((op, mkn)) + 1]
       all_records, all_rejected = merge_results(old, records, rejected, done)
-      result = tuning.make_result(
-          all_records, machine=FLAGS.machine, command=command,
-          method=method_text(FLAGS.chain, FLAGS.reps, FLAGS.warmup),
-          versions=tuning.package_versions(), rejected=all_rejected)
-      if commands:
-        result["commands"] = commands + [command]
-      result["benchmark"] = "overlap_windowed_einsum" if FLAGS.windowed_einsum else "overlap"
-      result.pop("params", None)
-      result.update(platform=platform, world=world, xla_flags=os.environ["XLA_FLAGS"],
-                    chain=FLAGS.chain, reps=FLAGS.reps)
-      os.makedirs(FLAGS.out, exist_ok=True)
-      tmp = path + ".tmp"
-      with open(tmp, "w") as f:
-        json.dump(result, f, indent=1)
-      os.replace(tmp, path)
-  log(f"wrote {path}", flush=True)
+      extra = {"commands": commands + [command]} if commands else {}
+      extra.update(platform=run.platform, world=run.world,
+                   xla_flags=os.environ.get("XLA_FLAGS", ""), chain=fl.chain, reps=fl.reps)
+      harness.write_result(
+          path, all_records, rejected=all_rejected, machine=fl.machine, command=command,
+          benchmark="overlap_windowed_einsum" if fl.windowed_einsum else "overlap",
+          method=method_text(fl.chain, fl.reps, fl.warmup), extra=extra,
+          latency=all("bytes" in r for r in all_records))
+  run.log(f"wrote {path}")
   return 1 if rejected else 0
 
 

@@ -11,15 +11,17 @@ the best jaxoverlap algorithm, auto and psum per size.
 from __future__ import annotations
 
 import glob
-import json
 import os
 import re
 
 from absl import app, flags
 
+import harness
+
 flags.DEFINE_string("results", "benchmarks/results", "folder with the JSON files")
 flags.DEFINE_string("machine", "2x_H200_NV18", "machine tag in the file names")
 FLAGS = flags.FLAGS
+PSUM, AUTO, FLOOR = harness.PSUM, harness.AUTO, harness.LAUNCH_FLOOR
 
 
 def _size(b: int) -> str:
@@ -46,23 +48,22 @@ def main(argv):
   files = [f for f in files if re.search(r"-\d+x\d+\.json$", f)]
   fig, axes = plt.subplots(1, len(files), figsize=(6.5 * len(files), 4.8), squeeze=False)
   for ax, path in zip(axes[0], files):
-    result = json.load(open(path))
+    result = harness.load_json(path)
     topo = re.search(r"-(\d+)x(\d+)\.json$", path).groups()
     by_impl = _by_impl(result)
     # auto with the shipped tuning table, and psum, from their own later run.
     auto_path = path.replace(".json", "-auto.json")
-    auto_run = _by_impl(json.load(open(auto_path))) if os.path.exists(auto_path) else {}
+    auto_run = _by_impl(harness.load_json(auto_path, missing_ok=True) or {"records": []})
     for impl, pts in sorted(by_impl.items()):
-      if impl == "jaxoverlap:auto":
+      if impl == AUTO:
         continue  # measured with an earlier policy; the -auto run has the shipped one
-      style = {"xla:psum": dict(color="black", lw=2.5),
-               "floor:launch": dict(color="gray", ls=":")}.get(impl, {})
+      style = {PSUM: dict(color="black", lw=2.5), FLOOR: dict(color="gray", ls=":")}.get(impl, {})
       ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", ms=3, label=impl, **style)
     if auto_run:
-      pts = auto_run["jaxoverlap:auto"]
+      pts = auto_run[AUTO]
       ax.plot([p[0] for p in pts], [p[1] for p in pts], lw=2.5, ls="--", color="tab:red",
               label="jaxoverlap:auto (2nd run)")
-      pts = auto_run["xla:psum"]
+      pts = auto_run[PSUM]
       ax.plot([p[0] for p in pts], [p[1] for p in pts], lw=1.2, ls="--", color="black",
               label="xla:psum (2nd run)")
     ax.set_xscale("log", base=2)
@@ -80,12 +81,12 @@ def main(argv):
     sizes = sorted({b for pts in by_impl.values() for b, _ in pts})
     for b in sizes:
       ours = {i: t for i, pts in by_impl.items() for bb, t in pts
-              if bb == b and i.startswith("jaxoverlap:") and i != "jaxoverlap:auto"}
+              if bb == b and i.startswith("jaxoverlap:") and i != AUTO}
       best = min(ours, key=ours.get)
       get = lambda table, i: next((t for bb, t in table.get(i, []) if bb == b), float("nan"))
-      psum1, floor = get(by_impl, "xla:psum"), get(by_impl, "floor:launch")
-      auto2, psum2 = get(auto_run, "jaxoverlap:auto"), get(auto_run, "xla:psum")
-      print(f"| {_size(b)} | {ours[best]:.1f} ({best.split(':')[1]}) | {psum1:.1f} | "
+      psum1, floor = get(by_impl, PSUM), get(by_impl, FLOOR)
+      auto2, psum2 = get(auto_run, AUTO), get(auto_run, PSUM)
+      print(f"| {_size(b)} | {ours[best]:.1f} ({harness.short_name(best)}) | {psum1:.1f} | "
             f"{psum1 / ours[best]:.2f}x | {auto2:.1f} | {psum2:.1f} | {psum2 / auto2:.2f}x | "
             f"{floor:.1f} |")
   out = os.path.join(FLAGS.results, f"all_reduce-{FLAGS.machine}.png")

@@ -24,29 +24,25 @@ of its run), divided by ours / local GEMM. Missing entries are "-".
 
 from __future__ import annotations
 
-import json
 import os
+
+import harness
+from harness import LOCAL_GEMM as FLOOR, COLLECTIVE as COMM, NAIVE, PPERMUTE, WINDOWED
+from harness import GEMM_ALL_REDUCE as GEMM_AR
 
 OPS = ("all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce")
 TITLES = {"all_gather_matmul": "AllGather + GEMM (column-parallel)",
           "matmul_reduce_scatter": "GEMM + ReduceScatter (row-parallel)",
           "matmul_all_reduce": "GEMM + AllReduce (row-parallel)"}
-FLOOR, COMM = "xla:local_gemm", "xla:collective"
-NAIVE, PPERMUTE, WINDOWED = "xla:naive", "xla:ppermute", "xla:windowed_einsum"
 XLA_VARIANTS = (NAIVE, PPERMUTE, WINDOWED)
 YMIN = 0.8  # bars are time / floor; the interesting range is 1.0 to about 2
 # Bar order and colours; chunked variants (".../c<k>") follow their transport in shades of it.
-IMPL_ORDER = (NAIVE, PPERMUTE, WINDOWED, "jaxoverlap:copy_engine", "jaxoverlap:nvshmem",
-              "jaxoverlap:gemm_all_reduce")
+IMPL_ORDER = (NAIVE, PPERMUTE, WINDOWED, "jaxoverlap:copy_engine", "jaxoverlap:nvshmem", GEMM_AR)
 COLORS = {NAIVE: "#7f7f7f", PPERMUTE: "#bcbd22", WINDOWED: "#9467bd",
           "jaxoverlap:copy_engine": "#1f77b4", "jaxoverlap:nvshmem": "#2ca02c",
-          "jaxoverlap:gemm_all_reduce": "#ff7f0e"}
+          GEMM_AR: "#ff7f0e"}
 _SHADES = {"jaxoverlap:copy_engine": ("#6baed6", "#9ecae1", "#08519c", "#4292c6", "#c6dbef"),
            "jaxoverlap:nvshmem": ("#74c476", "#a1d99b", "#006d2c", "#41ab5d", "#c7e9c0")}
-
-
-def tag_of(machine: str) -> str:
-  return machine.replace(" ", "_")
 
 
 def load(results_dir: str, machine: str) -> tuple[dict, dict | None]:
@@ -55,15 +51,9 @@ def load(results_dir: str, machine: str) -> tuple[dict, dict | None]:
   Raises:
     FileNotFoundError: no overlap-<tag>.json in ``results_dir``.
   """
-  tag = tag_of(machine)
-  with open(os.path.join(results_dir, f"overlap-{tag}.json")) as f:
-    main = json.load(f)
-  path = os.path.join(results_dir, f"overlap_windowed_einsum-{tag}.json")
-  windowed = None
-  if os.path.exists(path):
-    with open(path) as f:
-      windowed = json.load(f)
-  return main, windowed
+  return (harness.load_json(harness.path(results_dir, "overlap", machine)),
+          harness.load_json(harness.path(results_dir, "overlap_windowed_einsum", machine),
+                            missing_ok=True))
 
 
 def _sort_key(impl: str):
@@ -141,7 +131,7 @@ def markdown_tables(main: dict, windowed: dict | None = None) -> str:
     parts.append("|---|---|---|---|---|---|---|---|---|---|")
     for r in by_op[op]:
       ours = "-" if r["ours"] is None else (
-          f"{r['ours'] / 1e3:.3f} ({r['ours_impl'].split(':', 1)[1]})")
+          f"{r['ours'] / 1e3:.3f} ({harness.short_name(r['ours_impl'])})")
       hidden = "-" if r["hidden"] is None else f"{100 * r['hidden']:.0f}%"
       speed = "-" if r["speedup"] is None else f"{r['speedup']:.2f}x"
       parts.append(f"| {','.join(map(str, r['shape']))} | {_ms(r['floor'])} | {_ms(r['comm'])} | "
@@ -234,7 +224,7 @@ def main(argv):
   FLAGS = flags.FLAGS
   main_result, windowed = load(FLAGS.results_dir, FLAGS.machine)
   print(markdown_tables(main_result, windowed))
-  out = FLAGS.out_png or os.path.join(FLAGS.results_dir, f"overlap-{tag_of(FLAGS.machine)}.png")
+  out = FLAGS.out_png or harness.path(FLAGS.results_dir, "overlap", FLAGS.machine, ext="png")
   print(f"\nwrote {plot(main_result, windowed, out)}")
 
 

@@ -40,9 +40,11 @@ communication event are active on DIFFERENT rows (on one stream nothing runs
 concurrently). overlap_fraction = overlap_us / comm_us: the share of the
 communication hidden under GEMMs.
 
-Results (rank 0): ``<out>/profile_step-<backend>-<machine>.json`` (BRIEF
-section 7 form, one record: op "train_step", time_us = the window, plus the
-summary and per-row busy times) and ``<out>/profile_step-<backend>-<machine>.png``:
+Results (rank 0): ``<out>/profile_step-<backend>-<machine>.json`` (the
+results format of jaxoverlap.tuning.results, one record: op "train_step",
+time_us = the window, resolved = the backend each op ran on, from
+``jaxoverlap.decisions()`` after the first step; plus the summary and per-row
+busy times) and ``<out>/profile_step-<backend>-<machine>.png``:
 the timeline of the window, one row per stream/thread, GEMMs blue,
 communication red, other grey. The raw trace stays in --logdir (open it in
 https://ui.perfetto.dev).
@@ -51,21 +53,18 @@ https://ui.perfetto.dev).
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import glob
 import gzip
 import json
 import os
 import re
 import shutil
-import statistics
-import sys
 from typing import Any, Iterable, Mapping, Sequence
+
+import harness
 
 BENCHMARK = "profile_step"
 STEP_NAME = "profile_step"  # the StepTraceAnnotation around each traced step
-TRAIN_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                         "examples", "train")
 GEMM, COMM, OTHER = "gemm", "comm", "other"
 COLORS = {GEMM: "tab:blue", COMM: "tab:red", OTHER: "0.6"}
 NO_TRACE_EXIT = 3  # exit code when the profiler wrote no perfetto trace
@@ -353,7 +352,7 @@ def analyze(trace: Mapping[str, Any], max_rows: int = 40) -> dict[str, Any]:
           "step_us": [e - s for s, e in steps]}
 
 
-# ------------------------------------------------------------------ picture and results
+# ------------------------------------------------------------------ picture
 
 
 def plot_timeline(path: str, rows: Sequence[Row], events: Sequence[Event],
@@ -407,30 +406,6 @@ def plot_timeline(path: str, rows: Sequence[Row], events: Sequence[Event],
   fig.savefig(path, dpi=110)
 
 
-def write_results(out_dir: str, machine: str, backend: str, result: dict[str, Any],
-                  analysis: Mapping[str, Any], title: str) -> tuple[str, str]:
-  """Writes ``<out_dir>/profile_step-<backend>-<machine>.json`` and the PNG.
-
-  Args:
-    out_dir, machine, backend: where and under which names.
-    result: the JSON object (BRIEF section 7 fields, filled by the caller).
-    analysis: ``analyze`` output, drawn into the PNG.
-    title: the picture's title.
-
-  Returns:
-    (json path, png path).
-  """
-  os.makedirs(out_dir, exist_ok=True)
-  tag = machine.replace(" ", "_")
-  path = os.path.join(out_dir, f"{BENCHMARK}-{backend}-{tag}.json")
-  with open(path, "w") as f:
-    json.dump(result, f, indent=1)
-  png = os.path.join(out_dir, f"{BENCHMARK}-{backend}-{tag}.png")
-  plot_timeline(png, analysis["rows"], analysis["events"], analysis["window"], title,
-                analysis["summary"])
-  return path, png
-
-
 # ------------------------------------------------------------------ main
 
 
@@ -438,62 +413,34 @@ def define_flags():
   """Defines the command-line flags (only when run as a script, so importing is free)."""
   from absl import flags
 
-  from jaxoverlap import launch
-
   flags.DEFINE_string("preset", "gpu_small", "preset of examples/train/config.py")
   flags.DEFINE_enum("backend", "cuda", ["auto", "xla", "cuda"], "jaxoverlap backend")
   flags.DEFINE_string("algorithm", None, "jaxoverlap algorithm (default: the preset's)")
-  flags.DEFINE_integer("warmup", 3, "untraced steps first (compilation, autotuning)")
   flags.DEFINE_integer("steps_traced", 2, "traced steps; the last one is drawn and measured")
   flags.DEFINE_bool("trace", True, "--notrace: run the same steps (batches made beforehand) "
                     "without jax.profiler and report nothing: tells a failure of the profiler "
                     "apart from one of the steps themselves")
   flags.DEFINE_string("logdir", "/tmp/jaxoverlap_profile", "profiler output; rank r traces "
                       "into <logdir>/rank<r> (emptied first)")
-  flags.DEFINE_string("out", "benchmarks/results", "folder for the JSON and PNG")
-  flags.DEFINE_string("machine", "2x H200 NV18", "machine name for the results")
-  flags.DEFINE_string("mesh", None, "dp,tp mesh shape, e.g. '1,2' (-1: the remaining "
-                      "devices). Default: the preset's")
-  flags.DEFINE_bool("distributed", launch.launched(), "multi-process run: "
-                    "jaxoverlap.launch.initialize_from_env() first (default: when the "
-                    "launcher's JAXOVERLAP_* variables are set)")
   flags.DEFINE_integer("max_rows", 40, "draw at most this many rows (the busiest)")
-  flags.DEFINE_integer("host_devices", 8, "simulated CPU devices (only the CPU platform uses "
-                       "them; ignored when XLA_FLAGS already sets a count)")
+  harness.define_flags("out", "machine", "mesh", "distributed",
+                       warmup=(3, "untraced steps first (compilation, autotuning)"),
+                       host_devices=8)
 
 
 def main(argv):
   del argv
-  from absl import app
-  from absl import flags
-  from absl import logging
+  from absl import app, flags
 
   fl = flags.FLAGS
-  logging.set_verbosity(logging.WARNING)
-  xla_flags = os.environ.get("XLA_FLAGS", "")
-  if "xla_force_host_platform_device_count" not in xla_flags:  # before jax starts
-    os.environ["XLA_FLAGS"] = (
-        f"{xla_flags} --xla_force_host_platform_device_count={fl.host_devices}").strip()
   if fl.steps_traced < 1 or fl.warmup < 1:
     raise app.UsageError("--steps_traced and --warmup must be >= 1")
-
-  if fl.distributed:
-    from jaxoverlap import launch
-
-    launch.initialize_from_env(nvshmem=True if fl.backend == "cuda" else None)
-  elif fl.backend == "cuda":
-    import jaxoverlap
-
-    jaxoverlap.initialize()  # one process: it must own exactly one GPU
-  if TRAIN_DIR not in sys.path:
-    sys.path.insert(0, TRAIN_DIR)  # the example's flat imports, as its main.py
-  import config as config_lib
-  import data as data_lib
+  config_lib, data_lib, train = harness.start_training_example(
+      distributed=fl.distributed, cuda=fl.backend == "cuda", host_devices=fl.host_devices)
   import jax
   from jax.experimental import multihost_utils
-  import train
 
-  from jaxoverlap import backend as jo_backend
+  import jaxoverlap
 
   rank = jax.process_index()
   overrides: dict[str, Any] = {"backend": fl.backend}
@@ -502,20 +449,21 @@ def main(argv):
   if fl.algorithm:
     overrides["algorithm"] = fl.algorithm
   config = dataclasses.replace(config_lib.get_config(fl.preset), **overrides)
-  # Raises (with the reason) when backend "cuda" is not usable for an op.
-  resolved = {op: jo_backend.select_backend(op, fl.backend) for op in jo_backend.OPS}
   setup = train.build(config)
   state, setup.state = setup.state, None
   corpus = data_lib.load_corpus(val_percent=config.val_percent)
-  impl = f"{'jaxoverlap' if 'cuda' in resolved.values() else 'xla'}:{fl.backend}"
+
+  # The first step compiles: its plans say where each op ran (backend "cuda"
+  # raises there, with the reason, where the CUDA kernels cannot run).
+  jaxoverlap.clear_decisions()
+  for step in range(fl.warmup):
+    state, loss = setup.train_step(state, setup.train_batch(corpus, step))
+    jax.block_until_ready((state, loss))
+  resolved = harness.resolved_backends()
   if rank == 0:
     print(f"profile_step: {fl.preset} ({setup.num_params:,} parameters), backend {fl.backend} "
           f"-> {resolved}, mesh dp={setup.mesh.shape['dp']} x tp={setup.mesh.shape['tp']} on "
           f"{jax.device_count()} {jax.devices()[0].platform} devices", flush=True)
-
-  for step in range(fl.warmup):
-    state, loss = setup.train_step(state, setup.train_batch(corpus, step))
-    jax.block_until_ready((state, loss))
   batches = [setup.train_batch(corpus, fl.warmup + i) for i in range(fl.steps_traced)]
   jax.block_until_ready(batches)
   if not fl.trace:
@@ -537,18 +485,16 @@ def main(argv):
         jax.block_until_ready((state, loss))
       losses.append(loss)
   losses = [float(x) for x in jax.device_get(losses)]
-  code = _report(fl, config, setup, impl, resolved, logdir, losses) if rank == 0 else 0
+  code = _report(fl, config, setup, resolved, logdir, losses) if rank == 0 else 0
   # No process leaves (and shuts jax.distributed and NVSHMEM down) before rank 0 is done.
   multihost_utils.sync_global_devices("profile_step:end")
   return code
 
 
-def _report(fl, config, setup, impl: str, resolved: Mapping[str, str], logdir: str,
+def _report(fl, config, setup, resolved: Mapping[str, str], logdir: str,
             losses: Sequence[float]) -> int:
   """Rank 0: analyzes its trace, writes the JSON and PNG, prints the summary; the exit code."""
   import jax
-
-  from jaxoverlap import launch, tuning
 
   path = find_trace_file(logdir)
   if path is None:
@@ -557,45 +503,38 @@ def _report(fl, config, setup, impl: str, resolved: Mapping[str, str], logdir: s
     return NO_TRACE_EXIT
   analysis = analyze(load_trace(path), max_rows=fl.max_rows)
   s = analysis["summary"]
-  if analysis["source"] == "host threads" and jax.devices()[0].platform == "gpu":
+  platform = jax.devices()[0].platform
+  if analysis["source"] == "host threads" and platform == "gpu":
     print("warning: the trace has no device rows (is CUPTI available?); drew host threads",
           flush=True)
-  shape = {"preset": fl.preset, "d_model": config.d_model, "n_layers": config.n_layers,
-           "n_heads": config.n_heads, "d_ff": config.d_ff, "seq_len": config.seq_len,
-           "batch_size": config.batch_size, "dp": int(setup.mesh.shape["dp"]),
-           "tp": int(setup.mesh.shape["tp"]), "sequence_parallel": config.sequence_parallel}
-  record = {"op": "train_step", "impl": impl, "dtype": config.dtype, "shape": shape,
+  impl = harness.run_impl(fl.backend, resolved)
+  record = {"op": "train_step", "impl": impl, "dtype": config.dtype,
+            "shape": harness.run_shape(fl.preset, dataclasses.asdict(config),
+                                       setup.mesh.shape["dp"], setup.mesh.shape["tp"]),
             "world": jax.process_count(), "time_us": round(s["window_us"], 1),
             "gemm_us": round(s["gemm_us"], 1), "comm_us": round(s["comm_us"], 1),
             "overlap_us": round(s["overlap_us"], 1),
             "overlap_fraction": round(s["overlap_fraction"], 4),
-            "backend": fl.backend, "algorithm": config.algorithm, "resolved": resolved}
-  command = launch.reproduce_command("benchmarks/profile_step.py")
-  result = {
-      "benchmark": BENCHMARK, "machine": fl.machine, "command": command,
-      "method": (f"{fl.warmup} warm-up steps, then {fl.steps_traced} steps under "
-                 "jax.profiler.trace (each in a StepTraceAnnotation, waited on); rank 0's "
-                 "perfetto trace; window = the last traced step, shrunk to its events; "
-                 "time_us = the window; gemm_us/comm_us = union of the category's events on "
-                 "the rows; overlap_us = time with GEMM and communication active on different "
-                 "rows; events classified by name (see benchmarks/profile_step.py)"),
-      "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-      "versions": tuning.package_versions(),
-      "records": [record],
-      "summary": s,
-      "row_source": analysis["source"],
-      "rows": analysis["per_row"],
-      "top_events": analysis["top"],
-      "traced_step_us": analysis["step_us"],
-      "median_traced_step_us": (statistics.median(analysis["step_us"])
-                                if analysis["step_us"] else None),
-      "traced_losses": losses,
-      "platform": jax.devices()[0].platform,
-      "trace_file": path,
-  }
-  title = (f"{fl.preset}, backend {fl.backend} ({impl}), {fl.machine}, rank 0 of "
-           f"{jax.process_count()}: one training step ({analysis['source']})")
-  out_json, out_png = write_results(fl.out, fl.machine, fl.backend, result, analysis, title)
+            "backend": fl.backend, "algorithm": config.algorithm, "resolved": dict(resolved)}
+  out_json = harness.path(fl.out, f"{BENCHMARK}-{fl.backend}", fl.machine)
+  harness.write_result(
+      out_json, [record], benchmark=BENCHMARK, machine=fl.machine,
+      script="benchmarks/profile_step.py", latency=False,
+      method=(f"{fl.warmup} warm-up steps, then {fl.steps_traced} steps under "
+              "jax.profiler.trace (each in a StepTraceAnnotation, waited on); rank 0's "
+              "perfetto trace; window = the last traced step, shrunk to its events; "
+              "time_us = the window; gemm_us/comm_us = union of the category's events on "
+              "the rows; overlap_us = time with GEMM and communication active on different "
+              "rows; events classified by name (see benchmarks/profile_step.py)"),
+      extra={"summary": s, "row_source": analysis["source"], "rows": analysis["per_row"],
+             "top_events": analysis["top"], "traced_step_us": analysis["step_us"],
+             "median_traced_step_us": (harness.median(analysis["step_us"])
+                                       if analysis["step_us"] else None),
+             "traced_losses": list(losses), "platform": platform, "trace_file": path})
+  out_png = harness.path(fl.out, f"{BENCHMARK}-{fl.backend}", fl.machine, ext="png")
+  plot_timeline(out_png, analysis["rows"], analysis["events"], analysis["window"],
+                f"{fl.preset}, backend {fl.backend} ({impl}), {fl.machine}, rank 0 of "
+                f"{jax.process_count()}: one training step ({analysis['source']})", s)
   print(f"window {s['window_us'] / 1e3:.3f} ms: GEMM {s['gemm_us'] / 1e3:.3f} ms "
         f"(sum {s['gemm_sum_us'] / 1e3:.3f}), communication {s['comm_us'] / 1e3:.3f} ms "
         f"(sum {s['comm_sum_us'] / 1e3:.3f}), overlapped {s['overlap_us'] / 1e3:.3f} ms "

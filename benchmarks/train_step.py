@@ -40,11 +40,14 @@ but a wrong result (a missing or doubled shard, a stale buffer) moves the
 loss by far more. A float32 preset would allow a tighter bound; this one is
 meant for the bf16 GPU presets.
 
-Results (rank 0): ``<out>/train_step-<machine>.json`` in BRIEF section 7 form:
-one record per run (op "train_step"; impl "jaxoverlap:<backend>" when any
-jaxoverlap op resolved to the CUDA kernels, else "xla:<backend>"; dtype; shape
-= the model and batch sizes; world = process count; time_us = step_time_ms *
-1000; final_train_loss; steps; loss_curve = the history.json points) and a
+Results (rank 0): ``<out>/train_step-<machine>.json`` in the results format
+of jaxoverlap.tuning.results: one record per run (op "train_step"; impl
+"jaxoverlap:<backend>" when any jaxoverlap op ran the CUDA kernels, after the
+example's ``metrics["backend"]["resolved"]``, else "xla:<backend>"; dtype;
+shape = the model and batch sizes; world = process count; time_us =
+step_time_ms * 1000; final_train_loss; steps; loss_curve = the history.json
+points; fused_decisions = the distinct fused-kernel plans of the step, from
+``jaxoverlap.decisions()``) and a
 top-level "comparison" list, one entry per preset and non-reference backend:
 max_abs_loss_diff, within_tolerance, final losses, step times and speedup =
 t_ref / t (for the defaults, t_xla / t_cuda: above 1 means cuda is faster).
@@ -57,17 +60,15 @@ summary table goes to stdout. Exit code 1 when a curve is out of tolerance.
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import gc
 import json
 import os
 import shutil
-import sys
 from typing import Any, Mapping, Sequence
 
+import harness
+
 BENCHMARK = "train_step"
-TRAIN_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                         "examples", "train")
 REL_TOL = 0.02  # tolerance per point: REL_TOL * max(1, |loss_ref|)
 METHOD = ("train.train_and_evaluate of examples/train once per backend, same seed and data, "
           "fresh workdir; overrides eval_every = ckpt_every = steps, eval_batches = 1; time_us = "
@@ -122,40 +123,28 @@ def compare_curves(ref: Sequence[Sequence[float]], other: Sequence[Sequence[floa
   return out
 
 
-def impl_name(backend: str, resolved: Mapping[str, str] | None) -> str:
-  """BRIEF section 7 ``impl`` of a run: ``jaxoverlap:<backend>`` when any op ran the CUDA
-  kernels (``resolved``: op -> "xla" | "cuda", the example's metrics["backend"]["resolved"]),
-  else ``xla:<backend>``."""
-  uses_cuda = any(v == "cuda" for v in (resolved or {}).values())
-  return f"{'jaxoverlap' if uses_cuda else 'xla'}:{backend}"
-
-
 def make_record(preset: str, metrics: Mapping[str, Any], history: Mapping[str, Any],
-                decisions: Sequence[Mapping[str, Any]] = ()) -> dict[str, Any]:
-  """One BRIEF section 7 record from a run's metrics (``train_and_evaluate``'s return value).
+                fused: Sequence[Mapping[str, Any]] = ()) -> dict[str, Any]:
+  """One record of the results format from a run's metrics (``train_and_evaluate``'s value).
 
   Args:
     preset: the preset's name.
     metrics: the run's metrics (``config``, ``mesh``, ``backend``, ``step_time_ms``, ...).
     history: the run's ``history.json`` (``train``: ``(step, loss)`` points).
-    decisions: the fused-op lowerings of the run (``_cuda.fused_decisions``);
-      each distinct (op, transport, chunks, chunks_source, shape) is kept once.
+    fused: the distinct fused-kernel plans of the run (``harness.fused_choices``).
 
   Returns:
     The record; ``loss_curve`` holds the ``(step, loss)`` points of ``history["train"]``.
   """
   cfg, mesh = metrics["config"], metrics["mesh"]
-  backend = metrics["backend"]
+  resolved = dict(metrics["backend"].get("resolved") or {})
   step_ms = metrics.get("step_time_ms")
   curve = [[int(st), float(v)] for st, v in history.get("train") or []]
   return {
       "op": "train_step",
-      "impl": impl_name(cfg["backend"], backend.get("resolved")),
+      "impl": harness.run_impl(cfg["backend"], resolved),
       "dtype": cfg["dtype"],
-      "shape": {"preset": preset, "d_model": cfg["d_model"], "n_layers": cfg["n_layers"],
-                "n_heads": cfg["n_heads"], "d_ff": cfg["d_ff"], "seq_len": cfg["seq_len"],
-                "batch_size": cfg["batch_size"], "dp": mesh["dp"], "tp": mesh["tp"],
-                "sequence_parallel": cfg["sequence_parallel"]},
+      "shape": harness.run_shape(preset, cfg, mesh["dp"], mesh["tp"]),
       "world": mesh["processes"],
       "devices": mesh["devices"],
       "platform": mesh["platform"],
@@ -168,21 +157,10 @@ def make_record(preset: str, metrics: Mapping[str, Any], history: Mapping[str, A
       "num_params": metrics.get("num_params"),
       "backend": cfg["backend"],
       "algorithm": cfg["algorithm"],
-      "resolved": dict(backend.get("resolved") or {}),
-      "fused_decisions": distinct_decisions(decisions),
+      "resolved": resolved,
+      "fused_decisions": [dict(d) for d in fused],
       "loss_curve": curve,
   }
-
-
-def distinct_decisions(decisions: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
-  """The distinct fused-op choices of a run, in first-seen order (what auto picked, and where)."""
-  keys = ("op", "transport", "chunks", "chunks_source", "shape")
-  out: list[dict[str, Any]] = []
-  for d in decisions:
-    kept = {k: d[k] for k in keys if k in d}
-    if kept not in out:
-      out.append(kept)
-  return out
 
 
 def group_by_preset(records: Sequence[Mapping[str, Any]]) -> dict[str, list[Mapping[str, Any]]]:
@@ -321,35 +299,30 @@ def plot(path: str, records: Sequence[Mapping[str, Any]], title: str,
 
 
 def write_results(out_dir: str, machine: str, records: Sequence[Mapping[str, Any]], *,
-                  command: str, versions: Mapping[str, Any] | None = None,
-                  extra: Mapping[str, Any] | None = None, merge: bool = False
-                  ) -> tuple[str, str, dict[str, Any]]:
-  """Writes ``<out_dir>/train_step-<machine>.json`` (BRIEF section 7) and the PNG.
+                  command: str | None = None, extra: Mapping[str, Any] | None = None,
+                  merge: bool = False) -> tuple[str, str, dict[str, Any]]:
+  """Writes ``<out_dir>/train_step-<machine>.json`` (``harness.write_result``) and the PNG.
 
   Args:
     out_dir, machine: where, and the machine's name (spaces become "_" in the file name).
     records: this run's ``make_record`` records, per preset the reference first.
-    command, versions, extra: stored in the JSON (``extra`` at the top level).
+    command: stored in the JSON (default: the reproduce command).
+    extra: more top-level fields.
     merge: keep the records of the presets this run did not measure from an
       existing file (the comparison and the PNG cover them all).
 
   Returns:
     (json path, png path, the JSON object written).
   """
-  os.makedirs(out_dir, exist_ok=True)
-  tag = machine.replace(" ", "_")
-  path = os.path.join(out_dir, f"{BENCHMARK}-{tag}.json")
-  if merge and os.path.exists(path):
-    with open(path) as f:
-      records = merge_records(json.load(f).get("records", []), records)
-  result = {"benchmark": BENCHMARK, "machine": machine, "command": command, "method": METHOD,
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "versions": dict(versions or {}), "records": [dict(r) for r in records],
-            "comparison": compare_all(records)}
-  result.update(extra or {})
-  with open(path, "w") as f:
-    json.dump(result, f, indent=1)
-  png = os.path.join(out_dir, f"{BENCHMARK}-{tag}.png")
+  path = harness.path(out_dir, BENCHMARK, machine)
+  old = harness.load_json(path, missing_ok=True) if merge else None
+  if old:
+    records = merge_records(old.get("records", []), records)
+  result = harness.write_result(
+      path, records, benchmark=BENCHMARK, machine=machine, method=METHOD, command=command,
+      script="benchmarks/train_step.py", latency=False,
+      extra={"comparison": compare_all(records), **(extra or {})})
+  png = harness.path(out_dir, BENCHMARK, machine, ext="png")
   world = records[0]["world"] if records else "?"
   plot(png, records, f"training example, {machine}, {world} process(es)\n"
        "train loss per backend (same seed and data)")
@@ -363,68 +336,37 @@ def define_flags():
   """Defines the command-line flags (only when run as a script, so importing is free)."""
   from absl import flags
 
-  from jaxoverlap import launch
-
   flags.DEFINE_list("presets", ["gpu_small", "gpu_large"], "presets of examples/train/config.py")
   flags.DEFINE_integer("steps", 200, "optimizer steps per run (>= 2: the first one compiles)")
   flags.DEFINE_list("backends", ["xla", "cuda"], "jaxoverlap backends, one run each; the "
                     "first is the reference of the loss comparison and of the speed-up")
   flags.DEFINE_string("workdir", "/tmp/jaxoverlap_train_step",
                       "parent of the runs' workdirs (each deleted before its run)")
-  flags.DEFINE_string("out", "benchmarks/results", "folder for the JSON and PNG")
-  flags.DEFINE_string("machine", "2x H200 NV18", "machine name for the results")
-  flags.DEFINE_string("mesh", None, "dp,tp mesh shape, e.g. '1,2' (-1: the remaining "
-                      "devices). Default: the preset's")
-  flags.DEFINE_bool("distributed", launch.launched(), "multi-process run: "
-                    "jaxoverlap.launch.initialize_from_env() first (default: when the "
-                    "launcher's JAXOVERLAP_* variables are set)")
   flags.DEFINE_bool("keep_checkpoints", False, "keep each run's final orbax checkpoint")
-  flags.DEFINE_bool("merge", False, "keep the records of other presets from an existing "
-                    "<out>/train_step-<machine>.json (to measure the presets in separate runs)")
-  flags.DEFINE_integer("host_devices", 8, "simulated CPU devices (only the CPU platform uses "
-                       "them; ignored when XLA_FLAGS already sets a count)")
-
-
-def _init_runtime(distributed: bool, backends: Sequence[str]) -> None:
-  """jax.distributed and NVSHMEM: NVSHMEM must be up for backend "cuda" (fail loudly if not)."""
-  need_cuda = "cuda" in backends
-  if distributed:
-    from jaxoverlap import launch
-
-    # nvshmem=None brings NVSHMEM up on GPUs when the extension is built ("auto" uses it).
-    launch.initialize_from_env(nvshmem=True if need_cuda else None)
-  elif need_cuda:
-    import jaxoverlap
-
-    jaxoverlap.initialize()  # one process: it must own exactly one GPU
+  harness.define_flags("out", "machine", "mesh", "distributed",
+                       merge=(False, "keep the records of other presets from an existing "
+                              "<out>/train_step-<machine>.json (to measure the presets in "
+                              "separate runs)"),
+                       host_devices=8)
 
 
 def main(argv):
   del argv
-  from absl import flags
-  from absl import logging
+  from absl import app, flags
 
   fl = flags.FLAGS
-  logging.set_verbosity(logging.WARNING)  # orbax logs every checkpoint step at INFO
-  xla_flags = os.environ.get("XLA_FLAGS", "")
-  if "xla_force_host_platform_device_count" not in xla_flags:  # before jax starts
-    os.environ["XLA_FLAGS"] = (
-        f"{xla_flags} --xla_force_host_platform_device_count={fl.host_devices}").strip()
   if fl.steps < 2:
-    raise app_usage_error("--steps must be >= 2 (the first step compiles and is timed apart)")
+    raise app.UsageError("--steps must be >= 2 (the first step compiles and is timed apart)")
   backends = [b.strip() for b in fl.backends if b.strip()]
   if not backends:
-    raise app_usage_error("--backends is empty")
+    raise app.UsageError("--backends is empty")
 
-  _init_runtime(fl.distributed, backends)
-  if TRAIN_DIR not in sys.path:
-    sys.path.insert(0, TRAIN_DIR)  # the example's flat imports, as its main.py
-  import config as config_lib
+  config_lib, _, train = harness.start_training_example(
+      distributed=fl.distributed, cuda="cuda" in backends, host_devices=fl.host_devices)
   import jax
   from jax.experimental import multihost_utils
-  import train
 
-  from jaxoverlap import _cuda, launch, tuning
+  import jaxoverlap
 
   rank = jax.process_index()
   records: list[dict] = []
@@ -442,12 +384,12 @@ def main(argv):
       multihost_utils.sync_global_devices(f"train_step:{preset}:{i}:start")
       if rank == 0:
         print(f"=== {preset}, backend {backend}: {fl.steps} steps into {workdir}", flush=True)
-      _cuda.fused_decisions.clear()
+      jaxoverlap.clear_decisions()
       metrics = train.train_and_evaluate(config, workdir)
       multihost_utils.sync_global_devices(f"train_step:{preset}:{i}:end")
       if rank == 0:
         with open(os.path.join(workdir, train.HISTORY_FILE)) as f:
-          records.append(make_record(preset, metrics, json.load(f), _cuda.fused_decisions))
+          records.append(make_record(preset, metrics, json.load(f), harness.fused_choices()))
         if not fl.keep_checkpoints:
           shutil.rmtree(os.path.join(workdir, train.CHECKPOINT_DIR), ignore_errors=True)
       del metrics
@@ -456,12 +398,9 @@ def main(argv):
 
   code = 0
   if rank == 0:
-    command = launch.reproduce_command("benchmarks/train_step.py")
     extra = {"world": jax.process_count(), "platform": jax.devices()[0].platform,
              "steps": fl.steps, "backends": backends}
-    path, png, result = write_results(fl.out, fl.machine, records, command=command,
-                                      versions=tuning.package_versions(), extra=extra,
-                                      merge=fl.merge)
+    path, png, result = write_results(fl.out, fl.machine, records, extra=extra, merge=fl.merge)
     print(summary_table(result["records"], result["comparison"]))
     print(f"wrote {path} and {png}", flush=True)
     if not all(c["within_tolerance"] for c in compare_all(records)):
@@ -470,13 +409,6 @@ def main(argv):
   # No process leaves (and shuts jax.distributed and NVSHMEM down) before rank 0 is done.
   multihost_utils.sync_global_devices("train_step:end")
   return code
-
-
-def app_usage_error(message: str) -> Exception:
-  """absl's usage error (prints the message and the flags' help)."""
-  from absl import app
-
-  return app.UsageError(message)
 
 
 if __name__ == "__main__":

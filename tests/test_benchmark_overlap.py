@@ -1,9 +1,11 @@
-"""benchmarks/overlap.py and benchmarks/plot_overlap.py on CPU: helpers, a tiny run, the plot.
+"""benchmarks/overlap.py, plot_overlap.py and the shared harness on CPU: helpers, a tiny run.
 
 The CUDA impls need GPUs; here the xla impls run on 2 simulated devices with
 tiny shapes, which covers the chain, the check and the records. Shape
 parsing, impl lists, exposed/hidden arithmetic, merging and the tables are
-checked on fixed inputs.
+checked on fixed inputs, and so are the harness's pieces every script uses:
+the mapping from impl names to the ops' keywords, the on-device check, the
+interleaved timer, what a record says about a plan, and the results file.
 """
 
 import importlib.util
@@ -18,8 +20,11 @@ import numpy as np
 import pytest
 
 from _helpers import make_mesh
+from jaxoverlap import dispatch, tuning
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(_ROOT, "benchmarks"))  # the scripts import their harness
+import harness  # noqa: E402
 
 
 def _load(name):
@@ -40,7 +45,8 @@ plot_overlap = _load("plot_overlap")
 
 def test_default_shapes():
   shapes = ovl.parse_shapes(ovl.DEFAULT_SHAPES)
-  # 4 of BRIEF section 5 + 18 Llama projections, one duplicate (ag:8192,8192,28672).
+  # The 4 shapes of docs/results.md's baseline table + 18 Llama projections, one duplicate
+  # (ag:8192,8192,28672).
   assert len(shapes) == 21
   assert shapes[:4] == [("ag", (16384, 4096, 4096)), ("rs", (16384, 4096, 4096)),
                         ("ag", (8192, 8192, 28672)), ("rs", (8192, 8192, 28672))]
@@ -80,25 +86,66 @@ def test_check_divisible_and_local_shapes():
     ovl.check_divisible("rs", (8, 3, 8), 2)
   ovl.check_divisible("ag", (8, 3, 4), 2)  # K need not divide for ag
   assert ovl.local_shapes("ag", (8, 6, 4), 2) == {"x": (4, 6), "w": (6, 2), "y": (8, 2),
-                                                  "gemm": (8, 2)}
+                                                  "gemm": (8, 2), "comm": (4, 6)}
   assert ovl.local_shapes("rs", (8, 6, 4), 2) == {"x": (8, 3), "w": (3, 4), "y": (4, 4),
-                                                  "gemm": (8, 4)}
+                                                  "gemm": (8, 4), "comm": (8, 4)}
   assert ovl.local_shapes("ar", (8, 6, 4), 2)["y"] == (8, 4)
 
 
 # ------------------------------------------------------------------ impls
 
 
-def test_parse_impl():
-  assert ovl.parse_impl("xla:naive") == ("xla", "collective", None)
-  assert ovl.parse_impl("xla:ppermute") == ("xla", "ppermute", None)
-  assert ovl.parse_impl("jaxoverlap:copy_engine") == ("cuda", "copy_engine", None)
-  assert ovl.parse_impl("jaxoverlap:nvshmem/c8") == ("cuda", "nvshmem", 8)
-  assert ovl.parse_impl("jaxoverlap:gemm_all_reduce") == ("cuda", "gemm_all_reduce", None)
-  for bad in ("xla:psum", "jaxoverlap:auto", "jaxoverlap:copy_engine/c0",
-              "jaxoverlap:copy_engine/4", "jaxoverlap:gemm_all_reduce/c2", "naive"):
-    with pytest.raises(ValueError, match="unknown impl"):
-      ovl.parse_impl(bad)
+@pytest.mark.parametrize("op, impl, kwargs", [
+    ("all_gather_matmul", "xla:naive", dict(backend="xla", algorithm="collective")),
+    ("matmul_reduce_scatter", "xla:ppermute", dict(backend="xla", algorithm="ppermute")),
+    ("all_gather_matmul", "jaxoverlap:copy_engine",
+     dict(backend="cuda", algorithm="fused", transport="copy_engine")),
+    ("matmul_all_reduce", "jaxoverlap:nvshmem/c8",
+     dict(backend="cuda", algorithm="fused", transport="nvshmem", chunks=8)),
+    ("matmul_all_reduce", "jaxoverlap:gemm_all_reduce", dict(backend="cuda", algorithm="unfused")),
+    ("all_reduce", "jaxoverlap:one_shot_ll", dict(backend="cuda", algorithm="one_shot",
+                                                  protocol="ll")),
+    ("all_reduce", "jaxoverlap:two_shot", dict(backend="cuda", algorithm="two_shot")),
+    ("all_reduce", "jaxoverlap:hierarchical_simple",
+     dict(backend="cuda", algorithm="hierarchical", protocol="simple")),
+    ("all_reduce", "jaxoverlap:auto", dict(backend="cuda", algorithm="auto")),
+    ("all_reduce", "xla:psum", dict(backend="xla", algorithm="collective")),
+    ("all_reduce", "jaxoverlap:cuda:auto", dict(backend="cuda", algorithm="auto")),
+    ("all_reduce", "jaxoverlap:xla:ppermute", dict(backend="xla", algorithm="ppermute")),
+    ("all_reduce", "jaxoverlap:cuda:one_shot_ll",
+     dict(backend="cuda", algorithm="one_shot", protocol="ll")),
+])
+def test_impl_kwargs_are_the_ops_keywords(op, impl, kwargs):
+  """Every impl name of the results files maps to keywords the public op accepts."""
+  assert harness.impl_kwargs(op, impl) == kwargs
+  from jaxoverlap import _checks
+
+  chunks = kwargs.get("chunks")
+  _checks.check_options(op, **{k: v for k, v in kwargs.items() if k != "chunks"},
+                        **({"chunks": chunks} if op != "all_reduce" else {}))
+
+
+@pytest.mark.parametrize("op, impl", [
+    ("all_gather_matmul", "xla:psum"), ("all_gather_matmul", "jaxoverlap:auto"),
+    ("all_gather_matmul", "jaxoverlap:copy_engine/c0"),
+    ("all_gather_matmul", "jaxoverlap:copy_engine/4"),
+    ("matmul_all_reduce", "jaxoverlap:gemm_all_reduce/c2"),
+    ("all_gather_matmul", "jaxoverlap:gemm_all_reduce"), ("all_gather_matmul", "naive"),
+    ("all_gather_matmul", "xla:local_gemm"), ("all_reduce", "xla:naive"),
+    ("all_reduce", "jaxoverlap:collective"), ("all_reduce", "jaxoverlap:xla:one_shot"),
+    ("all_reduce", "jaxoverlap:psum"), ("all_reduce", "floor:launch"),
+])
+def test_impl_kwargs_refuses_other_names(op, impl):
+  with pytest.raises(ValueError, match="unknown impl"):
+    harness.impl_kwargs(op, impl)
+
+
+def test_chunks_of():
+  assert ovl.chunks_of("jaxoverlap:copy_engine/c4") == 4
+  assert ovl.chunks_of("jaxoverlap:nvshmem") is None
+  assert ovl.chunks_of("xla:windowed_einsum") is None
+  with pytest.raises(ValueError, match="unknown impl 'xla:psum'"):
+    ovl.chunks_of("xla:psum")
 
 
 def test_impls_for():
@@ -121,6 +168,83 @@ def test_impls_for():
       "xla:naive", "xla:windowed_einsum"]
   with pytest.raises(ValueError, match="unknown impl 'xla:psum'"):
     ovl.impls_for("ag", requested=["xla:psum"])
+
+
+# ------------------------------------------------------------------ what ran
+
+
+GEO = dispatch.Geometry(outer=1, rows=512, k=4096, n=2048, payload_bytes=4 << 20, pieces=512,
+                        chunk_bytes=4 << 20, gemm_flops=8.6e9)
+
+
+def _plan(op, backend, algorithm, why=(), **kw):
+  return dispatch.Plan(op=op, axis_name="x", shapes=((1024, 4096),), dtype="bfloat16",
+                       nbytes=kw.pop("nbytes", 8192), num_ranks=2, backend=backend,
+                       algorithm=algorithm, why=tuple(why), **kw)
+
+
+def test_plan_fields_auto_choices_and_fused_choices():
+  ag = _plan("all_gather_matmul", "cuda", "fused", [("chunks", "rule: from the shapes")],
+             transport="copy_engine", chunks=2, geometry=GEO)
+  rs = _plan("matmul_reduce_scatter", "cuda", "fused",
+             [("chunks", "requested 4, at most 2 pieces")], transport="nvshmem", chunks=2,
+             geometry=GEO)
+  sub = _plan("all_reduce", "cuda", "one_shot", [("algorithm", "measured")], protocol="ll")
+  ar = _plan("matmul_all_reduce", "cuda", "unfused", all_reduce=sub)
+  psum = _plan("all_reduce", "xla", "collective", [("algorithm", "lax.psum")], nbytes=1 << 24)
+  asked = _plan("all_reduce", "cuda", "two_shot", [("algorithm", "requested")], protocol="simple")
+  assert harness.plan_fields(ag) == {"transport": "copy_engine", "chunks": 2,
+                                     "chunks_source": "auto"}
+  assert harness.plan_fields(rs)["chunks_source"] == "requested 4, at most 2 pieces"
+  assert harness.plan_fields(ar) == {"all_reduce_algorithm": "one_shot/ll"}
+  assert harness.plan_fields(psum) == {} and harness.plan_fields(None) == {}
+  # Only the calls whose algorithm auto chose; lax.psum as ("psum", "auto").
+  assert harness.auto_choices([asked, psum, sub, sub]) == [[8192, "one_shot", "ll"],
+                                                          [1 << 24, "psum", "auto"]]
+  shape = {"outer": 1, "rows": 512, "k": 4096, "n": 2048}
+  assert harness.fused_choices([ag, rs, ag, ar, psum]) == [
+      {"op": "all_gather_matmul", "transport": "copy_engine", "chunks": 2,
+       "chunks_source": "auto", "shape": shape},
+      {"op": "matmul_reduce_scatter", "transport": "nvshmem", "chunks": 2,
+       "chunks_source": "requested 4, at most 2 pieces", "shape": shape}]
+  assert harness.resolved_backends([ag, psum, sub]) == {"all_gather_matmul": "cuda",
+                                                        "all_reduce": "cuda+xla"}
+  assert harness.run_impl("auto", {"all_reduce": "cuda+xla"}) == "jaxoverlap:auto"
+  assert harness.run_impl("auto", {"all_reduce": "xla"}) == "xla:auto"
+
+
+def test_time_interleaved_runs_every_call_in_turn():
+  order = []
+  calls = {k: (lambda k=k: order.append(k)) for k in ("a", "b")}
+  times = harness.time_interleaved(calls, reps=3, warmup=2, before=lambda: order.append("|"))
+  assert order == ["a", "a", "b", "b"] + ["|", "a", "|", "b"] * 3
+  assert {k: len(v) for k, v in times.items()} == {"a": 3, "b": 3}
+  assert all(t >= 0 for v in times.values() for t in v)
+
+
+def test_write_result_validates_latency_tables(tmp_path):
+  rec = {"op": "all_reduce", "impl": "xla:psum", "dtype": "bfloat16", "bytes": 8, "shape": [4],
+         "world": 2, "ranks_per_node": 2, "time_us": 1.5}
+  path = harness.path(str(tmp_path), "bench", "a b", "-1x2")
+  assert path == os.path.join(str(tmp_path), "bench-a_b-1x2.json")
+  out = harness.write_result(path, [rec], benchmark="bench", machine="a b", method="m",
+                             command="c", extra={"note": 1})
+  on_disk = harness.load_json(path)
+  assert on_disk == json.loads(json.dumps(out)) and on_disk["benchmark"] == "bench"
+  assert on_disk["note"] == 1 and "params" not in on_disk and on_disk["rejected"] == []
+  tuning.validate_result(on_disk)
+  with pytest.raises(ValueError, match="time_us"):
+    harness.write_result(path, [dict(rec, time_us=None)], benchmark="bench", machine="m",
+                         method="m", command="c")
+  whole = harness.write_result(path, [dict(rec, time_us=None)], benchmark="bench",
+                               machine="m", method="m", command="c", latency=False)
+  assert harness.load_json(path)["records"] == whole["records"]
+  analysis = harness.write_result(path, None, benchmark="x", machine="m", method="m",
+                                  command="c", latency=False)
+  assert "records" not in analysis and "rejected" not in analysis
+  assert harness.load_json(str(tmp_path / "none.json"), missing_ok=True) is None
+  with pytest.raises(FileNotFoundError):
+    harness.load_json(str(tmp_path / "none.json"))
 
 
 # ------------------------------------------------------------------ records
@@ -175,11 +299,11 @@ def test_close():
   mesh = make_mesh((2,), ("x",))
   sh = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("x"))
   a = jax.device_put(jnp.linspace(-4, 4, 64, dtype=jnp.float32).reshape(8, 8), sh)
-  assert ovl.close(a, a)[0]
-  assert ovl.close(a * 1.01, a)[0]
-  ok, err, atol = ovl.close(a.at[7, 7].add(1.0), a)
+  assert harness.close(a, a)[0]
+  assert harness.close(a * 1.01, a)[0]
+  ok, err, atol = harness.close(a.at[7, 7].add(1.0), a)  # rank 1's block
   assert not ok and err == pytest.approx(1.0) and atol == pytest.approx(0.04)
-  assert not ovl.close(a.at[0, 0].set(jnp.nan), a)[0]
+  assert not harness.close(a.at[0, 0].set(jnp.nan), a)[0]
 
 
 @needs2
@@ -192,9 +316,10 @@ def test_run_case_cpu(op):
                                         chain=3, reps=2, warmup=1, log=logs.append)
   assert rejected == [] and failed == {} and logs == []
   assert [r["impl"] for r in recs] == impls
+  comm = {"ag": 8 * 8, "rs": 16 * 12, "ar": 16 * 12}[op] * 2  # bf16 bytes per rank
   for r in recs:
     assert r["op"] == ovl.OPS[op] and r["shape"] == [16, 8, 12] and r["world"] == 2
-    assert r["dtype"] == "bfloat16" and np.isfinite(r["time_us"])
+    assert r["dtype"] == "bfloat16" and r["time_us"] >= 0.01 and r["bytes"] == comm
     assert ("exposed_us" in r) == (r["impl"] not in ovl.BASELINES)
     assert ("hidden_fraction" in r) == (r["impl"] not in ovl.BASELINES)
 
@@ -245,6 +370,7 @@ def test_script_cpu_merge(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
   assert "rs 16x8x8  local_gemm=" in proc.stdout
   result = json.load(open(tmp_path / "overlap-cpu_test.json"))
+  tuning.validate_result(result)
   assert result["benchmark"] == "overlap" and result["machine"] == "cpu test"
   assert len(result["commands"]) == 2
   keys = [(r["op"], r["impl"]) for r in result["records"]]

@@ -8,9 +8,11 @@ import sys
 
 import pytest
 
-from jaxoverlap import _cuda
+from jaxoverlap import dispatch
+from jaxoverlap.tuning import policy
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(_ROOT, "benchmarks"))  # the scripts import their harness
 _spec = importlib.util.spec_from_file_location(
     "calibrate_fused_benchmark", os.path.join(_ROOT, "benchmarks", "calibrate_fused.py"))
 cal = importlib.util.module_from_spec(_spec)
@@ -26,7 +28,7 @@ def rec(op, shape, impl, us, **extra):
           "ranks_per_node": 2, "time_us": us, **extra}
 
 
-AR_SIZES = sorted({1 * MIB, 4 * MIB, 16 * MIB, 64 * MIB, _cuda.FUSED_ALL_REDUCE_MIN_BYTES})
+AR_SIZES = sorted({1 * MIB, 4 * MIB, 16 * MIB, 64 * MIB, policy.FUSED_ALL_REDUCE_MIN_BYTES})
 
 
 def ar_rows(threshold_bytes, tie_bytes=None):
@@ -59,10 +61,10 @@ def records(rs_auto_us=101.0, threshold_bytes=4 * MIB):
 
 @pytest.fixture
 def rule(monkeypatch):
-  """Pins _cuda.auto_chunks to {op: chunks} (default AG 1, RS 4, AR 1); returns the dict."""
+  """Pins policy.fused_chunks to {op: chunks} (default AG 1, RS 4, AR 1); returns the dict."""
   picks = {"all_gather_matmul": 1, "matmul_reduce_scatter": 4, "matmul_all_reduce": 1}
-  monkeypatch.setattr(_cuda, "auto_chunks",
-                      lambda op, payload_bytes, rows, gemm_flops: picks[op])
+  monkeypatch.setattr(policy, "fused_chunks",
+                      lambda op, payload_bytes, pieces, gemm_flops: picks[op])
   return picks
 
 
@@ -98,20 +100,23 @@ def test_times_are_medians_over_runs(rule):
   assert (rs["rule_us"], rs["counts"]) == (103.0, {"1": 3, "4": 3})
 
 
-def test_rule_inputs_are_the_lowerings_values():
+def test_rule_inputs_are_the_dispatchers_values():
   # AG 16384x4096x4096 on 2 ranks: shard [8192, 4096], local GEMM 8192x4096x2048
   assert cal.rule_inputs("all_gather_matmul", (16384, 4096, 4096), 2) == {
-      "payload_bytes": 64 * MIB, "rows": 8192, "gemm_flops": 2.0 * 8192 * 4096 * 2048}
+      "payload_bytes": 64 * MIB, "pieces": 8192, "gemm_flops": 2.0 * 8192 * 4096 * 2048}
   # RS/AR 2048x14336x4096: x [2048, 7168], block [1024, 4096] (8 MiB), its GEMM 1024x7168x4096
   for op in ("matmul_reduce_scatter", "matmul_all_reduce"):
     assert cal.rule_inputs(op, (2048, 14336, 4096), 2) == {
-        "payload_bytes": 8 * MIB, "rows": 1024, "gemm_flops": 2.0 * 1024 * 7168 * 4096}
+        "payload_bytes": 8 * MIB, "pieces": 1024, "gemm_flops": 2.0 * 1024 * 7168 * 4096}
+  # The same as dispatch.geometry of the per-rank operands a call of the op would see.
+  geo = dispatch.geometry("matmul_reduce_scatter", (2048, 7168), (7168, 4096), 0, 2, 2)
+  assert (geo.chunk_bytes, geo.pieces, geo.gemm_flops) == (8 * MIB, 1024, 2.0 * 1024 * 7168 * 4096)
 
 
 def test_chunk_rows_use_the_real_rule():
   rows = {r["op"]: r for r in cal.chunk_rows(records(), world=2)}
   for op, shape in (("all_gather_matmul", AG), ("matmul_reduce_scatter", RS)):
-    assert rows[op]["rule_chunks"] == _cuda.auto_chunks(op, **cal.rule_inputs(op, shape, 2))
+    assert rows[op]["rule_chunks"] == policy.fused_chunks(op, **cal.rule_inputs(op, shape, 2))
 
 
 def test_repeat_spread_is_per_configuration():
@@ -157,7 +162,7 @@ def _other_threshold(current):
 
 
 def test_analyze_says_when_the_constants_need_to_change(rule):
-  current = _cuda.FUSED_ALL_REDUCE_MIN_BYTES
+  current = policy.FUSED_ALL_REDUCE_MIN_BYTES
   good = cal.analyze([{"world": 2, "records": records(threshold_bytes=current)}], 0.05)
   assert not good["changes_needed"] and good["recommended"]["FUSED_ALL_REDUCE_MIN_BYTES"] == current
   assert good["rule_unmeasured"] == [] and good["repeat_spread"]["configurations"] == 1
@@ -185,7 +190,7 @@ def test_analyze_says_when_the_constants_need_to_change(rule):
 
 def test_command_line(tmp_path):
   """The real rule on records that measure every chunk count it can pick (1 and 2)."""
-  current = _cuda.FUSED_ALL_REDUCE_MIN_BYTES
+  current = policy.FUSED_ALL_REDUCE_MIN_BYTES
   base = {"benchmark": "overlap", "machine": "cpu test", "world": 2, "command": "c", "date": "d"}
   chunked = [rec("matmul_reduce_scatter", RS, "jaxoverlap:copy_engine/c2", 99.0)]
   ar = ar_rows(current)
@@ -197,7 +202,7 @@ def test_command_line(tmp_path):
   cmd = [sys.executable, os.path.join(_ROOT, "benchmarks", "calibrate_fused.py"),
          "--results", f"{a},{b}", "--out", str(tmp_path / "out")]
   ok = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
-  k = _cuda.auto_chunks("all_gather_matmul", **cal.rule_inputs("all_gather_matmul", AG, 2))
+  k = policy.fused_chunks("all_gather_matmul", **cal.rule_inputs("all_gather_matmul", AG, 2))
   us = {1: 100.25, 2: 98.0}[k]
   assert (f"| all_gather_matmul | 16384x4096x4096 | {k} | {us:.1f} | 2 | 98.0 | "
           f"{100 * (us / 98.0 - 1):.1f}% |") in ok.stdout, ok.stdout + ok.stderr
@@ -213,18 +218,19 @@ def test_command_line(tmp_path):
 
 def test_losing_everywhere_below_the_threshold_is_consistent(rule):
   """Decode-size sweeps only: the fused kernel loses at every size, all below the constant."""
-  current = _cuda.FUSED_ALL_REDUCE_MIN_BYTES
+  current = policy.FUSED_ALL_REDUCE_MIN_BYTES
   small = [r for r in ar_rows(current) if r["shape"][0] * 4096 < current]
   report = cal.analyze([{"world": 2, "records": small}], 0.05)
   assert report["recommended"]["FUSED_ALL_REDUCE_MIN_BYTES"] is None
   assert not report["changes_needed"]
-  assert report["constants_from"] == _cuda.__file__
+  assert report["constants_from"] == policy.__file__
+  assert report["current"]["FUSED_ALL_REDUCE_MIN_BYTES"] == policy.FUSED_ALL_REDUCE_MIN_BYTES
 
 
 def test_rule_inputs_follow_the_records_dtype(monkeypatch):
   seen = []
-  monkeypatch.setattr(_cuda, "auto_chunks",
-                      lambda op, payload_bytes, rows, gemm_flops: seen.append(payload_bytes) or 1)
+  monkeypatch.setattr(policy, "fused_chunks",
+                      lambda op, payload_bytes, pieces, gemm_flops: seen.append(payload_bytes) or 1)
   f32 = [dict(r, dtype="float32") for r in records() if r["op"] == "all_gather_matmul"]
   cal.chunk_rows(f32, world=2)
   assert seen == [8192 * 4096 * 4]  # the shard [8192, 4096] in float32

@@ -9,6 +9,7 @@ import sys
 import pytest
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(_ROOT, "benchmarks"))  # the scripts import their harness
 _spec = importlib.util.spec_from_file_location(
     "compare_loss_curves", os.path.join(_ROOT, "benchmarks", "compare_loss_curves.py"))
 clc = importlib.util.module_from_spec(_spec)

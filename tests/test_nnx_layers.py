@@ -4,7 +4,11 @@ Each test builds a layer on a (dp, tp) mesh of simulated host devices and the
 same layer with ``mesh=None`` (plain ``jnp`` ops on one device), loads the same
 fresh random parameter values into both, and compares every element of the
 forward output and of the gradients of ``sum(out * r)`` (``r`` random) with
-respect to every parameter and to the input.
+respect to every parameter and to the input. Grouped-query attention and RoPE
+are also checked against a float64 NumPy attention written here (keys and
+values repeated per query head, RoPE in its concatenated-frequency form), and
+the KV-cache decode path (prompt, then one token per step) against the
+unsharded module and against the full-sequence forward pass.
 """
 
 import itertools
@@ -17,6 +21,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxoverlap.nnx import (
+    ROW_REDUCTIONS,
     ColumnParallelLinear,
     LayerNorm,
     ParallelAttention,
@@ -311,3 +316,153 @@ def test_layers_reject_bad_sizes():
     layer(jnp.zeros((B, 6, D)))
   with pytest.raises(ValueError, match="expects x: \\[b, s, d\\]"):
     layer(jnp.zeros((B, D)))
+
+
+# ----------------------------------------------------------------------------
+# Grouped-query attention, RoPE, the row-parallel reduction, decoding
+# ----------------------------------------------------------------------------
+
+KV, THETA = 2, 10000.0
+
+
+def _numpy_attention(x, p, num_heads, num_kv_heads, theta, positions):
+  """float64 reference: GQA by repeating each KV head, RoPE as x cos + rotate_half(x) sin."""
+  x = np.asarray(x, np.float64)
+  w = {k: np.asarray(v, np.float64) for k, v in p.items()}
+  b, s, _ = x.shape
+  g = num_heads // num_kv_heads
+  qkv = (x @ w["qkv_kernel"] + w["qkv_bias"]).reshape(b, s, num_kv_heads, g + 2, -1)
+  k_dim = qkv.shape[-1]
+  q = qkv[:, :, :, :g].reshape(b, s, num_heads, k_dim)  # head i: kv head i // g
+  keys = np.repeat(qkv[:, :, :, g], g, axis=2)
+  values = np.repeat(qkv[:, :, :, g + 1], g, axis=2)
+  if theta is not None:
+    inv = theta ** (-np.arange(0, k_dim, 2) / k_dim)
+    ang = np.asarray(positions, np.float64)[:, None] * np.concatenate([inv, inv])
+    cos, sin = np.cos(ang)[None, :, None], np.sin(ang)[None, :, None]
+    rot = lambda a: np.concatenate([-a[..., k_dim // 2:], a[..., :k_dim // 2]], -1)  # noqa: E731
+    q, keys = q * cos + rot(q) * sin, keys * cos + rot(keys) * sin
+  scores = np.einsum("bshk,bthk->bhst", q, keys) / np.sqrt(k_dim)
+  scores = np.where(np.tril(np.ones((s, s), bool)), scores, -np.inf)
+  probs = np.exp(scores - scores.max(-1, keepdims=True))
+  probs /= probs.sum(-1, keepdims=True)
+  out = np.einsum("bhst,bthk->bshk", probs, values).reshape(b, s, -1)
+  return out @ w["out_kernel"] + w["out_bias"]
+
+
+@pytest.mark.parametrize("num_kv_heads, theta", [(KV, THETA), (H, THETA), (KV, None)],
+                         ids=["gqa-rope", "mha-rope", "gqa"])
+def test_gqa_rope_attention_matches_numpy(num_kv_heads, theta):
+  """Sharded (tp 2) and unsharded layers on the same weights against the float64 reference."""
+  mesh = _mesh(2, 2)
+  config = ParallelConfig(mesh=mesh, backend="xla", algorithm="ppermute")
+  build = lambda c: ParallelAttention(D, H, config=c, num_kv_heads=num_kv_heads,  # noqa: E731
+                                      rope_theta=theta, rngs=nnx.Rngs(0))
+  y = _check_against_reference(build, config, (B, S, D))  # values and gradients
+  layer = build(ParallelConfig())
+  _load(layer, _random_params(layer, _key()))
+  x = jax.random.normal(_key(), (B, S, D), jnp.float32)
+  pure = nnx.to_pure_dict(_params(layer))
+  p = {f"{a}_{b}": v for a in ("qkv", "out") for b, v in pure[a].items()}
+  assert p["qkv_kernel"].shape == (D, num_kv_heads * (H // num_kv_heads + 2) * (D // H))
+  np.testing.assert_allclose(np.asarray(layer(x)),
+                             _numpy_attention(x, p, H, num_kv_heads, theta, np.arange(S)),
+                             rtol=2e-5, atol=2e-5)
+  assert y.shape == (B, S, D)
+
+
+def _decoder_pair(config, num_layers):
+  """(sharded, unsharded) stacks of Llama-style blocks with the same random weights."""
+  build = lambda c: nnx.List([  # noqa: E731
+      TransformerBlock(D, H, F, config=c, num_kv_heads=KV, rope_theta=THETA,
+                       activation="swiglu", norm="rms", use_bias=False, rngs=nnx.Rngs(i))
+      for i in range(num_layers)])
+  return _make_pair(build, config)
+
+
+def _run(blocks, x, decode):
+  @nnx.jit
+  def f(blocks, x):
+    for block in blocks:
+      x = block(x, decode=decode)
+    return x
+
+  return f(blocks, x)
+
+
+@pytest.mark.parametrize("row_reduction, algorithm", [("all_reduce", "ppermute"),
+                                                      ("matmul_all_reduce", "collective")])
+def test_sharded_decode_equals_unsharded(row_reduction, algorithm):
+  """Prompt of 5, then 3 single tokens: every output, the caches and their layout."""
+  mesh = _mesh(1, 2)
+  config = ParallelConfig(mesh=mesh, dp_axis=None, backend="xla", algorithm=algorithm,
+                          all_reduce_algorithm=algorithm, row_reduction=row_reduction)
+  sharded, ref = _decoder_pair(config, num_layers=2 if algorithm == "collective" else 1)
+  b, max_len = 3, 12
+  for model in (sharded, ref):
+    for block in model:
+      block.init_cache((b, max_len, D))
+  x = jax.random.normal(_key(), (b, 8, D), jnp.float32)
+  full = _run(ref, x, decode=False)
+  tol = _tol(jnp.float32)
+  for lo, hi in ((0, 5), (5, 6), (6, 7), (7, 8)):
+    got, want = _run(sharded, x[:, lo:hi], True), _run(ref, x[:, lo:hi], True)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), **tol, err_msg=f"{lo}:{hi}")
+    np.testing.assert_allclose(np.asarray(want), np.asarray(full[:, lo:hi]), **tol,
+                               err_msg=f"decode {lo}:{hi} against the full sequence")
+  for got, want in zip(sharded, ref):
+    attn = got.attn
+    assert int(attn.cache_index[...]) == int(want.attn.cache_index[...]) == 8
+    for name in ("cached_key", "cached_value"):
+      cache = getattr(attn, name)[...]
+      assert cache.shape == (b, max_len, KV, D // H)
+      assert cache.sharding.is_equivalent_to(NamedSharding(mesh, P(None, None, "tp")), 4)
+      np.testing.assert_allclose(np.asarray(cache), np.asarray(getattr(want.attn, name)[...]),
+                                 **tol, err_msg=name)
+    np.testing.assert_array_equal(np.asarray(attn.cached_key[...])[:, 8:], 0.0)
+
+
+def test_row_reduction_all_reduce_values_and_gradients():
+  config = ParallelConfig(mesh=_mesh(2, 2), backend="xla", row_reduction="all_reduce",
+                          all_reduce_algorithm="ppermute")
+  build = lambda c: ParallelMLP(D, F, config=c, activation="swiglu", rngs=nnx.Rngs(0))  # noqa
+  _check_against_reference(build, config, (B, S, D))
+
+
+def test_row_reduction_none_leaves_each_rank_its_partial_sum():
+  """Rank-encoded: tp rank i's input shard is all (i + 1), w all ones."""
+  tp = 4
+  config = ParallelConfig(mesh=_mesh(1, tp), backend="xla", row_reduction="none")
+  layer = nnx.jit(lambda: RowParallelLinear(
+      F, D, config=config, use_bias=False, kernel_init=nnx.initializers.ones_init(),
+      rngs=nnx.Rngs(0)))()
+  x = jnp.broadcast_to(jnp.repeat(jnp.arange(1, tp + 1, dtype=jnp.float32), F // tp), (B, S, F))
+  y = nnx.jit(lambda m, x: m(x))(layer, x)
+  ranks = {d: i for i, d in enumerate(config.mesh.devices.flat)}
+  for shard in y.addressable_shards:
+    want = (ranks[shard.device] + 1) * (F // tp)
+    np.testing.assert_array_equal(np.asarray(shard.data), np.full((B, S, D), float(want)))
+
+
+def test_decode_errors_and_new_options():
+  config = ParallelConfig(mesh=_mesh(1, 4), dp_axis=None)
+  with pytest.raises(ValueError, match="row_reduction must be one of"):
+    ParallelConfig(row_reduction="psum")
+  assert ROW_REDUCTIONS == ("matmul_all_reduce", "all_reduce", "none")
+  with pytest.raises(ValueError, match="num_heads=8 must be divisible by num_kv_heads=3"):
+    ParallelAttention(D, 8, config=ParallelConfig(), num_kv_heads=3, rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match="num_kv_heads=2 must be divisible by tp size=4"):
+    ParallelAttention(D, 8, config=config, num_kv_heads=2, rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match="RoPE needs an even head_features, got 5"):
+    ParallelAttention(D, 4, config=config, head_features=5, rope_theta=THETA, rngs=nnx.Rngs(0))
+  layer = ParallelAttention(D, H, config=ParallelConfig(), rope_theta=THETA, rngs=nnx.Rngs(0))
+  x = jnp.zeros((2, 3, D))
+  with pytest.raises(ValueError, match="needs a KV cache; call init_cache"):
+    layer(x, decode=True)
+  layer.init_cache((2, 4, D))
+  assert layer.cached_key[...].dtype == jnp.float32 and int(layer.cache_index[...]) == 0
+  layer(x, decode=True)
+  with pytest.raises(ValueError, match="2 tokens from position 3 do not fit"):
+    layer(x[:, :2], decode=True)
+  with pytest.raises(ValueError, match="x has batch size 1, the KV cache 2"):
+    layer(x[:1, :1], decode=True)

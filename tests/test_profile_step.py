@@ -17,6 +17,7 @@ import jax
 import pytest
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(_ROOT, "benchmarks"))  # the scripts import their harness
 _PATH = os.path.join(_ROOT, "benchmarks", "profile_step.py")
 _spec = importlib.util.spec_from_file_location("profile_step_benchmark", _PATH)
 ps = importlib.util.module_from_spec(_spec)
@@ -229,6 +230,8 @@ def test_script_end_to_end_on_cpu(tmp_path):
   assert result["row_source"] == "host threads" and result["rows"]
   (record,) = result["records"]
   assert record["op"] == "train_step" and record["impl"] == "xla:xla"
+  # Where each op ran, from the plans of the first (compiling) step.
+  assert record["resolved"] and set(record["resolved"].values()) == {"xla"}, record["resolved"]
   assert record["shape"]["preset"] == "tiny" and record["time_us"] > 0
   s = result["summary"]
   assert 0 < s["window_us"] and 0 <= s["overlap_us"] <= min(s["gemm_us"], s["comm_us"]) + 1e-6

@@ -5,6 +5,7 @@ backend ("xla,xla"): the two runs are the same program on the same data, so
 their loss curves must be identical (difference 0, within tolerance).
 """
 
+import dataclasses
 import importlib.util
 import json
 import math
@@ -15,7 +16,10 @@ import sys
 import jax
 import pytest
 
+from jaxoverlap import dispatch
+
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(_ROOT, "benchmarks"))  # the scripts import their harness
 _PATH = os.path.join(_ROOT, "benchmarks", "train_step.py")
 _spec = importlib.util.spec_from_file_location("train_step_benchmark", _PATH)
 ts = importlib.util.module_from_spec(_spec)
@@ -97,7 +101,7 @@ def _metrics(backend, resolved, step_ms, tp=2):
 
 def _two_records(preset="gpu_small"):
   xla = {op: "xla" for op in ("all_reduce", "all_gather_matmul")}
-  cuda = {"all_reduce": "cuda", "all_gather_matmul": "cuda"}
+  cuda = {"all_reduce": "cuda+xla", "all_gather_matmul": "cuda"}  # the example's resolved
   h_ref = {"train": _curve([5.0, 4.0, 3.0]), "val": [[0, 5.6]]}
   h_new = {"train": _curve([5.0, 4.01, 3.02]), "val": [[0, 5.6]]}
   return (ts.make_record(preset, _metrics("xla", xla, 120.0), h_ref),
@@ -115,8 +119,9 @@ def test_records_and_comparison_of_two_runs():
               "sequence_parallel"):
     assert key in r_ref["shape"], key
   assert r_ref["shape"]["preset"] == "gpu_small" and r_ref["shape"]["tp"] == 2
-  assert ts.impl_name("auto", {"all_reduce": "xla"}) == "xla:auto"
-  assert ts.impl_name("auto", {"all_reduce": "cuda"}) == "jaxoverlap:auto"
+  assert r_new["resolved"] == {"all_reduce": "cuda+xla", "all_gather_matmul": "cuda"}
+  auto = ts.make_record("p", _metrics("auto", {"all_reduce": "xla"}, 1.0), {"train": []})
+  assert auto["impl"] == "xla:auto" and auto["fused_decisions"] == []
 
   (c,) = ts.compare_runs([r_ref, r_new])
   assert c["preset"] == "gpu_small"
@@ -194,6 +199,9 @@ def test_script_end_to_end_on_cpu(tmp_path):
     assert r["dtype"] == "float32" and r["time_us"] > 0
     assert r["shape"]["preset"] == "tiny" and r["shape"]["tp"] == 2 and r["shape"]["dp"] == 4
     assert math.isfinite(r["final_train_loss"])
+    # What ran, from the plans of the run: every op on xla, no fused kernel.
+    assert r["resolved"] and set(r["resolved"].values()) == {"xla"}, r["resolved"]
+    assert r["fused_decisions"] == []
   (c,) = result["comparison"]
   assert c["preset"] == "tiny" and c["common_steps"] == 4  # log_every 1 in tiny
   assert records[0]["loss_curve"] == records[1]["loss_curve"]
@@ -205,14 +213,24 @@ def test_script_end_to_end_on_cpu(tmp_path):
   assert (workdir / "tiny-1-xla" / "history.json").exists()
 
 
-def test_record_keeps_each_distinct_fused_decision_once():
-  ag = {"op": "all_gather_matmul", "axis_name": "tp", "transport": "copy_engine", "chunks": 2,
-        "chunks_source": "auto", "shape": {"outer": 16, "rows": 1024, "k": 4096, "n": 6144},
-        "target": "jaxoverlap_all_gather_matmul"}
-  rs = dict(ag, op="matmul_reduce_scatter", chunks=1, target="jaxoverlap_matmul_reduce_scatter")
+def test_record_keeps_each_distinct_fused_plan_once():
+  """The run's plans (jaxoverlap.decisions()) as the record's fused_decisions."""
+  import harness
+
+  geo = dispatch.Geometry(outer=16, rows=1024, k=4096, n=6144, payload_bytes=1, pieces=16,
+                          chunk_bytes=1, gemm_flops=1.0)
+  ag = dispatch.Plan(op="all_gather_matmul", axis_name="tp", shapes=((16, 1024, 4096),),
+                     dtype="bfloat16", nbytes=1, num_ranks=2, backend="cuda", algorithm="fused",
+                     why=(("chunks", "rule: from the shapes"),), transport="copy_engine",
+                     chunks=2, geometry=geo)
+  rs = dataclasses.replace(ag, op="matmul_reduce_scatter", chunks=1, why=(("chunks", "requested"),))
+  xla = dataclasses.replace(ag, backend="xla", algorithm="collective", transport=None)
   record = ts.make_record("gpu_small", _metrics("cuda", {}, 100.0), {"train": _curve([4.0])},
-                          [ag, rs, dict(ag), dict(ag, axis_name="other")])
-  keep = ("op", "transport", "chunks", "chunks_source", "shape")
-  assert record["fused_decisions"] == [{k: ag[k] for k in keep}, {k: rs[k] for k in keep}]
-  assert ts.make_record("gpu_small", _metrics("xla", {}, 100.0),
-                        {"train": _curve([4.0])})["fused_decisions"] == []
+                          harness.fused_choices([ag, rs, ag, dataclasses.replace(ag, axis_name="o"),
+                                                 xla]))
+  shape = {"outer": 16, "rows": 1024, "k": 4096, "n": 6144}
+  assert record["fused_decisions"] == [
+      {"op": "all_gather_matmul", "transport": "copy_engine", "chunks": 2,
+       "chunks_source": "auto", "shape": shape},
+      {"op": "matmul_reduce_scatter", "transport": "copy_engine", "chunks": 1,
+       "chunks_source": "requested", "shape": shape}]

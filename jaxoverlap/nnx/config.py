@@ -23,7 +23,8 @@ Algorithm:
   seq       sequence of activations [s]      ``tp_axis`` with SP, else None
   embed     model features [d]               None
   mlp       MLP hidden features [f]          ``tp_axis``
-  heads     attention heads [h]              ``tp_axis``
+  heads     attention heads [h] (query and   ``tp_axis``
+            key/value heads)
   kv        head features [k]                None
   vocab     vocabulary                       ``tp_axis``
   ========  ===============================  ================================
@@ -43,10 +44,14 @@ import dataclasses
 import jax
 from jax.sharding import PartitionSpec
 
-__all__ = ["LOGICAL_AXES", "ParallelConfig"]
+__all__ = ["LOGICAL_AXES", "ROW_REDUCTIONS", "ParallelConfig"]
 
 # Logical axis names the layers use. Rules may name others (for user layers).
 LOGICAL_AXES = ("batch", "seq", "embed", "mlp", "heads", "kv", "vocab")
+
+# How a row-parallel layer without SP sums its partial products over tp
+# (``ParallelConfig.row_reduction``).
+ROW_REDUCTIONS = ("matmul_all_reduce", "all_reduce", "none")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,8 +79,28 @@ class ParallelConfig:
       (backend "cuda"); see ``jaxoverlap.names``.
     transport: passed to the overlap ops: ``"auto"``, ``"copy_engine"`` or
       ``"nvshmem"`` (backend "cuda").
-    all_reduce_algorithm: passed to ``all_reduce`` (the backward all-reduce
-      of column-parallel layers without SP).
+    all_reduce_algorithm: passed to ``all_reduce``: the backward all-reduce
+      of column-parallel layers without SP and, with
+      ``row_reduction="all_reduce"``, the forward all-reduce of row-parallel
+      layers. ``"auto"``, ``"collective"`` (``lax.psum``) or ``"ppermute"``
+      (backend "xla"), ``"one_shot"``, ``"two_shot"`` or ``"hierarchical"``
+      (backend "cuda").
+    all_reduce_protocol: passed to ``all_reduce`` with it: ``"auto"``,
+      ``"ll"`` or ``"simple"`` (backend "cuda").
+    row_reduction: how a row-parallel layer without SP sums its partial
+      products over tp (one of ``ROW_REDUCTIONS``; with SP the sum is always
+      ``matmul_reduce_scatter``'s):
+
+      * ``"matmul_all_reduce"`` (default): ``matmul_all_reduce`` with
+        ``backend``, ``algorithm`` and ``transport``, which may fuse the GEMM
+        with its all-reduce.
+      * ``"all_reduce"``: the local GEMM, then ``all_reduce`` with
+        ``backend``, ``all_reduce_algorithm`` and ``all_reduce_protocol``: the
+        all-reduce named directly, as tensor-parallel decode wants it (two
+        small all-reduces per layer and token, NVRAR arXiv 2511.09557).
+      * ``"none"``: the local GEMM only; each rank keeps its partial sum, so
+        the results are WRONG. The model's compute without its forward
+        all-reduces: the floor a benchmark measures the all-reduces against.
     logical_axis_rules: pairs ``(logical name, mesh axis or None)``. None (the
       default) derives them from ``dp_axis``, ``tp_axis`` and
       ``sequence_parallel`` as in the module docstring. Given rules replace
@@ -93,9 +118,14 @@ class ParallelConfig:
   algorithm: str = "auto"
   transport: str = "auto"
   all_reduce_algorithm: str = "auto"
+  all_reduce_protocol: str = "auto"
+  row_reduction: str = "matmul_all_reduce"
   logical_axis_rules: tuple[tuple[str, str | None], ...] | None = None
 
   def __post_init__(self):
+    if self.row_reduction not in ROW_REDUCTIONS:
+      raise ValueError(
+          f"row_reduction must be one of {ROW_REDUCTIONS}, got {self.row_reduction!r}")
     rules = dict(self._default_rules())
     if self.logical_axis_rules is not None:
       for pair in self.logical_axis_rules:

@@ -31,6 +31,13 @@ Algorithm:
   (``psum`` over the axes the parameter is replicated on). With
   ``config.mesh=None`` the same modules run unsharded with plain ``jnp`` ops.
 
+  ``ParallelAttention`` and ``TransformerBlock`` also take grouped-query
+  attention (``num_kv_heads``), rotary position embeddings (``rope_theta``)
+  and a KV cache for decoding (``init_cache``, ``decode=True``), and
+  ``ParallelConfig.row_reduction="all_reduce"`` names the all-reduce after
+  each row-parallel GEMM: with SwiGLU and RMSNorm, a Llama-style decoder for
+  tensor-parallel decode (benchmarks/decode.py builds one).
+
 Example:
   >>> mesh = jax.make_mesh((2, 4), ("dp", "tp"),
   ...                      axis_types=(jax.sharding.AxisType.Auto,) * 2)
@@ -93,11 +100,13 @@ def _param_init(init: Initializer, config: ParallelConfig, names: tuple[str | No
   return nnx.with_partitioning(init, tuple(config.spec(*names)), mesh=config.mesh)
 
 
-def _shard_map(fn: Callable, config: ParallelConfig, in_specs, out_specs) -> Callable:
+def _shard_map(fn: Callable, config: ParallelConfig, in_specs, out_specs,
+               check_vma: bool = True) -> Callable:
   """``fn`` inside ``jax.shard_map`` on ``config.mesh``; ``fn`` itself without a mesh."""
   if config.mesh is None:
     return fn
-  return jax.shard_map(fn, mesh=config.mesh, in_specs=in_specs, out_specs=out_specs)
+  return jax.shard_map(fn, mesh=config.mesh, in_specs=in_specs, out_specs=out_specs,
+                       check_vma=check_vma)
 
 
 def _matmul(x: jax.Array, w: jax.Array) -> jax.Array:
@@ -127,23 +136,23 @@ def _check_activation_shape(x: jax.Array, config: ParallelConfig, layer: str):
         "tp size")
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
-def _copy_to_tp(x, axis_name, backend, algorithm):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4))
+def _copy_to_tp(x, axis_name, backend, algorithm, protocol):
   """Megatron's ``f``: identity forward, ``all_reduce`` of the gradient backward.
 
   ``x`` is replicated over ``axis_name``; the result is typed as varying over
   it so it can meet a tp-sharded weight.
   """
-  del backend, algorithm
+  del backend, algorithm, protocol
   return lax.pcast(x, axis_name, to="varying")
 
 
-def _copy_to_tp_fwd(x, axis_name, backend, algorithm):
-  return _copy_to_tp(x, axis_name, backend, algorithm), None
+def _copy_to_tp_fwd(x, axis_name, backend, algorithm, protocol):
+  return _copy_to_tp(x, axis_name, backend, algorithm, protocol), None
 
 
-def _copy_to_tp_bwd(axis_name, backend, algorithm, _, g):
-  return (all_reduce(g, axis_name, backend=backend, algorithm=algorithm),)
+def _copy_to_tp_bwd(axis_name, backend, algorithm, protocol, _, g):
+  return (all_reduce(g, axis_name, backend=backend, algorithm=algorithm, protocol=protocol),)
 
 
 _copy_to_tp.defvjp(_copy_to_tp_fwd, _copy_to_tp_bwd)
@@ -297,7 +306,8 @@ class ColumnParallelLinear(nnx.Module):
             x_bsd, w_df, cfg.tp_axis, gather_dimension=1, backend=cfg.backend,
             algorithm=cfg.algorithm, transport=cfg.transport)
       else:
-        x_bsd = _copy_to_tp(x_bsd, cfg.tp_axis, cfg.backend, cfg.all_reduce_algorithm)
+        x_bsd = _copy_to_tp(x_bsd, cfg.tp_axis, cfg.backend, cfg.all_reduce_algorithm,
+                            cfg.all_reduce_protocol)
         y_bsf = _matmul(x_bsd, w_df)
       if bias_f:
         y_bsf = y_bsf + bias_f[0]
@@ -319,7 +329,11 @@ class RowParallelLinear(nnx.Module):
 
   * Without SP: ``x: [b, s, f]`` sharded on ``f`` over tp -> ``y: [b, s, d]``
     replicated over tp, through ``matmul_all_reduce(x, w, tp)`` (Megatron's
-    ``g``); backward: a local GEMM for ``dx``.
+    ``g``); backward: a local GEMM for ``dx``. ``config.row_reduction``
+    chooses the sum: ``"all_reduce"`` runs the local GEMM, then
+    ``all_reduce`` (``config.all_reduce_algorithm``, ``all_reduce_protocol``);
+    ``"none"`` leaves each rank its partial sum (wrong results: a benchmark's
+    floor).
   * With SP: ``x: [b, s, f]`` sharded on ``f`` over tp -> ``y: [b, s, d]``
     sharded on ``s`` over tp, through
     ``matmul_reduce_scatter(x, w, tp, scatter_dimension=1)``; its backward is
@@ -404,10 +418,16 @@ class RowParallelLinear(nnx.Module):
         y_bsd = matmul_reduce_scatter(
             x_bsf, w_fd, cfg.tp_axis, scatter_dimension=1, backend=cfg.backend,
             algorithm=cfg.algorithm, transport=cfg.transport)
-      else:
+      elif cfg.row_reduction == "matmul_all_reduce":
         y_bsd = matmul_all_reduce(
             x_bsf, w_fd, cfg.tp_axis, backend=cfg.backend, algorithm=cfg.algorithm,
             transport=cfg.transport)
+      else:
+        y_bsd = _matmul(x_bsf, w_fd)
+        if cfg.row_reduction == "all_reduce":
+          y_bsd = all_reduce(y_bsd, cfg.tp_axis, backend=cfg.backend,
+                             algorithm=cfg.all_reduce_algorithm,
+                             protocol=cfg.all_reduce_protocol)
       if bias_d:
         y_bsd = y_bsd + bias_d[0]
       return y_bsd
@@ -418,7 +438,11 @@ class RowParallelLinear(nnx.Module):
     if bias is not None:
       in_specs += (cfg.spec(self.kernel_axes[1]),)
       args += (bias,)
-    return _shard_map(local, cfg, in_specs, cfg.spec("batch", "seq", "embed"))(*args)
+    # "none" returns each rank's partial sum as if it were the replicated sum:
+    # the type check would (rightly) refuse it.
+    floor = cfg.row_reduction == "none" and not cfg.sequence_parallel
+    return _shard_map(local, cfg, in_specs, cfg.spec("batch", "seq", "embed"),
+                      check_vma=not floor)(*args)
 
 
 # ----------------------------------------------------------------------------
@@ -621,41 +645,89 @@ class ParallelMLP(nnx.Module):
     return self.down(h_bsf)
 
 
-def _causal_attention(qkv_bshk3: jax.Array) -> jax.Array:
-  """Causal softmax attention of ``[b, s, h, 3, k]`` (q, k, v) -> ``[b, s, h * k]``.
+def _rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
+  """Rotary position embedding, rotate-half form (GPT-NeoX, Llama), computed in fp32.
 
-  Logits and softmax in fp32; the output in the input dtype.
+  Args:
+    x: ``[b, s, ..., k]`` queries or keys, ``k`` even; index ``i`` of the
+      sequence dimension is at position ``positions[i]``.
+    positions: ``[s]`` integer positions.
+    theta: the frequency base: features ``j`` and ``j + k / 2`` turn by the
+      angle ``position * theta ** (-2 j / k)``, ``j < k / 2``.
+
+  Returns:
+    The rotated ``x``, in its dtype.
   """
-  q, k, v = (qkv_bshk3[..., i, :] for i in range(3))
-  head_dim = q.shape[-1]
-  logits_bhst = jnp.einsum("bshk,bthk->bhst", q, k, preferred_element_type=jnp.float32)
-  logits_bhst = logits_bhst / math.sqrt(head_dim)
-  s = q.shape[1]
-  causal_st = jnp.tril(jnp.ones((s, s), dtype=bool))
-  logits_bhst = jnp.where(causal_st, logits_bhst, jnp.finfo(jnp.float32).min)
-  probs_bhst = jax.nn.softmax(logits_bhst, axis=-1)
-  out_bshk = jnp.einsum("bhst,bthk->bshk", probs_bhst, v.astype(jnp.float32))
-  return out_bshk.reshape(*out_bshk.shape[:2], -1).astype(qkv_bshk3.dtype)
+  half = x.shape[-1] // 2
+  inv_freq = theta ** (-jnp.arange(half, dtype=jnp.float32) * 2.0 / x.shape[-1])
+  angle = positions.astype(jnp.float32)[:, None] * inv_freq  # [s, k / 2]
+  angle = angle.reshape((1, angle.shape[0]) + (1,) * (x.ndim - 3) + (half,))
+  cos, sin = jnp.cos(angle), jnp.sin(angle)
+  x1, x2 = x[..., :half].astype(jnp.float32), x[..., half:].astype(jnp.float32)
+  return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+
+def _attention(q_bsngk: jax.Array, k_btnk: jax.Array, v_btnk: jax.Array,
+               positions_s: jax.Array) -> jax.Array:
+  """Causal softmax attention of grouped queries over keys at positions ``0 .. t - 1``.
+
+  Args:
+    q_bsngk: ``[b, s, n, g, k]``: ``n`` key/value heads with ``g`` query heads each.
+    k_btnk, v_btnk: ``[b, t, n, k]``.
+    positions_s: ``[s]``: query ``i`` sees the keys at positions ``<= positions_s[i]``.
+
+  Returns:
+    ``[b, s, n * g * k]`` (heads in ``(n, g)`` order) in the dtype of ``q``;
+    logits and softmax in fp32.
+  """
+  head_dim = q_bsngk.shape[-1]
+  logits = jnp.einsum("bsngk,btnk->bngst", q_bsngk, k_btnk, preferred_element_type=jnp.float32)
+  logits = logits / math.sqrt(head_dim)
+  visible_st = jnp.arange(k_btnk.shape[1])[None, :] <= positions_s[:, None]
+  logits = jnp.where(visible_st, logits, jnp.finfo(jnp.float32).min)
+  probs = jax.nn.softmax(logits, axis=-1)
+  out = jnp.einsum("bngst,btnk->bsngk", probs, v_btnk.astype(jnp.float32))
+  return out.reshape(*out.shape[:2], -1).astype(q_bsngk.dtype)
 
 
 class ParallelAttention(nnx.Module):
-  """Causal multi-head self-attention, heads sharded over tp.
+  """Causal self-attention, heads sharded over tp: multi-head or grouped-query, RoPE, KV cache.
 
   ``x: [b, s, d]`` -> ``[b, s, d]``, both in the layout between blocks
-  (sharded on ``s`` over tp with SP, else replicated over tp).
+  (sharded on ``s`` over tp with SP, else replicated over tp). The ``h``
+  query heads share ``n = num_kv_heads`` key/value heads, ``g = h / n`` each
+  (grouped-query attention; ``n = h`` is multi-head attention).
 
-  * ``qkv``: a ``ColumnParallelLinear`` ``[d, h * 3 * k]`` whose columns are
-    laid out head-major (``[h, 3, k]``: per head its q, k and v), so each tp
-    shard holds ``h / tp`` whole heads (Megatron's fused QKV layout).
-  * The attention core (causal softmax, fp32 logits) runs locally on each
-    head shard, over the full sequence.
-  * ``out``: a ``RowParallelLinear`` ``[h * k, d]``.
+  * ``qkv``: a ``ColumnParallelLinear`` ``[d, n * (g + 2) * k]`` whose
+    columns are laid out KV-head-major, ``[n, g + 2, k]``: per KV head its
+    ``g`` query heads, its key and its value. Each tp shard thus holds
+    ``n / tp`` whole groups; for ``g = 1`` this is Megatron's fused QKV
+    layout ``[h, 3, k]``. Query head ``i`` is column block ``(i // g, i % g)``
+    and uses KV head ``i // g``.
+  * ``rope_theta``: queries and keys are turned by their positions (RoPE,
+    rotate-half form, in fp32) before the scores.
+  * The core (causal softmax, fp32 logits) runs locally on each head shard,
+    over the full sequence.
+  * ``out``: a ``RowParallelLinear`` ``[h * k, d]`` (rows in query-head order).
+
+  Decoding, as with ``flax.nnx.MultiHeadAttention``: ``init_cache`` creates
+  the ``nnx.Cache`` variables ``cached_key`` and ``cached_value``
+  ``[b, max_length, n, k]`` (``n`` sharded over tp, ``b`` over dp) and
+  ``cache_index`` (int32 scalar: the position of the next token, the same
+  for every sequence). ``__call__(x, decode=True)`` takes ``s >= 1`` tokens at
+  positions ``cache_index .. cache_index + s - 1`` (a prompt, then one token
+  per step), writes their keys and values into the cache, lets each attend to
+  the cached positions up to its own, and advances ``cache_index`` by ``s``.
+  The scores span all ``max_length`` cached positions under a mask (static
+  shapes: every step costs the same).
 
   Collectives: as ``ParallelMLP`` (without SP, ``matmul_all_reduce``
   forward and ``all_reduce`` backward; with SP, ``all_gather_matmul`` and
   ``matmul_reduce_scatter``).
 
-  Source: Megatron-LM (arXiv 1909.08053, section 3, figure 3b).
+  Source: Megatron-LM (arXiv 1909.08053, section 3, figure 3b); grouped-query
+  attention (Ainslie et al., arXiv 2305.13245); RoPE (Su et al., arXiv
+  2104.09864).
   """
 
   def __init__(
@@ -665,6 +737,8 @@ class ParallelAttention(nnx.Module):
       *,
       config: ParallelConfig,
       head_features: int | None = None,
+      num_kv_heads: int | None = None,
+      rope_theta: float | None = None,
       use_bias: bool = True,
       dtype: Dtype | None = None,
       param_dtype: Dtype = jnp.float32,
@@ -675,9 +749,13 @@ class ParallelAttention(nnx.Module):
 
     Args:
       num_features: ``d``.
-      num_heads: ``h``; divisible by the tp size.
+      num_heads: ``h``, the query heads; divisible by the tp size.
       config: the mesh and layout.
       head_features: ``k``; None means ``d // h``.
+      num_kv_heads: ``n``, the key/value heads; divides ``h`` and is divisible
+        by the tp size. None means ``h`` (multi-head attention).
+      rope_theta: the RoPE frequency base (e.g. 10000, or 500000 as in Llama
+        3); None: no position embedding here.
       use_bias: biases on the qkv and output projections.
       dtype: compute dtype; None promotes the input and parameter dtypes.
       param_dtype: parameter dtype.
@@ -685,34 +763,129 @@ class ParallelAttention(nnx.Module):
       rngs: random number streams for the initializers.
 
     Raises:
-      ValueError: ``num_heads`` not divisible by the tp size, or
-        ``head_features`` is None and ``d`` not divisible by ``h``.
+      ValueError: ``num_heads`` not divisible by the tp size or by
+        ``num_kv_heads``, ``num_kv_heads`` not divisible by the tp size,
+        ``head_features`` is None and ``d`` not divisible by ``h``, or RoPE
+        with an odd ``head_features``.
     """
     _check_divisible("ParallelAttention: num_heads", num_heads, config.tp_size, "tp size")
     if head_features is None:
       _check_divisible("ParallelAttention: num_features", num_features, num_heads, "num_heads")
       head_features = num_features // num_heads
+    num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+    _check_divisible("ParallelAttention: num_heads", num_heads, num_kv_heads, "num_kv_heads")
+    _check_divisible("ParallelAttention: num_kv_heads", num_kv_heads, config.tp_size, "tp size")
+    if rope_theta is not None and head_features % 2:
+      raise ValueError(f"ParallelAttention: RoPE needs an even head_features, got {head_features}")
     self.config = config
     self.num_heads = num_heads
+    self.num_kv_heads = num_kv_heads
     self.head_features = head_features
+    self.rope_theta = rope_theta
+    self.dtype = dtype
+    self.param_dtype = param_dtype
     common = dict(config=config, use_bias=use_bias, dtype=dtype, param_dtype=param_dtype,
                   kernel_init=kernel_init, rngs=rngs)
+    group = num_heads // num_kv_heads
     self.qkv = ColumnParallelLinear(
-        num_features, num_heads * 3 * head_features, kernel_axes=("embed", "heads"), **common)
+        num_features, num_kv_heads * (group + 2) * head_features, kernel_axes=("embed", "heads"),
+        **common)
     self.out = RowParallelLinear(
         num_heads * head_features, num_features, kernel_axes=("heads", "embed"), **common)
 
-  def __call__(self, x_bsd: jax.Array) -> jax.Array:
-    """Applies attention to ``x_bsd: [b, s, d]``; returns ``[b, s, d]`` in the same layout."""
-    qkv_bsn = self.qkv(x_bsd)  # n = h * 3 * k, sharded over tp
-    k = self.head_features
+  def init_cache(self, input_shape: tuple[int, ...], dtype: Dtype | None = None) -> None:
+    """Creates an empty KV cache (``cache_index`` 0) for ``__call__(x, decode=True)``.
 
-    def core(qkv_bsn):
-      qkv_bshk3 = qkv_bsn.reshape(*qkv_bsn.shape[:2], -1, 3, k)
-      return _causal_attention(qkv_bshk3)
+    Args:
+      input_shape: ``(b, max_length, ...)``: the batch and the longest
+        sequence (prompt and generated tokens) the cache holds.
+      dtype: the cache's dtype; None: the compute dtype, else the parameter
+        dtype.
+
+    Raises:
+      ValueError: ``b`` is not divisible by the dp size.
+    """
+    cfg = self.config
+    b, max_length = int(input_shape[0]), int(input_shape[1])
+    if cfg.mesh is not None and cfg.mesh_axis("batch") is not None:
+      _check_divisible("ParallelAttention.init_cache: batch size", b, cfg.dp_size, "dp size")
+
+    def zeros(shape, dtype, spec):
+      if cfg.mesh is None:
+        return jnp.zeros(shape, dtype)
+      # Made in place, each shard on its device: global arrays, also across processes.
+      return jax.jit(functools.partial(jnp.zeros, shape, dtype),
+                     out_shardings=jax.sharding.NamedSharding(cfg.mesh, spec))()
+
+    shape = (b, max_length, self.num_kv_heads, self.head_features)
+    dtype = dtype or self.dtype or self.param_dtype
+    self.cached_key = nnx.Cache(zeros(shape, dtype, cfg.spec("batch", None, "heads", "kv")))
+    self.cached_value = nnx.Cache(zeros(shape, dtype, cfg.spec("batch", None, "heads", "kv")))
+    self.cache_index = nnx.Cache(zeros((), jnp.int32, cfg.spec()))
+
+  def __call__(self, x_bsd: jax.Array, *, decode: bool = False) -> jax.Array:
+    """Applies attention to ``x_bsd: [b, s, d]``; returns ``[b, s, d]`` in the same layout.
+
+    Args:
+      x_bsd: the input.
+      decode: attend over the KV cache (``init_cache``) from position
+        ``cache_index`` on, and advance it by ``s``; else causal attention
+        within ``x_bsd`` (positions ``0 .. s - 1``).
+
+    Raises:
+      ValueError: decode without a cache, a batch other than the cache's, or
+        (where ``cache_index`` is known, i.e. outside jit) more tokens than
+        the cache has room for. Under jit, tokens past ``max_length`` are not
+        detected (``lax.dynamic_update_slice`` clamps the position).
+    """
+    qkv_bsn = self.qkv(x_bsd)  # n = kv heads * (g + 2) * k, sharded over tp
+    group, theta = self.num_heads // self.num_kv_heads, self.rope_theta
+    head_dim = self.head_features
+
+    def split(qkv_bsn, positions_s):
+      qkv = qkv_bsn.reshape(*qkv_bsn.shape[:2], -1, group + 2, head_dim)
+      q, k, v = qkv[..., :group, :], qkv[..., group, :], qkv[..., group + 1, :]
+      if theta is not None:
+        q, k = _rope(q, positions_s, theta), _rope(k, positions_s, theta)
+      return q, k, v
 
     heads = self.config.spec("batch", None, "heads")
-    attn_bsn = _shard_map(core, self.config, (heads,), heads)(qkv_bsn)  # n = h * k
+    if not decode:
+      def core(qkv_bsn):
+        positions = jnp.arange(qkv_bsn.shape[1])
+        return _attention(*split(qkv_bsn, positions), positions)
+
+      attn_bsn = _shard_map(core, self.config, (heads,), heads)(qkv_bsn)  # n = h * k
+      return self.out(attn_bsn)
+
+    if getattr(self, "cache_index", None) is None:
+      raise ValueError("ParallelAttention: decode=True needs a KV cache; call "
+                       "init_cache(input_shape) first")
+    b, s = x_bsd.shape[:2]
+    cache_b, max_length = self.cached_key.shape[:2]
+    if b != cache_b:
+      raise ValueError(f"ParallelAttention: x has batch size {b}, the KV cache {cache_b}")
+    try:
+      start = int(self.cache_index[...])
+    except TypeError:  # traced: not known before the program runs
+      start = 0
+    if start + s > max_length:
+      raise ValueError(f"ParallelAttention: {s} tokens from position {start} do not fit in "
+                       f"the KV cache of max_length {max_length}")
+
+    def cached_core(qkv_bsn, ck_btnk, cv_btnk, index):
+      positions = index + jnp.arange(qkv_bsn.shape[1], dtype=index.dtype)
+      q, k, v = split(qkv_bsn, positions)
+      ck_btnk = lax.dynamic_update_slice(ck_btnk, k.astype(ck_btnk.dtype), (0, index, 0, 0))
+      cv_btnk = lax.dynamic_update_slice(cv_btnk, v.astype(cv_btnk.dtype), (0, index, 0, 0))
+      return _attention(q, ck_btnk, cv_btnk, positions), ck_btnk, cv_btnk
+
+    cache = self.config.spec("batch", None, "heads", "kv")
+    index = self.cache_index[...]
+    attn_bsn, self.cached_key[...], self.cached_value[...] = _shard_map(
+        cached_core, self.config, (heads, cache, cache, self.config.spec()),
+        (heads, cache, cache))(qkv_bsn, self.cached_key[...], self.cached_value[...], index)
+    self.cache_index[...] = index + s
     return self.out(attn_bsn)
 
 
@@ -722,7 +895,10 @@ class TransformerBlock(nnx.Module):
   ``x: [b, s, d]`` -> ``[b, s, d]``. With SP, ``x``, the norms and the
   residual adds are sharded on ``s`` over tp; without SP they are replicated
   over tp. ``b`` is sharded over dp. Per block and direction, the collectives
-  are those of ``ParallelAttention`` plus those of ``ParallelMLP``.
+  are those of ``ParallelAttention`` plus those of ``ParallelMLP``. With
+  ``num_kv_heads``, ``rope_theta``, ``activation="swiglu"`` and ``norm="rms"``
+  it is a Llama-style block; ``init_cache`` and ``decode=True`` decode with
+  the attention's KV cache.
 
   Source: Megatron-LM (arXiv 1909.08053) and Megatron-SP (arXiv 2205.05198,
   figure 5).
@@ -736,6 +912,8 @@ class TransformerBlock(nnx.Module):
       *,
       config: ParallelConfig,
       head_features: int | None = None,
+      num_kv_heads: int | None = None,
+      rope_theta: float | None = None,
       activation: str = "gelu",
       norm: str = "rms",
       use_bias: bool = False,
@@ -753,6 +931,9 @@ class TransformerBlock(nnx.Module):
       mlp_features: ``f``; divisible by the tp size.
       config: the mesh and layout.
       head_features: ``k``; None means ``d // h``.
+      num_kv_heads: key/value heads of the attention (``ParallelAttention``);
+        None: ``h``.
+      rope_theta: RoPE frequency base of the attention; None: no RoPE.
       activation: ``"gelu"`` or ``"swiglu"``.
       norm: ``"rms"`` (RMSNorm) or ``"layer"`` (LayerNorm).
       use_bias: biases on the linear layers.
@@ -776,11 +957,18 @@ class TransformerBlock(nnx.Module):
                   kernel_init=kernel_init, rngs=rngs)
     self.attn_norm = norm_cls(num_features, **norm_kw)
     self.attn = ParallelAttention(num_features, num_heads, head_features=head_features,
-                                  **common)
+                                  num_kv_heads=num_kv_heads, rope_theta=rope_theta, **common)
     self.mlp_norm = norm_cls(num_features, **norm_kw)
     self.mlp = ParallelMLP(num_features, mlp_features, activation=activation, **common)
 
-  def __call__(self, x_bsd: jax.Array) -> jax.Array:
-    """Applies the block to ``x_bsd: [b, s, d]``; returns ``[b, s, d]`` in the same layout."""
-    x_bsd = x_bsd + self.attn(self.attn_norm(x_bsd))
+  def init_cache(self, input_shape: tuple[int, ...], dtype: Dtype | None = None) -> None:
+    """Creates the attention's KV cache (``ParallelAttention.init_cache``)."""
+    self.attn.init_cache(input_shape, dtype)
+
+  def __call__(self, x_bsd: jax.Array, *, decode: bool = False) -> jax.Array:
+    """Applies the block to ``x_bsd: [b, s, d]``; returns ``[b, s, d]`` in the same layout.
+
+    ``decode=True``: the attention runs on its KV cache (``ParallelAttention``).
+    """
+    x_bsd = x_bsd + self.attn(self.attn_norm(x_bsd), decode=decode)
     return x_bsd + self.mlp(self.mlp_norm(x_bsd))

@@ -1,0 +1,578 @@
+"""The harness every benchmark script shares: flags, set-up, impl names, checks, timing, results.
+
+Problem:
+  Each benchmark times implementations of one op (or of a whole model step)
+  against a baseline, on one process per GPU, and writes a results file that
+  later runs, plots and analyses load and pool. Flags, the process set-up,
+  the names of the implementations, the correctness check before timing, the
+  timer and the results file must mean the same in every script.
+
+Algorithm:
+  * Flags (``define_flags``): the shared absl flags (``--out``,
+    ``--machine``, ``--dtype``, ``--reps``, ...) are defined here once, with
+    each script's own defaults.
+  * Set-up (``start``): ``jaxoverlap.launch.initialize_from_env``, a 1-D
+    mesh over every device, rank 0's log and the topology;
+    ``use_host_devices`` simulates CPU devices for smoke runs.
+  * Impl names (``impl_kwargs``): the one mapping from the ``impl`` strings
+    of the results files (``"jaxoverlap:one_shot_ll"``,
+    ``"jaxoverlap:copy_engine/c2"``, ``"jaxoverlap:gemm_all_reduce"``,
+    ``"xla:naive"``, decode's ``"jaxoverlap:cuda:auto"``, ...) to the keyword
+    arguments of the public ops (backend, algorithm, protocol, transport,
+    chunks).
+  * Checks (``close``): an implementation is compared with the pure-JAX
+    reference on every element of every rank before it is timed; one that
+    fails is recorded as rejected and never gets a time.
+  * Timing: the chain method of ``jaxoverlap.tuning.timing`` (a chain of ops
+    in one jit minus the same chain without them, median of reps) where one
+    op is timed alone; ``time_interleaved`` (several calls timed in turn, rep
+    by rep, so that drift hits all alike) where a script builds its own calls.
+  * What ran (``plan_fields``, ``auto_choices``, ``fused_choices``,
+    ``resolved_backends``): from the plans of ``jaxoverlap.decisions()``.
+  * Results (``write_result``): the results format of
+    ``jaxoverlap.tuning.results`` (``make_result``; latency tables saved and
+    validated by ``save_result``), with the package versions and
+    ``jaxoverlap.launch.reproduce_command``.
+
+Example:
+  >>> import harness
+  >>> harness.define_flags("out", "machine", "dtype", reps=20)
+  >>> run = harness.start("x")                         # in main()
+  >>> harness.impl_kwargs("all_reduce", "jaxoverlap:one_shot_ll")
+  {'backend': 'cuda', 'algorithm': 'one_shot', 'protocol': 'll'}
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if _ROOT not in sys.path:
+  sys.path.append(_ROOT)  # this checkout's jaxoverlap where none is installed
+
+from jaxoverlap import names  # noqa: E402
+from jaxoverlap.tuning import results  # noqa: E402
+
+# ------------------------------------------------------------------ impl names
+
+PSUM = "xla:psum"                  # lax.psum (all_reduce, decode)
+NAIVE = "xla:naive"                # the fused ops' xla collective next to one GEMM
+PPERMUTE = "xla:ppermute"          # the fused ops' xla ppermute ring
+LOCAL_GEMM = "xla:local_gemm"      # the per-rank GEMM alone: the floor of the fused ops
+COLLECTIVE = "xla:collective"      # the collective alone
+WINDOWED = "xla:windowed_einsum"   # XLA's SPMD partitioner under its windowed-einsum flags
+GEMM_ALL_REDUCE = "jaxoverlap:gemm_all_reduce"  # matmul_all_reduce's "unfused" algorithm
+LAUNCH_FLOOR = "floor:launch"      # one kernel launch, no communication
+NO_ALL_REDUCE = "floor:no_all_reduce"  # a model step with its all-reduces left out
+AUTO = "jaxoverlap:auto"
+
+_XLA_ALGORITHMS = {NAIVE: names.COLLECTIVE, PPERMUTE: names.PPERMUTE}
+
+
+def impl_kwargs(op: str, impl: str) -> dict[str, Any]:
+  """The keyword arguments of the public op ``op`` that an ``impl`` string names.
+
+  The one mapping from the impl names of the results files to the ops' new
+  keywords:
+
+  ============================================ ===========================================
+  impl                                         keyword arguments
+  ============================================ ===========================================
+  ``jaxoverlap:auto`` (all_reduce)             backend "cuda", algorithm "auto"
+  ``jaxoverlap:<alg>[_<protocol>]``            backend "cuda", algorithm, protocol
+  ``jaxoverlap:<backend>:<alg>[_<protocol>]``  decode's form: backend, algorithm, protocol
+  ``xla:psum`` (all_reduce)                    backend "xla", algorithm "collective"
+  ``jaxoverlap:<transport>[/c<k>]``            backend "cuda", algorithm "fused",
+                                               transport, chunks k
+  ``jaxoverlap:gemm_all_reduce``               backend "cuda", algorithm "unfused"
+  ``xla:naive``, ``xla:ppermute`` (GEMM ops)   backend "xla", algorithm "collective" or
+                                               "ppermute"
+  ============================================ ===========================================
+
+  Args:
+    op: one of ``jaxoverlap.names.OPS``.
+    impl: the impl string.
+
+  Returns:
+    ``{"backend", "algorithm"}`` and, where named, ``"protocol"``,
+    ``"transport"``, ``"chunks"``.
+
+  Raises:
+    ValueError: a name that is no call of ``op`` (the baselines
+    ``xla:local_gemm``, ``xla:collective``, ``xla:windowed_einsum`` and the
+    floors are not calls of the op).
+  """
+  lib, _, name = impl.partition(":")
+  if op == names.ALL_REDUCE:
+    if impl == PSUM:
+      return {"backend": names.XLA, "algorithm": names.COLLECTIVE}
+    backend, sep, rest = name.partition(":")
+    backend, name = (backend, rest) if sep else (names.CUDA, name)
+    parsed = results.parse_impl(f"jaxoverlap:{name}")
+    if name == names.AUTO or names.backend_of_algorithm(op, name) is not None:
+      out = {"backend": backend, "algorithm": name}
+    elif parsed is not None and parsed[0] != results.PSUM:
+      out = {"backend": backend, "algorithm": parsed[0], "protocol": parsed[1]}
+    else:
+      out = None
+    owner = out and names.backend_of_algorithm(op, out["algorithm"])
+    if lib == "jaxoverlap" and out and backend in names.BACKENDS and (
+        owner is None or backend in (names.AUTO, owner)):
+      return {k: v for k, v in out.items() if v is not None}
+  elif op in names.FUSED_OPS:
+    if impl in _XLA_ALGORITHMS:
+      return {"backend": names.XLA, "algorithm": _XLA_ALGORITHMS[impl]}
+    transport, slash, chunks = name.partition("/")
+    if impl == GEMM_ALL_REDUCE and op == names.MATMUL_ALL_REDUCE:
+      return {"backend": names.CUDA, "algorithm": names.UNFUSED}
+    if lib == "jaxoverlap" and transport in names.transports(op):
+      out = {"backend": names.CUDA, "algorithm": names.FUSED, "transport": transport}
+      if not slash:
+        return out
+      if chunks[:1] == "c" and chunks[1:].isdigit() and int(chunks[1:]) >= 1:
+        return dict(out, chunks=int(chunks[1:]))
+  raise ValueError(f"unknown impl {impl!r} for {op}; see benchmarks/harness.py impl_kwargs")
+
+
+def all_reduce_fn(impl: str, axis: str) -> Callable:
+  """The per-rank function (inside ``shard_map``) of an all-reduce impl.
+
+  ``xla:psum`` is ``lax.psum``; ``floor:launch`` one kernel launch that
+  copies ``x`` (not an all-reduce); every other name ``jaxoverlap.all_reduce``
+  with ``impl_kwargs``.
+  """
+  import jax
+
+  import jaxoverlap
+
+  if impl == PSUM:
+    return lambda y: jax.lax.psum(y, axis)
+  if impl == LAUNCH_FLOOR:
+    from jaxoverlap import _cuda
+
+    return _cuda.launch_floor
+  kw = impl_kwargs(names.ALL_REDUCE, impl)
+  return lambda y: jaxoverlap.all_reduce(y, axis, **kw)
+
+
+def parse_bytes(text: str) -> int:
+  """``"4K"`` -> 4096 (K, M, G are powers of 1024)."""
+  s = text.strip().upper()
+  mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(s[-1:], 1)
+  return int(s[:-1] if s[-1:] in "KMG" else s) * mult
+
+
+def short_name(impl: str) -> str:
+  """``"jaxoverlap:copy_engine/c4"`` -> ``"copy_engine/c4"``, ``"xla:naive"`` -> ``"naive"``."""
+  return impl.split(":", 1)[1]
+
+
+# ------------------------------------------------------------------ flags
+
+_FLAGS = {
+    "out": ("string", "benchmarks/results", "folder for the results (JSON, and the PNG where "
+            "the script draws one)"),
+    "machine": ("string", "2x H200 NV18", "machine name for the results (spaces become _ in "
+                "the file names)"),
+    "dtype": ("string", "bfloat16", "element type"),
+    "impls": ("list", [], "implementations to run (default: all of the script's)"),
+    "chain": ("integer", 50, "ops per jit'd chain"),
+    "reps": ("integer", 30, "timed runs per implementation (median reported)"),
+    "warmup": ("integer", 2, "untimed runs per implementation before timing"),
+    "seed": ("integer", 0, "random inputs and weights"),
+    "merge": ("bool", False, "keep the rows of an existing results file that this run does "
+              "not measure (a full run split over several invocations)"),
+    "host_devices": ("integer", 0, "simulate this many CPU devices where jax runs on CPU "
+                     "(set before jax starts; a count already in XLA_FLAGS is kept)"),
+    "mesh": ("string", None, "dp,tp mesh shape, e.g. '1,2' (-1: the remaining devices). "
+             "Default: the preset's"),
+    "distributed": ("bool", None, "multi-process run: jaxoverlap.launch.initialize_from_env() "
+                    "first (default: when the launcher's JAXOVERLAP_* variables are set)"),
+}
+
+
+def define_flags(*shared: str, **defaults: Any) -> None:
+  """Defines shared absl flags: ``shared`` with the defaults above, ``defaults`` with others.
+
+  Args:
+    *shared: flag names of this module, defined with its defaults.
+    **defaults: flag name -> default, or -> ``(default, help)`` for a help
+      text of the script's own.
+
+  Raises:
+    KeyError: a name this module does not define.
+  """
+  from absl import flags
+
+  from jaxoverlap import launch
+
+  caller = sys._getframe(1).f_globals.get("__name__", "")  # pylint: disable=protected-access
+  module = sys.argv[0] if caller == "__main__" else caller  # --helpshort lists the script's
+  for name in shared + tuple(defaults):
+    kind, default, helptext = _FLAGS[name]
+    if name in defaults:
+      value = defaults[name]
+      default, helptext = value if isinstance(value, tuple) else (value, helptext)
+    if name == "distributed" and default is None:
+      default = launch.launched()
+    getattr(flags, f"DEFINE_{kind}")(name, default, helptext, module_name=module)
+
+
+def use_host_devices(count: int, *, cpu_only: bool = True) -> None:
+  """Simulates ``count`` CPU devices (before jax's backends start; no-op for 0).
+
+  Args:
+    count: devices; a count already in ``XLA_FLAGS`` is kept.
+    cpu_only: also restrict jax to the CPU platform.
+  """
+  if count <= 0:
+    return
+  xla_flags = os.environ.get("XLA_FLAGS", "")
+  if "xla_force_host_platform_device_count" not in xla_flags:
+    os.environ["XLA_FLAGS"] = (
+        f"{xla_flags} --xla_force_host_platform_device_count={count}".strip())
+  if cpu_only:
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    if "jax" in sys.modules:  # jax read JAX_PLATFORMS when it was imported
+      sys.modules["jax"].config.update("jax_platforms", "cpu")
+
+
+# ------------------------------------------------------------------ set-up
+
+
+@dataclasses.dataclass
+class Run:
+  """One process of a benchmark run (``start``).
+
+  Attributes:
+    rank: this process's index; rank 0 prints and writes.
+    world: devices in the run (one per process on GPUs).
+    mesh: a 1-D mesh over every device, or None.
+    platform: "gpu" or "cpu".
+    ranks_per_node, num_nodes: the topology the records name.
+    runtime: ``jaxoverlap.runtime_info()`` where NVSHMEM is up, else {}.
+  """
+
+  rank: int
+  world: int
+  mesh: Any
+  platform: str
+  ranks_per_node: int
+  num_nodes: int
+  runtime: dict
+
+  def log(self, *args, **kwargs) -> None:
+    """``print`` on rank 0 (flushed), nothing elsewhere."""
+    if self.rank == 0:
+      print(*args, **kwargs, flush=True)
+
+
+def start(axis: str | None = None, *, nvshmem: bool | None = None) -> Run:
+  """Starts a benchmark process: jax.distributed and NVSHMEM from the launcher's variables.
+
+  Args:
+    axis: name of the 1-D mesh over every device (None: no mesh).
+    nvshmem: passed to ``jaxoverlap.launch.initialize_from_env`` (None: on
+      GPUs when the extension is built).
+
+  Returns:
+    The ``Run``. ranks_per_node comes from the runtime, else
+    ``JAXOVERLAP_RANKS_PER_NODE``, else one node under the launcher.
+  """
+  from jaxoverlap import launch
+
+  info = launch.initialize_from_env(nvshmem=nvshmem)
+  import jax
+
+  world = jax.device_count()
+  rt = dict(info.get("runtime") or {})
+  rpn = rt.get("ranks_per_node") or os.environ.get("JAXOVERLAP_RANKS_PER_NODE")
+  if not rpn:
+    rpn = world if launch.launched() or jax.process_count() == 1 else jax.local_device_count()
+  mesh = None if axis is None else jax.make_mesh(
+      (world,), (axis,), axis_types=(jax.sharding.AxisType.Auto,))
+  return Run(rank=info["process_id"], world=world, mesh=mesh,
+             platform=jax.devices()[0].platform, ranks_per_node=int(rpn),
+             num_nodes=world // int(rpn), runtime=rt)
+
+
+# ------------------------------------------------------------------ checks and timing
+
+RTOL, ATOL_REL = 2e-2, 1e-2
+
+
+@functools.cache
+def _close_fn():
+  import jax
+  import jax.numpy as jnp
+
+  @jax.jit
+  def f(a, b):
+    a, b = a.astype(jnp.float32), b.astype(jnp.float32)
+    atol = ATOL_REL * jnp.max(jnp.abs(b))
+    err = jnp.abs(a - b)
+    return jnp.all(err <= atol + RTOL * jnp.abs(b)), jnp.max(err), atol
+
+  return f
+
+
+def close(got, want) -> tuple[bool, float, float]:
+  """(ok, max |got - want|, atol): ``|got - want| <= atol + RTOL |want|`` everywhere.
+
+  ``atol = ATOL_REL * max |want|``. np.allclose's test, computed on the
+  devices over the global arrays (every element of every rank), so that every
+  process gets the same answer without copying outputs to the host. A NaN
+  fails it.
+  """
+  import numpy as np
+
+  ok, err, atol = _close_fn()(got, want)
+  return bool(np.asarray(ok)), float(np.asarray(err)), float(np.asarray(atol))
+
+
+def time_interleaved(calls: Mapping[Any, Callable[[], Any]], *, reps: int, warmup: int,
+                     before: Callable[[], Any] | None = None) -> dict[Any, list[float]]:
+  """Wall seconds of each call, ``reps`` times, the calls in turn within each rep.
+
+  Interleaving makes slow drift (clocks, temperature, other load) hit every
+  call alike, so the figures of one table compare.
+
+  Args:
+    calls: key -> a function that runs once (its result is waited for).
+    reps: timed runs of each call.
+    warmup: untimed runs of each call first.
+    before: run (untimed) before each timed call, e.g. a barrier.
+
+  Returns:
+    key -> ``reps`` durations, seconds.
+  """
+  import jax
+
+  for call in calls.values():
+    for _ in range(warmup):
+      jax.block_until_ready(call())
+  times: dict[Any, list[float]] = {key: [] for key in calls}
+  for _ in range(reps):
+    for key, call in calls.items():
+      if before is not None:
+        before()
+      t0 = time.perf_counter()
+      jax.block_until_ready(call())
+      times[key].append(time.perf_counter() - t0)
+  return times
+
+
+def median(values: Iterable[float]) -> float:
+  return statistics.median(list(values))
+
+
+# ------------------------------------------------------------------ what ran
+
+
+def _choice(plan) -> tuple[str, str]:
+  """(algorithm, protocol) of an all-reduce plan; ("psum", "auto") where lax.psum ran."""
+  if plan.backend == names.XLA:
+    return ("psum" if plan.algorithm == names.COLLECTIVE else plan.algorithm), names.AUTO
+  return plan.algorithm, plan.protocol or names.AUTO
+
+
+def plan_fields(plan) -> dict[str, Any]:
+  """What a record of a fused op says about the plan it ran (empty on backend "xla").
+
+  Returns:
+    algorithm "fused": ``{"transport", "chunks", "chunks_source"}``
+    (``"auto"`` where the rule chose the chunks, else the plan's reason, e.g.
+    ``"requested"``); "unfused": ``{"all_reduce_algorithm":
+    "<algorithm>/<protocol>"}`` of its all-reduce.
+  """
+  if plan is None or plan.backend != names.CUDA:
+    return {}
+  if plan.algorithm == names.UNFUSED and plan.all_reduce is not None:
+    return {"all_reduce_algorithm": "/".join(_choice(plan.all_reduce))}
+  if plan.algorithm == names.FUSED:
+    why = plan.reason("chunks") or ""
+    return {"transport": plan.transport, "chunks": plan.chunks,
+            "chunks_source": "auto" if why.startswith("rule") else why}
+  return {}
+
+
+def last_plan(op: str):
+  """The plan of the last call of ``op`` lowered in this process, or None."""
+  import jaxoverlap
+
+  plans = jaxoverlap.decisions(op)
+  return plans[-1] if plans else None
+
+
+def auto_choices(plans: Sequence | None = None) -> list[list]:
+  """``[bytes, algorithm, protocol]`` of every all-reduce whose algorithm auto chose, sorted.
+
+  Args:
+    plans: plans (default: ``jaxoverlap.decisions("all_reduce")``).
+  """
+  import jaxoverlap
+
+  plans = jaxoverlap.decisions(names.ALL_REDUCE) if plans is None else plans
+  return [list(c) for c in sorted({(p.nbytes,) + _choice(p) for p in plans
+                                   if p.op == names.ALL_REDUCE
+                                   and p.reason("algorithm") != "requested"})]
+
+
+def fused_choices(plans: Sequence | None = None) -> list[dict[str, Any]]:
+  """The distinct fused-kernel plans of a run, in first-seen order.
+
+  Args:
+    plans: plans (default: ``jaxoverlap.decisions()``).
+
+  Returns:
+    ``{"op", "transport", "chunks", "chunks_source", "shape": {"outer",
+    "rows", "k", "n"}}`` (the kernels' view of the shapes) of each.
+  """
+  import jaxoverlap
+
+  out: list[dict[str, Any]] = []
+  for p in jaxoverlap.decisions() if plans is None else plans:
+    if p.backend == names.CUDA and p.algorithm == names.FUSED:
+      g = p.geometry
+      kept = {"op": p.op, **plan_fields(p),
+              "shape": {"outer": g.outer, "rows": g.rows, "k": g.k, "n": g.n}}
+      if kept not in out:
+        out.append(kept)
+  return out
+
+
+def resolved_backends(plans: Sequence | None = None) -> dict[str, str]:
+  """op -> the backend(s) its calls ran on (``"cuda"``, ``"xla"`` or ``"cuda+xla"``).
+
+  The form of the training example's ``metrics["backend"]["resolved"]``.
+  """
+  import jaxoverlap
+
+  ran: dict[str, set[str]] = {}
+  for p in jaxoverlap.decisions() if plans is None else plans:
+    ran.setdefault(p.op, set()).add(p.backend)
+  return {op: "+".join(sorted(b)) for op, b in sorted(ran.items())}
+
+
+# ------------------------------------------------------------------ the training example
+
+TRAIN_DIR = os.path.join(_ROOT, "examples", "train")
+
+
+def start_training_example(*, distributed: bool, cuda: bool, host_devices: int):
+  """Starts a run of the training example (examples/train); returns its modules.
+
+  Quiets absl's INFO logs (orbax logs every checkpoint step), simulates
+  ``host_devices`` CPU devices where jax runs on CPU, then brings up
+  jax.distributed and NVSHMEM.
+
+  Args:
+    distributed: one of several processes (launcher or SLURM).
+    cuda: backend "cuda" is requested: NVSHMEM must come up (fails loudly).
+    host_devices: see ``use_host_devices``.
+
+  Returns:
+    The example's modules ``(config, data, train)`` (its flat imports, as its main.py).
+  """
+  import importlib
+
+  from absl import logging
+
+  logging.set_verbosity(logging.WARNING)
+  use_host_devices(host_devices, cpu_only=False)
+  if distributed:
+    from jaxoverlap import launch
+
+    # nvshmem=None brings NVSHMEM up on GPUs when the extension is built ("auto" uses it).
+    launch.initialize_from_env(nvshmem=True if cuda else None)
+  elif cuda:
+    import jaxoverlap
+
+    jaxoverlap.initialize()  # one process: it must own exactly one GPU
+  if TRAIN_DIR not in sys.path:
+    sys.path.insert(0, TRAIN_DIR)
+  return tuple(importlib.import_module(m) for m in ("config", "data", "train"))
+
+
+def run_impl(backend: str, resolved: Mapping[str, str] | None) -> str:
+  """The ``impl`` of a training run: ``jaxoverlap:<backend>`` when any op ran the CUDA
+  kernels (``resolved``: op -> "cuda" | "xla" | "cuda+xla"), else ``xla:<backend>``."""
+  uses_cuda = any("cuda" in v.split("+") for v in (resolved or {}).values())
+  return f"{'jaxoverlap' if uses_cuda else 'xla'}:{backend}"
+
+
+def run_shape(preset: str, config: Mapping[str, Any], dp: int, tp: int) -> dict[str, Any]:
+  """The ``shape`` of a training record: the preset, its model and batch sizes, the mesh."""
+  keys = ("d_model", "n_layers", "n_heads", "d_ff", "seq_len", "batch_size")
+  return {"preset": preset, **{k: config[k] for k in keys}, "dp": int(dp), "tp": int(tp),
+          "sequence_parallel": config["sequence_parallel"]}
+
+
+# ------------------------------------------------------------------ results
+
+
+def path(out_dir: str, name: str, machine: str, suffix: str = "", ext: str = "json") -> str:
+  """``<out_dir>/<name>-<machine, spaces as _><suffix>.<ext>``."""
+  return os.path.join(out_dir, f"{name}-{machine.replace(' ', '_')}{suffix}.{ext}")
+
+
+def load_json(file: str, missing_ok: bool = False) -> dict | None:
+  """A JSON file's object; None for a missing file where ``missing_ok``.
+
+  Raises:
+    FileNotFoundError: the file does not exist (and not ``missing_ok``).
+  """
+  if missing_ok and not os.path.exists(file):
+    return None
+  with open(file) as f:
+    return json.load(f)
+
+
+def write_result(file: str, records: Sequence[Mapping[str, Any]] | None, *, benchmark: str,
+                 machine: str, method: str, script: str | None = None,
+                 command: str | None = None, rejected: Sequence[Mapping[str, Any]] = (),
+                 extra: Mapping[str, Any] | None = None, latency: bool = True
+                 ) -> dict[str, Any]:
+  """Writes a results file in the format of ``jaxoverlap.tuning.results``; returns it.
+
+  Args:
+    file: the path (``path``).
+    records: the records; None for an analysis of other files (no records,
+      no ``rejected``).
+    benchmark: the file's ``benchmark``.
+    machine, method: free text.
+    script: the script's path from the repository root, for
+      ``jaxoverlap.launch.reproduce_command`` (when ``command`` is None).
+    command: the command that reruns this, if not the reproduce command.
+    rejected: what failed its check and was not timed.
+    extra: more top-level fields.
+    latency: the records are per-op latencies (op, impl, bytes, world,
+      ranks_per_node, time_us > 0): the file is validated and saved by
+      ``results.save_result``. Whole-step benchmarks and analyses (no
+      per-message bytes) are written as they are.
+  """
+  from jaxoverlap import launch
+
+  result = results.make_result(
+      records or [], machine=machine, command=command or launch.reproduce_command(script),
+      method=method, versions=results.package_versions(), rejected=rejected)
+  result["benchmark"] = benchmark
+  del result["params"]  # the cost model's; tuning tables only
+  if records is None:
+    del result["records"], result["rejected"]
+  result.update(extra or {})
+  if latency:
+    results.save_result(result, file)  # validated, written atomically
+  else:
+    os.makedirs(os.path.dirname(os.path.abspath(file)), exist_ok=True)
+    with open(file, "w") as f:
+      json.dump(result, f, indent=1)
+  return result
