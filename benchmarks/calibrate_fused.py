@@ -37,7 +37,7 @@ What it reports:
   consistent with it either way.
 * the GEMM rate behind fused_chunks' cost model: per shape, the per-rank GEMM
   flops (2 M K N / P for all three ops) over the time of xla:local_gemm; the
-  median against the rate the rule assumes (``policy._GEMM_FLOPS_PER_S``, a
+  median against the rate the rule assumes (``policy.GEMM_FLOPS_PER_S``, a
   calibration constant with no public name).
 
 Output: tables on stdout and <out>/fused_calibration-<machine>.json (the rows,
@@ -223,7 +223,7 @@ def analyze(results: Sequence[Mapping[str, Any]], regret_limit: float) -> dict[s
   over = [r for r in chunks if r["regret"] is not None and r["regret"] > regret_limit]
   spread = repeat_spread(records)
   current = {"FUSED_ALL_REDUCE_MIN_BYTES": policy.FUSED_ALL_REDUCE_MIN_BYTES,
-             "_GEMM_FLOPS_PER_S": policy._GEMM_FLOPS_PER_S}  # pylint: disable=protected-access
+             "_GEMM_FLOPS_PER_S": policy.GEMM_FLOPS_PER_S}
   # The current threshold is consistent with the data if no measured size
   # below it wins and none above it loses, by more than the regret limit (a
   # tie fits either side).

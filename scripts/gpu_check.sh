@@ -143,10 +143,11 @@ if [ "$WHAT" = ovcalibrate ] && [ "$NGPU" -ge 2 ]; then
   fi
   run "ovcalibrate_$PART" 560 $PY -m jaxoverlap.launch --nproc 2 --timeout_s 550 benchmarks/overlap.py \
     --out "$OUT/calibrate_$PART" --shapes "$SHAPES" --impls "$IMPLS"
-  # This sweep alone (noisy: pool it with others before changing a constant, README).
+  # This sweep alone (noisy: pool it with others before changing a constant, docs/results.md
+  # "Calibration of the automatic choices").
   $PY benchmarks/calibrate_fused.py --results "$(ls "$OUT/calibrate_$PART"/overlap-*.json | paste -sd,)" \
     --out "$OUT/calibrate_$PART" | tee "$OUT/calibrate_$PART.txt" \
-    || { echo "!! calibrate_fused: this sweep contradicts a constant of jaxoverlap/_cuda.py (or it failed)"; status=1; }
+    || { echo "!! calibrate_fused: this sweep contradicts a constant of jaxoverlap/tuning/policy.py (or it failed)"; status=1; }
 fi
 # ---- issue 5: the training example (xla vs cuda), a step profile, decode
 if [ "$WHAT" = train ] && [ "$NGPU" -ge 2 ]; then

@@ -50,6 +50,8 @@ __all__ = [
     "DEFAULT_FUSED_TRANSPORT",
     "fused_chunks",
     "fuse_all_reduce",
+    "LINK_BYTES_PER_S",
+    "GEMM_FLOPS_PER_S",
 ]
 
 # --------------------------------------------------------------------------- protocol
@@ -333,8 +335,8 @@ DEFAULT_FUSED_TRANSPORT = names.COPY_ENGINE
 #   ahead of it, but each chunk adds a dependent transfer: one chunk for blocks
 #   under _RS_TWO_CHUNK_BYTES (two cost 9-63% at 0.5-4 MiB), two from there
 #   (8-224 MiB: the best count or within 1.1% of it).
-_LINK_BYTES_PER_S = 350e9    # one copy-engine stream over NV18 (a 64 MiB shard hid in 185 us)
-_GEMM_FLOPS_PER_S = 680e12   # bf16 GEMM on one H200 (the sweeps' local GEMMs: median 692 TF/s)
+LINK_BYTES_PER_S = 350e9    # one copy-engine stream over NV18 (a 64 MiB shard hid in 185 us)
+GEMM_FLOPS_PER_S = 680e12   # bf16 GEMM on one H200 (the sweeps' local GEMMs: median 692 TF/s)
 _AG_ONE_CHUNK_RATIO = 0.4    # t_comm / t_gemm up to which AG sends its shard whole
 _RS_TWO_CHUNK_BYTES = 8 << 20
 
@@ -354,7 +356,7 @@ def fused_chunks(op: str, payload_bytes: int, pieces: int, gemm_flops: float) ->
     1 or 2 (at most ``pieces``, at least 1).
   """
   if op == names.ALL_GATHER_MATMUL:
-    ratio = (payload_bytes / _LINK_BYTES_PER_S) / max(gemm_flops / _GEMM_FLOPS_PER_S, 1e-12)
+    ratio = (payload_bytes / LINK_BYTES_PER_S) / max(gemm_flops / GEMM_FLOPS_PER_S, 1e-12)
     chunks = 1 if ratio <= _AG_ONE_CHUNK_RATIO else 2
   else:
     chunks = 1 if payload_bytes < _RS_TWO_CHUNK_BYTES else 2
