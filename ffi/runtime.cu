@@ -19,8 +19,10 @@
 #include <string>
 #include <thread>
 
+#include "jaxoverlap/all_reduce.h"
 #include "jaxoverlap/check.h"
 #include "jaxoverlap/gemm.h"
+#include "jaxoverlap/overlap.h"
 #include "jaxoverlap/runtime.h"
 
 namespace jaxoverlap {
@@ -216,6 +218,9 @@ ffi::Error SetUpDevice(RuntimeState& st, Mode mode, int device, char* heap, cons
   }
   DebugStep("cuBLASLt");
   JAXOVERLAP_RETURN_IF_ERROR(gemm::Init(device));
+  DebugStep("kernels");  // loaded now, not lazily next to a waiting kernel (gemm::Preload)
+  JAXOVERLAP_RETURN_IF_ERROR(all_reduce::PreloadKernels());
+  JAXOVERLAP_RETURN_IF_ERROR(overlap::PreloadKernels());
   JAXOVERLAP_CUDA_RETURN_IF_ERROR(
       cudaHostAlloc(&st.error_host, sizeof(DeviceError), cudaHostAllocMapped));
   std::memset(st.error_host, 0, sizeof(DeviceError));

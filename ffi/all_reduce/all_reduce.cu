@@ -767,7 +767,25 @@ cudaError_t Launch(Algorithm algorithm, Protocol protocol, const LaunchConfig& c
   return cudaGetLastError();
 }
 
+template <typename T>
+ffi::Error PreloadKernelsOf() {
+  cudaFuncAttributes a;
+  JAXOVERLAP_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&a, OneShotLLKernel<T>));
+  JAXOVERLAP_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&a, OneShotSimpleKernel<T>));
+  JAXOVERLAP_CUDA_RETURN_IF_ERROR(
+      cudaFuncGetAttributes(&a, ReduceScatterAllGatherKernel<T, true>));
+  JAXOVERLAP_CUDA_RETURN_IF_ERROR(
+      cudaFuncGetAttributes(&a, ReduceScatterAllGatherKernel<T, false>));
+  return ffi::Error::Success();
+}
+
 }  // namespace
+
+ffi::Error PreloadKernels() {
+  JAXOVERLAP_RETURN_IF_ERROR(PreloadKernelsOf<float>());
+  JAXOVERLAP_RETURN_IF_ERROR(PreloadKernelsOf<__nv_bfloat16>());
+  return PreloadKernelsOf<__half>();
+}
 
 ffi::Error MakeTopology(const int64_t* groups, size_t num_entries, int64_t group_size, int my_pe,
                         int num_pes, int ranks_per_node, Topology* topo) {

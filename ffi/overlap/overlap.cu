@@ -435,14 +435,62 @@ ffi::Error SendReducedChunk(const Call& c, const char* own, size_t half, int64_t
 // further ranks (groups of more than 2) are added afterwards. With
 // `ag_half` > 0 (GEMM+AR) each finished chunk of the reduced block is then
 // sent to every peer's all-gather half-slot at offset `ag_half`.
-ffi::Error ReduceScatterPhase(const Call& c, ffi::DataType dtype, const char* x, const void* w,
-                              char* own, int64_t outer, int64_t rows, int64_t k, int64_t n,
-                              size_t ag_half) {
+//
+// The phase's GEMMs: chunk q of the partial block for the rank i steps ahead
+// (into staging buffer (i-1) % 2), and chunk q of this rank's own block (its
+// epilogue adds rank r-1's partial from its slot).
+struct ReduceScatterGemms {
+  const Call& c;
+  ffi::DataType dtype;
+  const char* x;
+  const void* w;
+  char* own;
+  int64_t outer, rows, k, n;
+  int chunks;
+
+  char* Staging(int i) const {
+    return i % 2 == 1 ? Slot(c.s, c.my_local()) : Slot(c.s, c.s.ranks_per_node);
+  }
+  gemm::Gemm Partial(int i, int q) const {
+    const size_t es = ElementBytes(dtype);
+    const int dest = (c.g.rank + i) % c.g.size;
+    const int64_t q0 = ChunkStart(rows, chunks, q), q1 = ChunkStart(rows, chunks, q + 1);
+    return ShardGemm(c, dtype, x + (dest * rows + q0) * k * es, w, Staging(i) + q0 * n * es,
+                     q1 - q0, k, n, outer, c.g.size * rows * k, rows * n);
+  }
+  gemm::Gemm Own(int q) const {
+    const size_t es = ElementBytes(dtype);
+    const int r = c.g.rank, first = (r - 1 + c.g.size) % c.g.size;
+    const int64_t q0 = ChunkStart(rows, chunks, q), q1 = ChunkStart(rows, chunks, q + 1);
+    gemm::Gemm g = ShardGemm(c, dtype, x + (r * rows + q0) * k * es, w, own + q0 * n * es,
+                             q1 - q0, k, n, outer, c.g.size * rows * k, rows * n);
+    g.c = Slot(c.s, c.g.local[first]) + q0 * n * es;
+    return g;
+  }
+  // Before the phase's first wait (gemm::Preload says why). Running them
+  // early is safe: the staging buffers and `own` are this rank's and the
+  // call rewrites them; C is only read.
+  ffi::Error Preload() const {
+    for (int i = 1; i < c.g.size; ++i) {
+      for (int q = 0; q < chunks; ++q) {
+        JAXOVERLAP_RETURN_IF_ERROR(gemm::Preload(c.compute, Partial(i, q)));
+      }
+    }
+    for (int q = 0; q < chunks; ++q) {
+      JAXOVERLAP_RETURN_IF_ERROR(gemm::Preload(c.compute, Own(q)));
+    }
+    return ffi::Error::Success();
+  }
+};
+
+ffi::Error ReduceScatterPhase(const Call& c, const ReduceScatterGemms& gemms, size_t ag_half) {
   const RuntimeState& s = c.s;
   const int size = c.g.size, r = c.g.rank;
+  const ffi::DataType dtype = gemms.dtype;
   const size_t es = ElementBytes(dtype);
-  const int chunks = Chunks(c.opt, rows);
-  char* staging[2] = {Slot(s, c.my_local()), Slot(s, s.ranks_per_node)};
+  const int64_t outer = gemms.outer, rows = gemms.rows, n = gemms.n;
+  char* own = gemms.own;
+  const int chunks = gemms.chunks;
   cudaEvent_t staging_free[2] = {s.events[2], s.events[3]};
   const size_t block_pitch = static_cast<size_t>(rows) * n * es;  // one outer of a block
   for (int i = 1; i < size; ++i) {
@@ -455,13 +503,10 @@ ffi::Error ReduceScatterPhase(const Call& c, ffi::DataType dtype, const char* x,
     JAXOVERLAP_RETURN_IF_ERROR(WaitAck(c, dest));
     for (int q = 0; q < chunks; ++q) {
       const int64_t q0 = ChunkStart(rows, chunks, q), q1 = ChunkStart(rows, chunks, q + 1);
-      JAXOVERLAP_RETURN_IF_ERROR(gemm::Run(
-          c.compute, ShardGemm(c, dtype, x + (dest * rows + q0) * k * es, w,
-                               staging[b] + q0 * n * es, q1 - q0, k, n, outer, size * rows * k,
-                               rows * n)));
+      JAXOVERLAP_RETURN_IF_ERROR(gemm::Run(c.compute, gemms.Partial(i, q)));
       JAXOVERLAP_RETURN_IF_ERROR(Handoff(s.events[0], c.compute, s.comm_stream));
       JAXOVERLAP_RETURN_IF_ERROR(Send(c, dest, Slot(s, c.my_local()) + q0 * n * es,
-                                      staging[b] + q0 * n * es, (q1 - q0) * n * es, outer,
+                                      gemms.Staging(i) + q0 * n * es, (q1 - q0) * n * es, outer,
                                       block_pitch, block_pitch,
                                       DataFlag(s, c.my_local(), kPhaseMain, q)));
     }
@@ -471,15 +516,11 @@ ffi::Error ReduceScatterPhase(const Call& c, ffi::DataType dtype, const char* x,
   }
   // This rank's block, chunk by chunk, plus the first partial in the epilogue.
   const int first = (r - 1 + size) % size;
-  const char* first_slot = Slot(s, c.g.local[first]);
   for (int q = 0; q < chunks; ++q) {
     const int64_t q0 = ChunkStart(rows, chunks, q), q1 = ChunkStart(rows, chunks, q + 1);
     JAXOVERLAP_RETURN_IF_ERROR(Wait(c, c.compute, DataFlag(s, c.g.local[first], kPhaseMain, q),
                                     1, first, 0, 1, q));
-    gemm::Gemm g = ShardGemm(c, dtype, x + (r * rows + q0) * k * es, w, own + q0 * n * es,
-                             q1 - q0, k, n, outer, size * rows * k, rows * n);
-    g.c = first_slot + q0 * n * es;
-    JAXOVERLAP_RETURN_IF_ERROR(gemm::Run(c.compute, g));
+    JAXOVERLAP_RETURN_IF_ERROR(gemm::Run(c.compute, gemms.Own(q)));
     if (ag_half > 0 && size == 2) {
       JAXOVERLAP_RETURN_IF_ERROR(SendReducedChunk(c, own, ag_half, q0, q1, n, es, q));
     }
@@ -589,6 +630,25 @@ ffi::Error AllGatherMatmul(const RuntimeState& s, cudaStream_t stream, const Gro
     return Piece{q0 * k * es, (q1 - q0) * k * es, q0 * n, q1 - q0, 1};
   };
 
+  // The GEMMs: the local shard, and chunk q of the shard of the rank i steps behind.
+  const gemm::Gemm own = ShardGemm(c, dtype, x, w, out + r * rows * n * es, rows, k, n, outer,
+                                   rows * k, size * rows * n);
+  auto chunk_gemm = [&](int i, int q) {
+    const int src = (r - i + size) % size;
+    const Piece p = piece(q);
+    return ShardGemm(c, dtype, Slot(s, group.local[src]) + p.offset, w,
+                     out + (p.out_offset + src * rows * n) * es, p.rows, k, n, p.batch, rows * k,
+                     size * rows * n);
+  };
+  // All before the first wait (gemm::Preload says why); they write only `out`,
+  // which the call rewrites, and read slots that may be half-written.
+  JAXOVERLAP_RETURN_IF_ERROR(gemm::Preload(stream, own));
+  for (int i = 1; i < size; ++i) {
+    for (int q = 0; q < chunks; ++q) {
+      JAXOVERLAP_RETURN_IF_ERROR(gemm::Preload(stream, chunk_gemm(i, q)));
+    }
+  }
+
   JAXOVERLAP_RETURN_IF_ERROR(Begin(c));
   // Comm stream: this rank's shard to ranks r+1, r+2, ... chunk by chunk.
   for (int i = 1; i < size; ++i) {
@@ -606,20 +666,14 @@ ffi::Error AllGatherMatmul(const RuntimeState& s, cudaStream_t stream, const Gro
                                         size * shard_pitch, x, shard_pitch, shard_pitch, outer));
   }
   // Compute stream: the local shard first, then the others as they arrive.
-  JAXOVERLAP_RETURN_IF_ERROR(gemm::Run(
-      stream, ShardGemm(c, dtype, x, w, out + r * rows * n * es, rows, k, n, outer, rows * k,
-                        size * rows * n)));
+  JAXOVERLAP_RETURN_IF_ERROR(gemm::Run(stream, own));
   for (int i = 1; i < size; ++i) {
     const int src = (r - i + size) % size;
     const char* slot = Slot(s, group.local[src]);
     for (int q = 0; q < chunks; ++q) {
-      const Piece p = piece(q);
       JAXOVERLAP_RETURN_IF_ERROR(
           Wait(c, stream, DataFlag(s, group.local[src], kPhaseMain, q), 1, src, 0, i, q));
-      JAXOVERLAP_RETURN_IF_ERROR(gemm::Run(
-          stream, ShardGemm(c, dtype, slot + p.offset, w,
-                            out + (p.out_offset + src * rows * n) * es, p.rows, k, n, p.batch,
-                            rows * k, size * rows * n)));
+      JAXOVERLAP_RETURN_IF_ERROR(gemm::Run(stream, chunk_gemm(i, q)));
     }
     if (gathered != nullptr) {
       JAXOVERLAP_RETURN_IF_ERROR(Handoff(s.events[0], stream, s.comm_stream));
@@ -640,9 +694,11 @@ ffi::Error MatmulReduceScatter(const RuntimeState& s, cudaStream_t stream, const
   const size_t es = ElementBytes(dtype);
   JAXOVERLAP_RETURN_IF_ERROR(
       CheckSlot(c, "a partial output block", static_cast<size_t>(outer) * rows * n * es));
+  const ReduceScatterGemms gemms{c,     dtype, static_cast<const char*>(x), w,
+                                 static_cast<char*>(out), outer, rows,  k, n, Chunks(opt, rows)};
+  JAXOVERLAP_RETURN_IF_ERROR(gemms.Preload());
   JAXOVERLAP_RETURN_IF_ERROR(Begin(c));
-  JAXOVERLAP_RETURN_IF_ERROR(ReduceScatterPhase(c, dtype, static_cast<const char*>(x), w,
-                                                static_cast<char*>(out), outer, rows, k, n, 0));
+  JAXOVERLAP_RETURN_IF_ERROR(ReduceScatterPhase(c, gemms, 0));
   return End(c);
 }
 
@@ -659,14 +715,15 @@ ffi::Error MatmulAllReduce(const RuntimeState& s, cudaStream_t stream, const Gro
   const size_t half = s.overlap_slot_bytes / 2 / 256 * 256;
   JAXOVERLAP_RETURN_IF_ERROR(
       CheckSlot(c, "a partial and a reduced block", 2 * ((block_bytes + 255) / 256 * 256)));
+  const int chunks = Chunks(opt, rows);
+  const ReduceScatterGemms gemms{c, dtype, static_cast<const char*>(x), w, out + r * block_bytes,
+                                 1, rows, k, n, chunks};
+  JAXOVERLAP_RETURN_IF_ERROR(gemms.Preload());
   JAXOVERLAP_RETURN_IF_ERROR(Begin(c));
-  char* own = out + r * block_bytes;
   // The reduce-scatter; each reduced chunk of this rank's block goes to every
   // peer as soon as it is final (acks were awaited before the first send).
-  JAXOVERLAP_RETURN_IF_ERROR(
-      ReduceScatterPhase(c, dtype, static_cast<const char*>(x), w, own, 1, rows, k, n, half));
+  JAXOVERLAP_RETURN_IF_ERROR(ReduceScatterPhase(c, gemms, half));
   // The peers' reduced blocks, chunk by chunk as they arrive, into place.
-  const int chunks = Chunks(opt, rows);
   for (int i = 1; i < size; ++i) {
     const int src = (r - i + size) % size;
     for (int q = 0; q < chunks; ++q) {
@@ -681,6 +738,20 @@ ffi::Error MatmulAllReduce(const RuntimeState& s, cudaStream_t stream, const Gro
     }
   }
   return End(c);
+}
+
+ffi::Error PreloadKernels() {
+  cudaFuncAttributes a;
+  JAXOVERLAP_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&a, BeginKernel));
+  JAXOVERLAP_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&a, SignalKernel));
+  JAXOVERLAP_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&a, AckKernel));
+  JAXOVERLAP_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&a, WaitKernel));
+  JAXOVERLAP_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&a, PutKernel));
+  JAXOVERLAP_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&a, AddKernel<float>));
+  JAXOVERLAP_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&a, AddKernel<__nv_bfloat16>));
+  JAXOVERLAP_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&a, AddKernel<__half>));
+  JAXOVERLAP_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&a, CopyRowsKernel));
+  return ffi::Error::Success();
 }
 
 }  // namespace jaxoverlap::overlap

@@ -56,6 +56,10 @@ ffi::Error AllReduce(const RuntimeState& s, cudaStream_t stream, Algorithm algor
                      Protocol protocol, ffi::DataType dtype, const void* in, void* out,
                      size_t num_elements, const Topology& topo);
 
+// Loads this file's kernels on the current GPU (at start-up; see
+// overlap::PreloadKernels).
+ffi::Error PreloadKernels();
+
 }  // namespace jaxoverlap::all_reduce
 
 XLA_FFI_REGISTER_ENUM_ATTR_DECODING(jaxoverlap::all_reduce::Algorithm);

@@ -54,6 +54,15 @@ void Shutdown();
 // batch 0 is a no-op; k must be positive (the ops handle empty operands before
 // any kernel).
 ffi::Error Run(cudaStream_t stream, const Gemm& g);
+// Runs `g` now if its plan has never run on this GPU, so that cuBLASLt's
+// kernel for it is loaded; otherwise does nothing. CUDA loads kernels lazily
+// (CUDA_MODULE_LOADING=LAZY, the default since CUDA 12.2), and loading one may
+// wait for every kernel running on the GPU: a first GEMM enqueued behind a
+// kernel that waits for a peer would wait for that peer, and the peer may be
+// waiting for this GPU in turn. The fused ops therefore preload every GEMM of
+// a call before their first wait (docs/kernels.md, "Lazy loading"). `g` must
+// be safe to run early: its D is not read by anyone before the call rewrites it.
+ffi::Error Preload(cudaStream_t stream, const Gemm& g);
 // Plans cached so far (for runtime_info and tests).
 int64_t CachedPlans();
 

@@ -77,6 +77,11 @@ ffi::Error MatmulAllReduce(const RuntimeState& s, cudaStream_t stream, const Gro
                            const Options& opt, ffi::DataType dtype, const void* x, const void* w,
                            void* out, int64_t rows, int64_t k, int64_t n);
 
+// Loads this file's kernels on the current GPU (at start-up). CUDA loads
+// kernels lazily, and loading one may wait for every kernel running on the
+// GPU, including one that waits for a peer (gemm::Preload).
+ffi::Error PreloadKernels();
+
 }  // namespace jaxoverlap::overlap
 
 XLA_FFI_REGISTER_ENUM_ATTR_DECODING(jaxoverlap::overlap::Transport);
