@@ -80,12 +80,20 @@ def _assert_close(got, want, what, rtol=2e-5, atol=2e-5):
 
 
 def _expect_plan(op, backend="cuda"):
-  plan = jaxoverlap.decisions(op)[-1]
+  plans = jaxoverlap.decisions(op)
+  assert plans, f"this test lowered no {op}"
+  plan = plans[-1]
   assert plan.backend == backend, plan.summary()
   transport = os.environ.get("JAXOVERLAP_EXPECT_TRANSPORT")
   if backend == "cuda" and op == "all_reduce" and transport:
     assert plan.transport == transport, plan.summary()
   return plan
+
+
+@pytest.fixture(autouse=True)
+def _fresh_decisions():
+  """Each test's plan checks see the plans of its own lowerings only."""
+  jaxoverlap.clear_decisions()
 
 
 @pytest.fixture(scope="session")
@@ -140,6 +148,9 @@ def _gemm_case(op, R, dtype, seed, m=24, k=64, n=40):
 
 
 GEMM_OPS = ("all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce")
+# The fused op in each op's backward (matmul_all_reduce's and all_reduce's have no collective).
+BACKWARD = {"all_gather_matmul": "matmul_reduce_scatter",
+            "matmul_reduce_scatter": "all_gather_matmul"}
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
@@ -197,16 +208,18 @@ def test_grads(runtime, mesh, R, op):
       ours = lambda a, b: fn(a, b, "x", backend="cuda")  # noqa: E731
       ref = lambda a, b: rf(a, b, "x")  # noqa: E731
 
-    def loss(f):
+    def loss(f):  # the value too, so that the forward op runs (a bare grad drops it)
       g = jax.shard_map(f, mesh=mesh, in_specs=specs, out_specs=out_spec)
-      return jax.jit(jax.grad(lambda a, b, c: jnp.sum(g(a, b) * c), argnums=(0, 1)))
+      return jax.jit(jax.value_and_grad(lambda a, b, c: jnp.sum(g(a, b) * c), argnums=(0, 1)))
 
     args = (_put(mesh, x, specs[0]), _put(mesh, w, specs[1]), _put(mesh, ct, P()))
-    got = loss(ours)(*args)
-    want = loss(ref)(*args)
+    (got_loss, got), (want_loss, want) = loss(ours)(*args), loss(ref)(*args)
+  _assert_close(got_loss, want_loss, f"{op} loss")
   for g, r, name in zip(got, want, ("dx", "dw")):
     _assert_close(g, r, f"{op} {name}")
   _expect_plan(op)
+  if op in BACKWARD:
+    _expect_plan(BACKWARD[op])
 
 
 # ---------------------------------------------------------------------------- transformations
@@ -252,7 +265,7 @@ def test_jacrev_on_the_kernels(runtime, mesh, R, op):
     got = jac(lambda *a: fn(*a, backend="cuda"))(*args)
     want = jac(rf)(*args)
   _assert_close(got, want, f"jacrev of {op}")
-  _expect_plan(op)
+  _expect_plan(BACKWARD[op])
 
 
 # ---------------------------------------------------------------------------- repetition
