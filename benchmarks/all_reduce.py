@@ -104,7 +104,8 @@ def main(argv):
       measure, check, impls, [harness.parse_bytes(s) for s in fl.sizes], dtype=dtype.name,
       ranks_per_node=run.ranks_per_node, world=run.world, log=run.log)
   for r in records:
-    r.update(num_nodes=run.num_nodes, inter_node_transport=run.runtime.get("inter_node_transport"))
+    r.update(num_nodes=run.num_nodes, inter_node_transport=run.runtime.get("inter_node_transport"),
+             processes=run.processes, transport=run.runtime.get("transport"))
   for r in rejected:
     run.log(f"WRONG: {r['impl']} at {r['bytes']} B: {r['reason']}")
   if run.rank == 0:

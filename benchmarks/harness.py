@@ -258,7 +258,8 @@ class Run:
     mesh: a 1-D mesh over every device, or None.
     platform: "gpu" or "cpu".
     ranks_per_node, num_nodes: the topology the records name.
-    runtime: ``jaxoverlap.runtime_info()`` where NVSHMEM is up, else {}.
+    runtime: ``jaxoverlap.runtime_info()`` where the CUDA runtime is up, else {}.
+    processes: the number of processes (1: one process drives every device).
   """
 
   rank: int
@@ -268,6 +269,7 @@ class Run:
   ranks_per_node: int
   num_nodes: int
   runtime: dict
+  processes: int = 1
 
   def log(self, *args, **kwargs) -> None:
     """``print`` on rank 0 (flushed), nothing elsewhere."""
@@ -301,7 +303,7 @@ def start(axis: str | None = None, *, nvshmem: bool | None = None) -> Run:
       (world,), (axis,), axis_types=(jax.sharding.AxisType.Auto,))
   return Run(rank=info["process_id"], world=world, mesh=mesh,
              platform=jax.devices()[0].platform, ranks_per_node=int(rpn),
-             num_nodes=world // int(rpn), runtime=rt)
+             num_nodes=world // int(rpn), runtime=rt, processes=jax.process_count())
 
 
 # ------------------------------------------------------------------ checks and timing

@@ -634,6 +634,8 @@ def main(argv):
     recs, rej, failed = run_case(op, mkn, impls, mesh=run.mesh, dtype=fl.dtype, chain=fl.chain,
                                  reps=fl.reps, warmup=fl.warmup,
                                  ranks_per_node=run.ranks_per_node, log=run.log)
+    for r in recs:
+      r.update(processes=run.processes, transport=run.runtime.get("transport"))
     records += recs
     rejected += rej
     run.log(progress_row(op, mkn, recs, failed))

@@ -11,7 +11,8 @@
 #         SKIP_BUILD=1 bash scripts/gpu_check.sh suite -k "all_reduce and not w2-"
 #   benchmarks: bench | bench2 | autobench | quickbench | tune | ovbench | ovbenchfull
 #       | ovwindowed | ovcalibrate (CAL_PART=ag_rs or ar) | train | profile | ovprofilegraphs
-#       | decode; 4/8 GPUs: multigpu_bench | multigpu_fused
+#       | decode | procbench (one process driving both GPUs beside two processes); 4/8 GPUs:
+#       multigpu_bench | multigpu_fused
 #   (several benchmark verbs in one call: bash scripts/gpu_check.sh bench autobench)
 # Uses the machine's preinstalled packages (nothing is downloaded).
 set -uo pipefail
@@ -23,7 +24,7 @@ mkdir -p "$OUT"
 PY=${PYTHON:-python3}
 WHAT=${1:-}
 VERBS=" build suite bench bench2 autobench quickbench tune ovbench ovbenchfull ovwindowed"
-VERBS="$VERBS ovcalibrate train profile ovprofilegraphs decode multigpu_bench multigpu_fused "
+VERBS="$VERBS ovcalibrate train profile ovprofilegraphs decode procbench multigpu_bench multigpu_fused "
 if [ -z "$WHAT" ] || [[ "$VERBS" != *" $WHAT "* ]]; then
   echo "usage: bash scripts/gpu_check.sh <verb> (verbs:$VERBS)" >&2
   exit 2
@@ -78,6 +79,18 @@ if [ "$WHAT" = bench2 ] && [ "$NGPU" -ge 2 ]; then
     benchmarks/all_reduce.py --out "$OUT"
   run bench_2x1_put 280 JAXOVERLAP_RANKS_PER_NODE=1 JAXOVERLAP_FORCE_NVSHMEM_PUT=1 $PY -m jaxoverlap.launch \
     --nproc 2 --timeout_s 270 benchmarks/all_reduce.py --out "$OUT/put" --sizes 8K,64K,256K,1M,4M
+fi
+
+if [ "$WHAT" = procbench ] && [ "$NGPU" -ge 2 ]; then
+  # The process models side by side: one process driving both GPUs (the in-process runtime,
+  # no launcher) and one process per GPU (NVSHMEM); records carry "processes".
+  AR_ARGS=(--impls jaxoverlap:auto,xla:psum --sizes 8K,64K,256K,1M,4M --reps 20)
+  run procbench_ar_1process 200 $PY benchmarks/all_reduce.py --out "$OUT/processes1" "${AR_ARGS[@]}"
+  run procbench_ar_2processes 200 $PY -m jaxoverlap.launch --nproc 2 --timeout_s 190 \
+    benchmarks/all_reduce.py --out "$OUT/processes2" "${AR_ARGS[@]}"
+  run procbench_fused_1process 240 $PY benchmarks/overlap.py --out "$OUT/processes1" --quick
+  run procbench_fused_2processes 240 $PY -m jaxoverlap.launch --nproc 2 --timeout_s 230 \
+    benchmarks/overlap.py --out "$OUT/processes2" --quick
 fi
 
 if [ "$WHAT" = tune ] && [ "$NGPU" -ge 2 ]; then
