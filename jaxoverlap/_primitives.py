@@ -224,18 +224,18 @@ def _ar_lowering(ctx, x, w, *, request, num_ranks):
                       ctx, x, w, multiple_results=False)
   if plan.algorithm == names.UNFUSED:
     # The GEMM, then the all-reduce of its output as its own plan says.
+    sub = plan.all_reduce
+    if sub.backend == names.XLA:  # one lowering of both (a context lowers one function)
+      return _lower_xla(
+          lambda x, w: _xla.all_reduce(_xla.matmul(x, w).astype(x.dtype), request.axis_name,
+                                       sub.algorithm, _mesh_axes(ctx)),
+          ctx, x, w, multiple_results=False)
     (y,) = _lower_xla(lambda x, w: _xla.matmul(x, w).astype(x.dtype), ctx, x, w,
                       multiple_results=False)
-    sub = plan.all_reduce
     # y is typed as the GEMM's per-rank result (varying, like x), not as the
     # all-reduced output: psum of a value typed invariant would scale it.
     y_aval = _with_vma(ctx.avals_out[0], ctx.avals_out[0].shape, _vma(ctx.avals_in[0]))
-    y_ctx = ctx.replace(avals_in=[y_aval])
-    if sub.backend == names.XLA:
-      return _lower_xla(functools.partial(_xla.all_reduce, axis_name=request.axis_name,
-                                          algorithm=sub.algorithm), y_ctx, y,
-                        multiple_results=False)
-    return _cuda.all_reduce(y_ctx, y, sub)
+    return _cuda.all_reduce(ctx.replace(avals_in=[y_aval]), y, sub)
   return _cuda.fused(ctx, (x, w), plan)
 
 

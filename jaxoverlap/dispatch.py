@@ -439,8 +439,8 @@ def _all_reduce_plan(r, dtype, local_size, num_nodes, facts, cuda) -> Plan:
 def _fused_plan(r, shapes, dtype, group, num_nodes, facts, num_ranks, cuda) -> Plan:
   op, limits = r.op, facts.limits
   if num_nodes > 1:
-    raise _Fallback(f"the fused kernels run within one node, but the group over {r.axis_name!r} "
-                    f"(PEs {list(group)}) spans {num_nodes} nodes "
+    raise _Fallback(f"the group over {r.axis_name!r} (PEs {list(group)}) spans {num_nodes} "
+                    "nodes and the fused kernels run within one node "
                     f"(ranks_per_node={facts.ranks_per_node}); put the tensor-parallel axis "
                     "within a node")
   if len(group) > limits["max_group_size"]:

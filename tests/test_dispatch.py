@@ -459,6 +459,24 @@ def test_unfused_matmul_all_reduce_lowers_to_gemm_then_all_reduce(cuda_runtime):
   assert p.algorithm == "unfused" and p.all_reduce.algorithm == "one_shot"
 
 
+@needs_extension
+def test_unfused_matmul_all_reduce_with_an_xla_all_reduce_lowers_once(cuda_runtime, monkeypatch):
+  # A policy that hands the all-reduce to lax.psum (as the measured table does from 64 MiB).
+  # GEMM and psum lower as one function (two lowerings in one rule's context failed with
+  # "Should only set `tokens_out` once").
+  class ToPsum:
+    def choose(self, nbytes, itemsize, ranks_per_node, num_nodes):
+      return policy.Choice(policy.PSUM, None, "a test's policy")
+
+  monkeypatch.setattr(dispatch, "_tuning_policy", ToPsum)
+  text = _lowered_text(lambda x, w: overlap.matmul_all_reduce(x, w, "tp", algorithm="unfused"),
+                       (8192, 128), (128, 8192), specs=(P(None, "tp"), P("tp")))
+  p = jaxoverlap.decisions()[-1]
+  assert (p.algorithm, p.all_reduce.backend) == ("unfused", "xla"), p.summary()
+  assert "custom_call @jaxoverlap" not in text
+  assert "stablehlo.dot_general" in text and "stablehlo.all_reduce" in text
+
+
 def test_xla_plan_lowers_to_the_xla_collective():
   text = _lowered_text(lambda x: jaxoverlap.all_reduce(x, "tp"), (16,))
   assert "jaxoverlap_all_reduce" not in text and "all_reduce" in text
