@@ -84,7 +84,7 @@ fi
 if [ "$WHAT" = procbench ] && [ "$NGPU" -ge 2 ]; then
   # The process models side by side: one process driving both GPUs (the in-process runtime,
   # no launcher) and one process per GPU (NVSHMEM); records carry "processes".
-  AR_ARGS=(--impls jaxoverlap:auto,xla:psum --sizes 8K,64K,256K,1M,4M --reps 20)
+  AR_ARGS=(--impls jaxoverlap:auto,xla:psum --sizes 8K,64K,256K,1M,4M --reps 50)
   run procbench_ar_1process 200 $PY benchmarks/all_reduce.py --out "$OUT/processes1" "${AR_ARGS[@]}"
   run procbench_ar_2processes 200 $PY -m jaxoverlap.launch --nproc 2 --timeout_s 190 \
     benchmarks/all_reduce.py --out "$OUT/processes2" "${AR_ARGS[@]}"
