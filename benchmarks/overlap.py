@@ -626,11 +626,15 @@ def main(argv):
   commands = (old.get("commands") or [old.get("command")]) if old else []
   if run.platform != "gpu":
     run.log(f"platform {run.platform}: the jaxoverlap:* impls (CUDA only) are not run")
+  elif run.runtime.get("transport") == "peer":
+    run.log("one process drives every GPU (transport 'peer'): jaxoverlap:nvshmem is not run")
   records, rejected = [], []
   for op, mkn in shapes:
     impls = impls_for(op, chunks=chunks, windowed=fl.windowed_einsum, requested=fl.impls)
     if run.platform != "gpu":
       impls = [i for i in impls if not i.startswith("jaxoverlap:")]
+    elif run.runtime.get("transport") == "peer" and "jaxoverlap:nvshmem" in impls:
+      impls.remove("jaxoverlap:nvshmem")  # NVSHMEM puts need a process per GPU
     recs, rej, failed = run_case(op, mkn, impls, mesh=run.mesh, dtype=fl.dtype, chain=fl.chain,
                                  reps=fl.reps, warmup=fl.warmup,
                                  ranks_per_node=run.ranks_per_node, log=run.log)
