@@ -13,8 +13,8 @@
 // Heap layout (all symmetric; every PE computes the same offsets):
 //   flags    [kNumParities][kNumPhases][num_pes][kMaxBlocks] uint64  "simple" completion flags
 //   ll       [kNumParities][kNumPhases][num_pes][ll_slot_bytes]     LL8 cells (4 B data + 4 B flag)
+//   scratch  stage[2][ll_slot_bytes] (LL8 packing), acc[2][slot_bytes] (fp32 partial sums)
 //   data     [kNumParities][kNumPhases][num_pes][slot_bytes]        "simple" payloads
-//   scratch  acc[2][acc_bytes] (fp32 partial sums), stage[2][ll_slot_bytes] (LL8 packing)
 // and, after those `heap_bytes`, the fused ops' region of `overlap_bytes`:
 //   oflags   [kMaxGroupSize][kNumOverlapPhases][kMaxChunks] uint64  "chunk arrived" flags
 //   oacks    [kMaxGroupSize] uint64                                  "slot consumed" flags
