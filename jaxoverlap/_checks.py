@@ -107,6 +107,27 @@ def check_array(op: str, name: str, a) -> jnp.dtype:
   return dtype
 
 
+def refuse_forward_mode(op: str, *arrays) -> None:
+  """Raises ``TypeError`` when an input carries forward-mode tangents.
+
+  The ops define a reverse-mode rule only (``jax.custom_vjp``). Under ``jax.jit``
+  JAX itself refuses forward mode, but later and without naming the op; in
+  eager ``shard_map`` it fails inside JAX with "unhashable type". Reverse mode
+  (``jax.grad``, ``jax.vjp``, ``jax.jacrev``) traces with linearize tracers,
+  not forward-mode ones, where JAX linearizes directly (its default since
+  0.5; the check is skipped otherwise, leaving the error to JAX).
+  """
+  if not getattr(jax.config, "jax_use_direct_linearize", False):
+    return
+  from jax.interpreters import ad
+
+  if any(isinstance(a, ad.JVPTracer) for a in arrays):
+    raise TypeError(
+        f"{op}: forward-mode differentiation (jax.jvp, jax.jacfwd, jax.hessian) cannot go "
+        "through jaxoverlap's ops: they define a reverse-mode rule only (jax.custom_vjp); use "
+        "jax.grad, jax.vjp or jax.jacrev")
+
+
 def check_matmul_operands(op: str, x, w) -> None:
   """Checks ``x: [..., k]`` and ``w: [k, n]`` for ``x @ w``.
 

@@ -116,7 +116,8 @@ def all_reduce(x, axis_name, *, backend="auto", algorithm="auto", protocol="auto
       message.
 
   Forward-mode differentiation (``jax.jvp``, ``jax.jacfwd``) is not
-  available: the op is a ``jax.custom_vjp``.
+  available: the op is a ``jax.custom_vjp``, and a forward-mode tangent on
+  ``x`` raises ``TypeError`` naming the op.
 
   Algorithm:
     "collective" is ``lax.psum``. "ppermute" flattens ``x``, zero-pads it to a
@@ -136,6 +137,7 @@ def all_reduce(x, axis_name, *, backend="auto", algorithm="auto", protocol="auto
   """
   op = names.ALL_REDUCE
   _checks.check_array(op, "x", x)
+  _checks.refuse_forward_mode(op, x)
   num_ranks = _checks.axis_size(op, axis_name)
   _checks.check_options(op, backend=backend, algorithm=algorithm, protocol=protocol,
                         transport=transport)

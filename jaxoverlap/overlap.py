@@ -63,6 +63,7 @@ class _Config(NamedTuple):
 
 def _config(op, x, w, axis_name, dim, backend, algorithm, transport, chunks) -> _Config:
   """Checks the choices and records what the backward pass needs."""
+  _checks.refuse_forward_mode(op, x, w)
   _checks.check_options(op, backend=backend, algorithm=algorithm, transport=transport,
                         chunks=chunks)
   request = Request(op, axis_name, backend=backend, algorithm=algorithm, transport=transport,
@@ -203,7 +204,8 @@ def all_gather_matmul(x, w, axis_name, *, gather_dimension=0, backend="auto",
       run in this process (the message says why).
 
   Forward-mode differentiation (``jax.jvp``, ``jax.jacfwd``) is not
-  available: the op is a ``jax.custom_vjp``.
+  available: the op is a ``jax.custom_vjp``, and a forward-mode tangent on
+  ``x`` or ``w`` raises ``TypeError`` naming the op.
 
   Algorithm:
     "ppermute": a ring of ``num_ranks - 1`` ``ppermute`` steps. Each rank
@@ -315,7 +317,8 @@ def matmul_reduce_scatter(x, w, axis_name, *, scatter_dimension=0, backend="auto
       run in this process.
 
   Forward-mode differentiation (``jax.jvp``, ``jax.jacfwd``) is not
-  available: the op is a ``jax.custom_vjp``.
+  available: the op is a ``jax.custom_vjp``, and a forward-mode tangent on
+  ``x`` or ``w`` raises ``TypeError`` naming the op.
 
   Algorithm:
     "ppermute": the accumulator of output block ``d`` starts on rank ``d + 1``
@@ -429,7 +432,8 @@ def matmul_all_reduce(x, w, axis_name, *, backend="auto", algorithm="auto", tran
       run in this process.
 
   Forward-mode differentiation (``jax.jvp``, ``jax.jacfwd``) is not
-  available: the op is a ``jax.custom_vjp``.
+  available: the op is a ``jax.custom_vjp``, and a forward-mode tangent on
+  ``x`` or ``w`` raises ``TypeError`` naming the op.
 
   Algorithm:
     "ppermute": views ``x`` as ``[rows, k_local]`` and runs the

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxoverlap
@@ -146,10 +147,41 @@ def test_jacrev_equals_the_expression(rng, name):
 # ---------------------------------------------------------------------------- forward mode
 
 
-def test_forward_mode_is_refused_clearly():
-  x = jnp.ones((R * 2, 4), F32)
-  f = jax.shard_map(lambda x: jaxoverlap.all_reduce(x, "tp"), mesh=_mesh(), in_specs=P("tp"),
-                    out_specs=P())
-  with pytest.raises(TypeError, match="can't apply forward-mode autodiff \\(jvp\\) to a "
-                                      "custom_vjp function"):
-    jax.jvp(jax.jit(f), (x,), (x,))
+FORWARD_CASES = {  # op: (shapes of x and w, in_specs, out_spec)
+    "all_reduce": (((R * 2, 4),), (P("tp"),), P()),
+    "all_gather_matmul": (((R * 2, 4), (4, 3)), (P("tp"), P()), P("tp")),
+    "matmul_reduce_scatter": (((R * 2, R * 4), (R * 4, 3)), (P(None, "tp"), P("tp")), P("tp")),
+    "matmul_all_reduce": (((R * 2, R * 4), (R * 4, 3)), (P(None, "tp"), P("tp")), P()),
+}
+
+
+@pytest.mark.parametrize("mode", ["eager", "jit", "jacfwd"])
+@pytest.mark.parametrize("op", list(FORWARD_CASES))
+def test_forward_mode_is_refused_clearly(op, mode):
+  """Forward mode names the op and says why (eager shard_map failed inside JAX, 'unhashable')."""
+  shapes, specs, out = FORWARD_CASES[op]
+  mesh = _mesh()
+  args = tuple(jax.device_put(jnp.ones(s, F32), NamedSharding(mesh, sp))
+               for s, sp in zip(shapes, specs))
+  f = jax.shard_map(lambda *a: getattr(jaxoverlap, op)(*a, "tp"), mesh=mesh, in_specs=specs,
+                    out_specs=out)
+  with pytest.raises(TypeError, match=f"{op}: forward-mode differentiation .* cannot go through "
+                                      "jaxoverlap's ops"):
+    if mode == "eager":
+      jax.jvp(f, args, args)
+    elif mode == "jit":
+      jax.jit(lambda *a: jax.jvp(f, a, a))(*args)
+    else:
+      jax.jacfwd(lambda a0: f(a0, *args[1:]))(args[0])
+
+
+def test_reverse_mode_is_not_mistaken_for_forward_mode():
+  shapes, specs, out = FORWARD_CASES["matmul_reduce_scatter"]
+  mesh = _mesh()
+  x, w = (jax.device_put(jnp.ones(s, F32), NamedSharding(mesh, sp)) for s, sp in zip(shapes, specs))
+  f = jax.shard_map(lambda a, b: jaxoverlap.matmul_reduce_scatter(a, b, "tp"), mesh=mesh,
+                    in_specs=specs, out_specs=out)
+  for grad in (jax.grad(lambda a, b: f(a, b).sum(), argnums=(0, 1)),
+               jax.jit(jax.grad(lambda a, b: f(a, b).sum(), argnums=(0, 1)))):
+    dx, dw = grad(x, w)
+    assert dx.shape == x.shape and dw.shape == w.shape
