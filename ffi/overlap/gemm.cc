@@ -303,6 +303,15 @@ ffi::Error Launch(cudaStream_t stream, const Gemm& g, bool only_first) {
 
 ffi::Error Run(cudaStream_t stream, const Gemm& g) { return Launch(stream, g, false); }
 
-ffi::Error Preload(cudaStream_t stream, const Gemm& g) { return Launch(stream, g, true); }
+ffi::Error Preload(cudaStream_t stream, const Gemm& g) {
+  // Under stream capture (XLA's command buffers) nothing runs now, and a graph
+  // loads its kernels when it is instantiated or updated, not half-way through
+  // a launch. A preload node would also change the recorded topology between the
+  // first capture and later ones, which a graph update refuses.
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  JAXOVERLAP_CUDA_RETURN_IF_ERROR(cudaStreamIsCapturing(stream, &capture));
+  if (capture != cudaStreamCaptureStatusNone) return ffi::Error::Success();
+  return Launch(stream, g, true);
+}
 
 }  // namespace jaxoverlap::gemm

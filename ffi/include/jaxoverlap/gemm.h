@@ -62,6 +62,8 @@ ffi::Error Run(cudaStream_t stream, const Gemm& g);
 // waiting for this GPU in turn. The fused ops therefore preload every GEMM of
 // a call before their first wait (docs/kernels.md, "Lazy loading"). `g` must
 // be safe to run early: its D is not read by anyone before the call rewrites it.
+// Under stream capture it does nothing (a graph loads its kernels when it is
+// instantiated or updated).
 ffi::Error Preload(cudaStream_t stream, const Gemm& g);
 // Plans cached so far (for runtime_info and tests).
 int64_t CachedPlans();
