@@ -114,8 +114,9 @@ def refuse_forward_mode(op: str, *arrays) -> None:
   JAX itself refuses forward mode, but later and without naming the op; in
   eager ``shard_map`` it fails inside JAX with "unhashable type". Reverse mode
   (``jax.grad``, ``jax.vjp``, ``jax.jacrev``) traces with linearize tracers,
-  not forward-mode ones, where JAX linearizes directly (its default since
-  0.5; the check is skipped otherwise, leaving the error to JAX).
+  not forward-mode ones, where JAX linearizes directly
+  (``jax_use_direct_linearize``, the default of the jax versions tested, 0.11
+  and 0.12); without it the check is skipped and the error left to JAX.
   """
   if not getattr(jax.config, "jax_use_direct_linearize", False):
     return
