@@ -360,6 +360,8 @@ def _cuda_only_choice(r: Request) -> str | None:
   for key in ("protocol", "transport"):
     if getattr(r, key) != names.AUTO:
       return f"{key}={getattr(r, key)!r}"
+  if r.chunks is not None:
+    return f"chunks={r.chunks}"
   return None
 
 

@@ -200,8 +200,9 @@ def all_gather_matmul(x, w, axis_name, *, gather_dimension=0, backend="auto",
       or transport, ``chunks`` out of range or with backend "xla"; at
       lowering, with backend "cuda": a group that spans nodes, or a shard
       larger than the fused-op slot (``runtime_info()["overlap_slot_bytes"]``).
-    RuntimeError: at lowering, backend "cuda" while the CUDA kernels cannot
-      run in this process (the message says why).
+    RuntimeError: at lowering, backend "cuda" or a CUDA-only choice
+      (algorithm "fused", a transport, chunks) while the CUDA kernels cannot
+      run in this process; the message says why.
 
   Forward-mode differentiation (``jax.jvp``, ``jax.jacfwd``) is not
   available: the op is a ``jax.custom_vjp``, and a forward-mode tangent on
@@ -313,8 +314,9 @@ def matmul_reduce_scatter(x, w, axis_name, *, scatter_dimension=0, backend="auto
       backend "xla"; at lowering, with backend "cuda": the last dimension
       scattered, a group that spans nodes, or a partial block larger than the
       fused-op slot.
-    RuntimeError: at lowering, backend "cuda" while the CUDA kernels cannot
-      run in this process.
+    RuntimeError: at lowering, backend "cuda" or a CUDA-only choice
+      (algorithm "fused", a transport, chunks) while the CUDA kernels cannot
+      run in this process; the message says why.
 
   Forward-mode differentiation (``jax.jvp``, ``jax.jacfwd``) is not
   available: the op is a ``jax.custom_vjp``, and a forward-mode tangent on
@@ -428,8 +430,9 @@ def matmul_all_reduce(x, w, axis_name, *, backend="auto", algorithm="auto", tran
       "xla" or with "unfused"; at lowering: "fused" with rows not divisible
       by the axis size; with backend "cuda", a group that spans nodes or has
       more than 8 ranks, or a block larger than half a fused-op slot.
-    RuntimeError: at lowering, backend "cuda" while the CUDA kernels cannot
-      run in this process.
+    RuntimeError: at lowering, backend "cuda" or a CUDA-only choice
+      (algorithm "fused", a transport, chunks) while the CUDA kernels cannot
+      run in this process; the message says why.
 
   Forward-mode differentiation (``jax.jvp``, ``jax.jacfwd``) is not
   available: the op is a ``jax.custom_vjp``, and a forward-mode tangent on

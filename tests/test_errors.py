@@ -375,7 +375,7 @@ def test_cuda_choice_with_auto_backend_unavailable(kw, asked, cpu_only):
 
 
 def test_chunks_with_auto_backend_falling_back(cpu_only):
-  with pytest.raises(ValueError, match=re.escape(
-      "all_gather_matmul: chunks=2 applies to backend 'cuda' only, and this call runs on "
-      "backend 'xla' (auto: JAX runs on 'cpu' here")):
+  # chunks is a CUDA-only choice, like protocol and transport: it cannot fall back.
+  with pytest.raises(RuntimeError, match=re.escape(
+      "all_gather_matmul: chunks=2 (backend 'cuda') was requested, but JAX runs on 'cpu' here")):
     lower(agmm(chunks=2), ((8, 64), F32), ((64, 16), F32))
