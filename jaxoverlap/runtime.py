@@ -327,6 +327,17 @@ def _run_bounded(fn, timeout_s: float, what: str, stage) -> None:
     raise box["error"]
 
 
+def _start_up(fn, wait_s: float, who: str, step: str, stage) -> None:
+  """Runs the extension's start-up ``fn`` bounded by ``wait_s``; every error names ``who``."""
+  try:
+    _run_bounded(fn, wait_s, f"jaxoverlap.initialize ({who}): {step}", stage)
+  except RuntimeError as e:
+    msg = str(e)
+    if not msg.startswith("jaxoverlap.initialize"):
+      msg = f"jaxoverlap.initialize ({who}): {msg}"
+    raise RuntimeError(msg) from None
+
+
 def initialize(
     heap_bytes: int | None = None,
     *,
@@ -440,18 +451,10 @@ def initialize(
       uid = _exchange(key, uid, rank, timeout_s=wait_s)
     logger.info("jaxoverlap: NVSHMEM PE %d of %d on GPU %d, heap %d bytes", rank, num_ranks,
                 ordinal, params["heap_bytes"])
-    try:
-      _run_bounded(
-          lambda: ext.initialize(uid, rank, num_ranks, ordinal, params["heap_bytes"],
-                                 params["overlap_heap_bytes"], int(params["timeout_s"] * 1e9),
-                                 rpn),
-          wait_s, f"jaxoverlap.initialize (PE {rank} of {num_ranks}): NVSHMEM's start-up",
-          ext.init_stage)
-    except RuntimeError as e:
-      msg = str(e)
-      if not msg.startswith("jaxoverlap.initialize"):
-        msg = f"jaxoverlap.initialize (PE {rank} of {num_ranks}): {msg}"
-      raise RuntimeError(msg) from None
+    _start_up(lambda: ext.initialize(uid, rank, num_ranks, ordinal, params["heap_bytes"],
+                                     params["overlap_heap_bytes"],
+                                     int(params["timeout_s"] * 1e9), rpn),
+              wait_s, f"PE {rank} of {num_ranks}", "NVSHMEM's start-up", ext.init_stage)
     _share_tuning_table(rank, num_ranks)
     _generation += 1
     _initialized = True
@@ -503,18 +506,11 @@ def _initialize_peer(ext, devices, params: dict[str, Any]) -> None:
   logger.info("jaxoverlap: in-process runtime on GPUs %s (PEs %d..%d of %d), heap %d bytes each",
               ordinals, first_pe, first_pe + num_local - 1, num_local * num_processes,
               params["heap_bytes"])
-  try:
-    _run_bounded(
-        lambda: ext.initialize_peer(ordinals, first_pe, num_local * num_processes,
-                                    params["heap_bytes"], params["overlap_heap_bytes"],
-                                    int(params["timeout_s"] * 1e9)),
-        wait_s, f"jaxoverlap.initialize (process {rank}): the in-process runtime's start-up",
-        ext.init_stage)
-  except RuntimeError as e:
-    msg = str(e)
-    if not msg.startswith("jaxoverlap.initialize"):
-      msg = f"jaxoverlap.initialize (process {rank}, GPUs {ordinals}): {msg}"
-    raise RuntimeError(msg) from None
+  _start_up(lambda: ext.initialize_peer(ordinals, first_pe, num_local * num_processes,
+                                       params["heap_bytes"], params["overlap_heap_bytes"],
+                                       int(params["timeout_s"] * 1e9)),
+            wait_s, f"process {rank}, GPUs {ordinals}", "the in-process runtime's start-up",
+            ext.init_stage)
   _share_tuning_table(rank, num_processes)
   _generation += 1
   _initialized = True

@@ -6,6 +6,7 @@ a fake key-value store and a stuck function, and the parameter rules against a
 runtime marked as started.
 """
 
+import re
 import threading
 import time
 
@@ -64,6 +65,22 @@ def test_run_bounded_names_the_stuck_step():
   with pytest.raises(ValueError, match="boom"):
     runtime._run_bounded(lambda: (_ for _ in ()).throw(ValueError("boom")), 1, "x", str)
   runtime._run_bounded(lambda: None, 1, "x", str)
+
+
+def test_start_up_errors_name_the_process_and_step():
+  def fail():
+    raise RuntimeError("cudaMalloc failed: out of memory")
+
+  with pytest.raises(RuntimeError, match=re.escape(
+      "jaxoverlap.initialize (process 0, GPUs [0, 1]): cudaMalloc failed: out of memory")):
+    runtime._start_up(fail, 1, "process 0, GPUs [0, 1]", "the in-process runtime's start-up", str)
+  release = threading.Event()
+  with pytest.raises(RuntimeError, match=re.escape(
+      "jaxoverlap.initialize (PE 1 of 2): NVSHMEM's start-up did not finish within 0.2 s "
+      "(stuck at: bootstrap)")):
+    runtime._start_up(lambda: release.wait(5), 0.2, "PE 1 of 2", "NVSHMEM's start-up",
+                      lambda: "bootstrap")
+  release.set()
 
 
 # ---------------------------------------------------------------------------- parameters

@@ -160,6 +160,22 @@ class World:
     return env
 
 
+@dataclasses.dataclass(frozen=True)
+class Case:
+  """One parametrized launch of a rank module: its world, a pytest selection, a time bound."""
+
+  world: World
+  select: tuple = ()
+  timeout_s: int = 300
+
+
+def run_case(tmp_path: Path, module: str, case: Case) -> None:
+  """Runs ``module`` as ``case`` says, prints every rank's outcomes, checks every rank."""
+  run = run_ranks(tmp_path, module, case.world, select=case.select, timeout_s=case.timeout_s)
+  run.print_summary()
+  run.check()
+
+
 # ---------------------------------------------------------------------------- a run
 
 

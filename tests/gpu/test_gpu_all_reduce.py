@@ -9,21 +9,12 @@ On a machine with fewer GPUs than ranks, processes share GPUs evenly (ids end
 in -Npergpu) and what needs NCCL is skipped.
 """
 
-import dataclasses
-
 import pytest
 
 import _harness
-from _harness import World
+from _harness import Case, World
 
 pytestmark = [pytest.mark.gpu, _harness.requires_gpus]
-
-
-@dataclasses.dataclass(frozen=True)
-class Case:
-  world: World
-  select: tuple = ()
-  timeout_s: int = 300
 
 
 QUICK = ("-m", "quick")
@@ -45,7 +36,4 @@ CASES = [
 
 @pytest.mark.parametrize("case", CASES, ids=[c.world.label() for c in CASES])
 def test_all_reduce(case, tmp_path):
-  run = _harness.run_ranks(tmp_path, "rank_all_reduce.py", case.world, select=case.select,
-                           timeout_s=case.timeout_s)
-  run.print_summary()
-  run.check()
+  _harness.run_case(tmp_path, "rank_all_reduce.py", case)

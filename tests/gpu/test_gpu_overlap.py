@@ -7,21 +7,12 @@ slot error); worlds 4 and 8 (one node: ranks per node = world) run the quick
 tests, where the rank-adaptive order differs from 2 ranks.
 """
 
-import dataclasses
-
 import pytest
 
 import _harness
-from _harness import World
+from _harness import Case, World
 
 pytestmark = [pytest.mark.gpu, _harness.requires_gpus]
-
-
-@dataclasses.dataclass(frozen=True)
-class Case:
-  world: World
-  select: tuple = ()
-  timeout_s: int = 300
 
 
 # Timeouts: about 2.5x the expected time (world 2 on 2x H200: ~2 minutes).
@@ -34,7 +25,4 @@ CASES = [
 
 @pytest.mark.parametrize("case", CASES, ids=[c.world.label() for c in CASES])
 def test_fused_ops(case, tmp_path):
-  run = _harness.run_ranks(tmp_path, "rank_overlap.py", case.world, select=case.select,
-                           timeout_s=case.timeout_s)
-  run.print_summary()
-  run.check()
+  _harness.run_case(tmp_path, "rank_overlap.py", case)
