@@ -91,16 +91,37 @@ def _slurm_tasks_on_node(env) -> int:
   return per_node[node] if node < len(per_node) else 1
 
 
-def slurm_local_devices(env=None) -> list[int] | None:
+def _driver_gpu_count() -> int | None:
+  """GPUs the CUDA driver shows this process (within CUDA_VISIBLE_DEVICES), or None."""
+  import ctypes
+
+  try:
+    cuda = ctypes.CDLL("libcuda.so.1")
+  except OSError:
+    return None
+  count = ctypes.c_int(0)
+  if cuda.cuInit(0) != 0 or cuda.cuDeviceGetCount(ctypes.byref(count)) != 0:
+    return None
+  return count.value
+
+
+def slurm_local_devices(env=None, visible_gpus: int | None = None) -> list[int] | None:
   """The local device ids this SLURM task should drive, from what it actually sees.
 
   * One task per GPU: ``srun --gpus-per-task=1`` shows each task only its own
     GPU (``CUDA_VISIBLE_DEVICES`` holds one id), which JAX then numbers 0; a
     task that sees all the node's GPUs takes the one at ``SLURM_LOCALID``.
-  * One task per node: None, i.e. every GPU the task sees (JAX's default).
+  * One task per node: every GPU the task sees. They must be named: given
+    none, ``jax.distributed.initialize`` under SLURM takes only the GPU at
+    ``SLURM_LOCALID``.
 
   Args:
     env: the environment (default ``os.environ``).
+    visible_gpus: GPUs this task sees (default: from ``CUDA_VISIBLE_DEVICES``,
+      else from the CUDA driver).
+
+  Returns:
+    The ids, or None where no GPU is seen (JAX's default placement).
 
   Raises:
     RuntimeError: the task sees several GPUs but fewer than its local id
@@ -108,7 +129,11 @@ def slurm_local_devices(env=None) -> list[int] | None:
   """
   env = os.environ if env is None else env
   if _slurm_tasks_on_node(env) == 1:
-    return None
+    if visible_gpus is None and "CUDA_VISIBLE_DEVICES" in env:
+      visible_gpus = len([d for d in env["CUDA_VISIBLE_DEVICES"].split(",") if d.strip()])
+    if visible_gpus is None:
+      visible_gpus = _driver_gpu_count()
+    return list(range(visible_gpus)) if visible_gpus else None
   local = int(env.get("SLURM_LOCALID", "0") or 0)
   if "CUDA_VISIBLE_DEVICES" not in env:
     return [local]
@@ -169,7 +194,7 @@ def initialize_from_env(
     local = slurm_local_devices(env)
     jax.distributed.initialize(local_device_ids=local)
     out.update(process_id=jax.process_index(), num_processes=jax.process_count(),
-               local_device=None if local is None else local[0])
+               local_device=local[0] if local is not None and len(local) == 1 else None)
 
   if nvshmem is None:
     from jaxoverlap import _ffi

@@ -150,13 +150,24 @@ def test_second_initialize_with_the_same_or_no_parameters_returns_the_info(start
     # Every task sees all the node's GPUs: the one at its local id.
     (dict(SLURM_NTASKS_PER_NODE="2", SLURM_LOCALID="1", CUDA_VISIBLE_DEVICES="0,1"), [1]),
     (dict(SLURM_NTASKS_PER_NODE="2", SLURM_LOCALID="1"), [1]),
-    # One task per node drives all its GPUs.
-    (dict(SLURM_NTASKS_PER_NODE="1", SLURM_LOCALID="0", CUDA_VISIBLE_DEVICES="0,1"), None),
-    (dict(SLURM_TASKS_PER_NODE="1(x2)", SLURM_NODEID="0", SLURM_LOCALID="0"), None),
+    # One task per node drives all its GPUs, named (JAX would take only SLURM_LOCALID's).
+    (dict(SLURM_NTASKS_PER_NODE="1", SLURM_LOCALID="0", CUDA_VISIBLE_DEVICES="0,1"), [0, 1]),
+    (dict(SLURM_NTASKS_PER_NODE="1", SLURM_LOCALID="0", CUDA_VISIBLE_DEVICES="3,1,2"),
+     [0, 1, 2]),
 ], ids=["one-gpu-per-task", "one-gpu-per-task-uneven-list", "all-visible", "unset",
-        "task-per-node", "task-per-node-list"])
+        "task-per-node", "task-per-node-three"])
 def test_slurm_local_devices(env, expected):
   assert launch.slurm_local_devices(env) == expected
+
+
+def test_slurm_one_task_per_node_counts_the_gpus_it_sees(monkeypatch):
+  """Without CUDA_VISIBLE_DEVICES the driver says how many GPUs the task sees."""
+  env = dict(SLURM_TASKS_PER_NODE="1(x2)", SLURM_NODEID="1", SLURM_LOCALID="0")
+  assert launch.slurm_local_devices(env, visible_gpus=4) == [0, 1, 2, 3]
+  monkeypatch.setattr(launch, "_driver_gpu_count", lambda: 8)
+  assert launch.slurm_local_devices(env) == list(range(8))
+  monkeypatch.setattr(launch, "_driver_gpu_count", lambda: None)  # no driver: JAX's default
+  assert launch.slurm_local_devices(env) is None
 
 
 def test_slurm_placement_that_names_no_visible_gpu():
