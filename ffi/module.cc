@@ -69,6 +69,9 @@ NB_MODULE(_jaxoverlap_cuda, m) {
   m.def("registrations", []() {
     nb::dict d;
     d["jaxoverlap_all_reduce"] = EncapsulateFfiHandler(JaxoverlapAllReduce);
+    d["jaxoverlap_all_reduce_reduce_scatter"] =
+        EncapsulateFfiHandler(JaxoverlapAllReduceReduceScatter);
+    d["jaxoverlap_all_reduce_all_gather"] = EncapsulateFfiHandler(JaxoverlapAllReduceAllGather);
     d["jaxoverlap_launch_floor"] = EncapsulateFfiHandler(JaxoverlapLaunchFloor);
     d["jaxoverlap_all_gather_matmul"] = EncapsulateFfiHandler(JaxoverlapAllGatherMatmul);
     d["jaxoverlap_all_gather_matmul_gathered"] =

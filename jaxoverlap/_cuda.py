@@ -24,7 +24,7 @@ import numpy as np
 
 from jaxoverlap import _ffi, names
 
-__all__ = ["all_reduce", "fused", "launch_floor"]
+__all__ = ["all_reduce", "fused", "launch_floor", "reduce_scatter_stage", "all_gather_stage"]
 
 _FUSED_TARGETS = {
     names.ALL_GATHER_MATMUL: "jaxoverlap_all_gather_matmul",
@@ -49,6 +49,18 @@ def all_reduce(ctx, x, plan):
       ctx, x, **_groups(plan),
       algorithm=_enum("AllReduceAlgorithm", plan.algorithm),
       protocol=_enum("Protocol", plan.protocol))
+
+
+def reduce_scatter_stage(piece: jax.Array, plan, shard: int) -> jax.Array:
+  """Traceable: this rank's reduced shard (float32 [shard]) of ``piece`` within its node."""
+  out = jax.typeof(piece).update(shape=(shard,), dtype=np.dtype(np.float32))
+  return jax.ffi.ffi_call("jaxoverlap_all_reduce_reduce_scatter", out)(piece, **_groups(plan))
+
+
+def all_gather_stage(shard: jax.Array, plan, length: int, dtype) -> jax.Array:
+  """Traceable: the node's shards gathered into ``length`` elements of ``dtype``."""
+  out = jax.typeof(shard).update(shape=(length,), dtype=np.dtype(dtype))
+  return jax.ffi.ffi_call("jaxoverlap_all_reduce_all_gather", out)(shard, **_groups(plan))
 
 
 def fused(ctx, args, plan, *, gathered: bool = False):

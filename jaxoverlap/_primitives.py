@@ -29,8 +29,11 @@ import dataclasses
 import functools
 
 import jax
+import numpy as np
 from jax import lax
 from jax.extend.core import Primitive
+from jax.extend.mlir import ir
+from jax.extend.mlir.dialects import stablehlo as hlo
 from jax.interpreters import batching, mlir
 
 from jaxoverlap import _cuda, _xla, dispatch, names
@@ -82,7 +85,53 @@ def _all_reduce_lowering(ctx, x, *, request, num_ranks):
     return _lower_xla(functools.partial(_xla.all_reduce, axis_name=request.axis_name,
                                         algorithm=plan.algorithm, mesh_axes=_mesh_axes(ctx)),
                       ctx, x, multiple_results=False)
+  if plan.inter_node == names.XLA:
+    return _lower_xla(functools.partial(_all_reduce_over_xla, plan=plan), ctx, x,
+                      multiple_results=False)
   return _cuda.all_reduce(ctx, x, plan)
+
+
+def _all_reduce_over_xla(x, *, plan):
+  """The hierarchical all-reduce whose inter-node step is XLA's (traced in a lowering).
+
+  The kernels' intra-node reduce-scatter leaves each GPU its fp32 shard, XLA's
+  all-reduce sums the shard over the same-local-rank GPUs of the other
+  processes, and the kernels' all-gather rebuilds the message (NVRAR, arXiv
+  2511.09557 sec. 4, with NCCL between the nodes).
+  """
+  flat = x.reshape(-1)
+  outs = []
+  for start, length, shard in plan.pieces:
+    s = _cuda.reduce_scatter_stage(lax.slice(flat, (start,), (start + length,)), plan, shard)
+    s = node_psum_p.bind(s, node_groups=plan.node_groups)
+    outs.append(_cuda.all_gather_stage(s, plan, length, flat.dtype))
+  return (outs[0] if len(outs) == 1 else jax.numpy.concatenate(outs)).reshape(x.shape)
+
+
+# XLA's all-reduce over explicit groups of devices (``plan.node_groups``: mesh
+# positions), which lax.psum does not take inside shard_map. The result keeps
+# the operand's type: the sum is over some devices of the axis, not all.
+node_psum_p = Primitive("jaxoverlap_node_psum")
+node_psum_p.def_abstract_eval(lambda x, *, node_groups: x)
+
+
+def _node_psum_lowering(ctx, x, *, node_groups):
+  (aval,) = ctx.avals_in
+  new_channel = getattr(ctx.module_context, "new_channel", None)
+  op = hlo.AllReduceOp(
+      [x.type], [x],
+      replica_groups=ir.DenseIntElementsAttr.get(np.asarray(node_groups, dtype=np.int64)),
+      channel_handle=hlo.ChannelHandle.get(new_channel() if new_channel else 1,
+                                           mlir.DEVICE_TO_DEVICE_TYPE),
+      use_global_device_ids=ir.BoolAttr.get(True))
+  scalar = ir.RankedTensorType.get([], mlir.dtype_to_ir_type(aval.dtype))
+  block = op.regions[0].blocks.append(scalar, scalar)
+  with ir.InsertionPoint(block):
+    hlo.return_([hlo.add(*block.arguments)])
+  return op.results
+
+
+mlir.register_lowering(node_psum_p, _node_psum_lowering)
 
 
 def _all_reduce_batch(args, dims, *, request, num_ranks):

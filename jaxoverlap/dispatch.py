@@ -50,7 +50,7 @@ from jaxoverlap import names, runtime
 from jaxoverlap.tuning import policy as _policy
 
 __all__ = ["Request", "Plan", "Geometry", "make_plan", "plan_lowering", "decisions",
-           "clear_decisions"]
+           "clear_decisions", "geometry", "stage_pieces"]
 
 logger = logging.getLogger("jaxoverlap")
 
@@ -136,6 +136,12 @@ class Plan:
     geometry: the fused kernels' shape attributes, else None.
     all_reduce: for matmul_all_reduce's "unfused" algorithm, the plan of its
       all-reduce.
+    inter_node: all_reduce "hierarchical" across processes of the in-process
+      runtime: "xla", XLA's all-reduce joins the nodes between the kernels'
+      intra-node reduce-scatter and all-gather; else None.
+    node_groups: with ``inter_node="xla"``, the groups of that all-reduce:
+      for every group and local rank, the mesh positions (XLA's logical
+      device ids) of the GPUs with that local rank on each node.
     why: (choice, reason) pairs: why each choice was made ("requested", a
       fallback's cause, "measured (...)", "cost model (...)", a rule).
   """
@@ -159,6 +165,9 @@ class Plan:
   command_buffer: bool = False
   geometry: Geometry | None = None
   all_reduce: Plan | None = None
+  inter_node: str | None = None
+  node_groups: tuple[tuple[int, ...], ...] | None = None
+  pieces: tuple[tuple[int, int, int], ...] | None = None
 
   def reason(self, choice: str) -> str | None:
     """Why ``choice`` ("backend", "algorithm", "protocol", ...) was made, or None."""
@@ -168,7 +177,8 @@ class Plan:
     """One line: the call, what runs, and why."""
     what = f"{self.backend} {self.algorithm}"
     extra = [f"{k}={v}" for k, v in (("protocol", self.protocol), ("transport", self.transport),
-                                     ("chunks", self.chunks)) if v is not None]
+                                     ("inter_node", self.inter_node), ("chunks", self.chunks))
+             if v is not None]
     if extra:
       what += " (" + ", ".join(extra) + ")"
     topo = f"{self.num_ranks} ranks"
@@ -257,6 +267,38 @@ def geometry(op: str, x_shape, w_shape, dim: int | None, num_ranks: int,
   # The slot holds the reduce-scatter's partial and, after it, the all-gather's block.
   return Geometry(1, rows, k, n, 2 * (-(-block // 256) * 256), rows, block,
                   2.0 * rows * k * n)
+
+
+def stage_pieces(num_elements: int, local_size: int, itemsize: int,
+                 slot_bytes: int) -> list[tuple[int, int, int]]:
+  """How the intra-node steps between processes cut a message (``AllReduceStage``).
+
+  Each piece is one launch of the reduce-scatter and one of the all-gather;
+  its shard (the two-shot shard: ceil(length / local_size) rounded up to 16
+  bytes of the dtype) must fit one slot of the heap.
+
+  Args:
+    num_elements: the message's elements.
+    local_size: ranks of the group in this process.
+    itemsize: bytes per element.
+    slot_bytes: the heap's slot per sender (``runtime_info()["slot_bytes"]``).
+
+  Returns:
+    ``(start, length, shard)`` per piece, in elements.
+
+  Raises:
+    ValueError: a slot too small for one 16-byte vector.
+  """
+  vec = 16 // itemsize
+  capacity = (slot_bytes // itemsize // vec) * vec * local_size
+  if capacity == 0:
+    raise ValueError(f"all_reduce: the heap's slots ({slot_bytes} bytes) are too small for one "
+                     "vector per rank; raise heap_bytes in jaxoverlap.initialize()")
+  pieces = []
+  for start in range(0, num_elements, capacity):
+    length = min(capacity, num_elements - start)
+    pieces.append((start, length, -(-(-(-length // local_size)) // vec) * vec))
+  return pieces
 
 
 def _warn_fallback(request: Request, reason: str) -> None:
@@ -378,14 +420,16 @@ def _cuda_plan(r, shapes, dtype, mesh, facts, num_ranks, base) -> Plan:
     raise _Fallback(str(e)) from None
   group = _group_of(groups, facts.pe)
   local_size, num_nodes = _topology(group, facts.ranks_per_node)
-  if facts.transport == names.PEER and num_nodes > 1:
+  if facts.transport == names.PEER and num_nodes > 1 and r.op != names.ALL_REDUCE:
     raise _Fallback(
-        f"the group over {r.axis_name!r} spans {num_nodes} processes, and the in-process "
-        "runtime reaches only the GPUs of this process (between processes XLA's collective "
-        "runs)")
+        f"the group over {r.axis_name!r} spans {num_nodes} processes, and the fused kernels of "
+        "the in-process runtime reach only the GPUs of this process (put the tensor-parallel "
+        "axis within a process)")
   cuda = dict(base, backend=names.CUDA, ranks_per_node=local_size, num_nodes=num_nodes,
               groups=tuple(tuple(g) for g in groups))
   if r.op == names.ALL_REDUCE:
+    if facts.transport == names.PEER and num_nodes > 1:
+      return _all_reduce_over_xla_plan(r, dtype, mesh, local_size, num_nodes, facts, cuda)
     return _all_reduce_plan(r, dtype, local_size, num_nodes, facts, cuda)
   return _fused_plan(r, shapes, dtype, group, num_nodes, facts, num_ranks, cuda)
 
@@ -435,6 +479,56 @@ def _all_reduce_plan(r, dtype, local_size, num_nodes, facts, cuda) -> Plan:
     raise ValueError(f"all_reduce: transport={r.transport!r} was requested, but this runtime's "
                      f"transport is {transport!r}")
   return Plan(**cuda, algorithm=algorithm, protocol=protocol, transport=transport,
+              why=tuple(why))
+
+
+def _all_reduce_over_xla_plan(r, dtype, mesh, local_size, num_nodes, facts, cuda) -> Plan:
+  """all_reduce over processes of the in-process runtime: XLA's psum joins the nodes.
+
+  The in-process runtime reaches only its own process's GPUs, so between
+  processes (nodes) the hierarchical algorithm's middle step is XLA's
+  all-reduce of the fp32 shard over the same-local-rank GPUs.
+  """
+  if local_size > facts.limits["max_group_size"]:
+    raise _Fallback(f"the group has {local_size} ranks in one process; the kernels take at most "
+                    f"{facts.limits['max_group_size']}")
+  if r.algorithm in (names.ONE_SHOT, names.TWO_SHOT):
+    raise ValueError(
+        f"all_reduce: algorithm {r.algorithm!r} needs the whole group in one process with the "
+        f"in-process runtime, but the group over {r.axis_name!r} spans {num_nodes} processes; "
+        "use 'hierarchical' or 'auto'")
+  if r.protocol not in (names.AUTO, names.SIMPLE):
+    raise ValueError(
+        f"all_reduce: protocol={r.protocol!r}: across processes of the in-process runtime the "
+        "intra-node steps run the simple protocol only (XLA's all-reduce joins the processes)")
+  if r.transport not in (names.AUTO, names.PEER):
+    raise ValueError(f"all_reduce: transport={r.transport!r} was requested, but this runtime's "
+                     f"transport is {names.PEER!r}")
+  why = [("backend", "requested" if r.backend == names.CUDA else "auto: the CUDA kernels run here")]
+  if r.algorithm == names.HIERARCHICAL:
+    why.append(("algorithm", "requested"))
+  else:
+    choice = _tuning_policy().choose_over_xla(cuda["nbytes"], dtype.itemsize, local_size,
+                                              num_nodes)
+    if choice.algorithm == _policy.PSUM:
+      return Plan(**dict(cuda, backend=names.XLA, groups=None), algorithm=names.COLLECTIVE,
+                  why=(("backend", f"auto policy: lax.psum (NCCL) is faster here, "
+                                   f"{choice.source}"), ("algorithm", "lax.psum")))
+    why.append(("algorithm", choice.source))
+  why.append(("protocol", "the only protocol of the intra-node steps between processes"))
+  why.append(("transport", "the runtime's transport within a process"))
+  why.append(("inter_node", f"the in-process runtime reaches only its own GPUs: XLA's "
+                            f"all-reduce (NCCL) of the fp32 shard over the {num_nodes} "
+                            "same-local-rank GPUs joins the processes"))
+  try:
+    node_groups = runtime.node_groups_along_axis(mesh, r.axis_name, facts.ranks_per_node)
+  except ValueError as e:
+    raise _Fallback(str(e)) from None
+  pieces = stage_pieces(cuda["nbytes"] // dtype.itemsize, local_size, dtype.itemsize,
+                        facts.slot_bytes)
+  return Plan(**cuda, algorithm=names.HIERARCHICAL, protocol=names.SIMPLE,
+              transport=names.PEER, inter_node=names.XLA,
+              node_groups=tuple(tuple(g) for g in node_groups), pieces=tuple(pieces),
               why=tuple(why))
 
 

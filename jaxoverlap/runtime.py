@@ -741,3 +741,53 @@ def groups_along_axis(mesh, axis_name) -> list[list[int]]:
           "in-process runtime instead")
     groups.append(pes)
   return groups
+
+
+def node_groups_along_axis(mesh, axis_name, ranks_per_node: int) -> list[list[int]]:
+  """Groups of the inter-node step of a hierarchical all-reduce over ``axis_name``.
+
+  Each group of ``groups_along_axis`` is split by node (node = PE //
+  ranks_per_node, a process of the in-process runtime); the GPUs with the
+  same local rank on each node form one inter-node group. Groups are given as
+  positions in ``mesh.devices`` (flattened), the logical device ids of XLA's
+  collectives in a ``shard_map``.
+
+  Args:
+    mesh: a concrete ``jax.sharding.Mesh``.
+    axis_name: one of ``mesh.axis_names``, or a tuple of them.
+    ranks_per_node: PEs per node (GPUs per process of the in-process runtime).
+
+  Returns:
+    For every group and local rank, the mesh positions of that local rank's
+    GPU on each node of the group, nodes in ascending order.
+
+  Raises:
+    ValueError: an axis is not in the mesh, or a group holds different numbers
+      of GPUs on different nodes.
+  """
+  import numpy as np
+
+  names_ = list(mesh.axis_names)
+  axes = axis_name if isinstance(axis_name, tuple) else (axis_name,)
+  for a in axes:
+    if a not in names_:
+      raise ValueError(f"axis {a!r} is not in the mesh axes {tuple(names_)}")
+  src = [names_.index(a) for a in axes]
+  size = int(np.prod([mesh.shape[a] for a in axes]))
+  devices = np.moveaxis(np.asarray(mesh.devices), src, list(range(-len(axes), 0))).reshape(-1, size)
+  positions = np.moveaxis(np.arange(devices.size).reshape(np.asarray(mesh.devices).shape), src,
+                          list(range(-len(axes), 0))).reshape(-1, size)
+  rpn = int(ranks_per_node)
+  out = []
+  for row, pos in zip(devices, positions):
+    by_node: dict[int, list[int]] = {}
+    for d, i in zip(row, pos):
+      by_node.setdefault(pe_of_device(d) // rpn, []).append(int(i))
+    counts = {n: len(v) for n, v in sorted(by_node.items())}
+    if len(set(counts.values())) != 1:
+      raise ValueError(f"the group along axis {axis_name!r} holds different numbers of GPUs on "
+                       f"its nodes {counts}; the hierarchical all-reduce needs the same number "
+                       "on every node")
+    nodes = [by_node[n] for n in sorted(by_node)]
+    out.extend([members[l] for members in nodes] for l in range(len(nodes[0])))
+  return out

@@ -290,16 +290,88 @@ def test_one_process_several_gpus_runs_the_kernels(one_process_per_device):
     peer_plan(Request("all_reduce", "tp", transport="nvshmem"), [(4096,)])
 
 
-def test_groups_across_processes_run_xla_with_the_in_process_runtime(one_process_per_device):
-  """Two processes of 4 GPUs: a group over both runs XLA's collective, and says why."""
+def test_groups_across_processes_with_the_in_process_runtime(one_process_per_device):
+  """Two processes of 4 GPUs: the all-reduce across them joins the nodes with XLA's psum."""
+  # auto: the cost model weighs the hierarchical algorithm against one psum, and says so.
   p = peer_plan(Request("all_reduce", ("dp", "tp")), [(4096,)], mesh_shape=(2, 4),
                 axes=("dp", "tp"))
-  assert p.backend == "xla" and "spans 2 processes" in p.reason("backend")
+  assert p.backend == "xla" and p.reason("backend").startswith(
+      "auto policy: lax.psum (NCCL) is faster here, cost model: intra-node steps + psum of the "
+      "fp32 shard over 2 processes")
+  # Requested: the kernels' intra-node steps around XLA's all-reduce of the fp32 shard.
+  p = peer_plan(Request("all_reduce", ("dp", "tp"), algorithm="hierarchical"), [(4096,)],
+                mesh_shape=(2, 4), axes=("dp", "tp"))
+  assert (p.backend, p.algorithm, p.protocol, p.transport, p.inter_node) == (
+      "cuda", "hierarchical", "simple", "peer", "xla")
+  assert (p.ranks_per_node, p.num_nodes) == (4, 2)
+  assert p.node_groups == ((0, 4), (1, 5), (2, 6), (3, 7))  # mesh positions, same local rank
+  assert p.pieces == ((0, 4096, 1024),)
+  assert "same-local-rank GPUs" in p.reason("inter_node")
+  assert "inter_node=xla" in p.summary()
+  # Within a process nothing changes.
   p = peer_plan(Request("all_reduce", "tp"), [(4096,)], mesh_shape=(2, 4), axes=("dp", "tp"))
-  assert p.backend == "cuda" and p.groups == ((0, 1, 2, 3), (4, 5, 6, 7))
-  with pytest.raises(ValueError, match="spans 2 processes"):
-    peer_plan(Request("all_reduce", "dp", backend="cuda"), [(4096,)], mesh_shape=(2, 4),
+  assert p.backend == "cuda" and p.groups == ((0, 1, 2, 3), (4, 5, 6, 7)) and p.inter_node is None
+  # Choices the path does not have are refused before anything runs.
+  with pytest.raises(ValueError, match="spans 2 processes; use 'hierarchical' or 'auto'"):
+    peer_plan(Request("all_reduce", "dp", algorithm="one_shot"), [(4096,)], mesh_shape=(2, 4),
               axes=("dp", "tp"))
+  with pytest.raises(ValueError, match="run the simple protocol only"):
+    peer_plan(Request("all_reduce", "dp", algorithm="hierarchical", protocol="ll"), [(4096,)],
+              mesh_shape=(2, 4), axes=("dp", "tp"))
+  # The fused ops stay within a process; across processes auto runs XLA and says why.
+  p = peer_plan(Request(RS, ("dp", "tp"), dim=0), [(16, 64), (64, 8)], mesh_shape=(2, 4),
+                axes=("dp", "tp"))
+  assert p.backend == "xla" and "spans 2 processes" in p.reason("backend")
+  with pytest.raises(ValueError, match="spans 2 processes"):
+    peer_plan(Request(AG, "dp", backend="cuda", dim=0), [(16, 64), (64, 8)], mesh_shape=(2, 4),
+              axes=("dp", "tp"))
+
+
+@pytest.mark.parametrize("axes", [("dp", "tp"), ("tp", "dp"), "dp"], ids=str)
+def test_inter_node_all_reduce_sums_the_same_local_rank(monkeypatch, axes):
+  """XLA's all-reduce over plan.node_groups: mesh positions, not device ids, of each node's
+  GPU with one local rank (8 CPU devices in a shuffled mesh as 2 processes x 4 GPUs)."""
+  from jax.sharding import Mesh, NamedSharding
+
+  from jaxoverlap import _primitives
+
+  devices = np.array(jax.devices()[:8])[np.random.default_rng().permutation(8)]
+  mesh = Mesh(devices.reshape(2, 4), ("dp", "tp"))
+  monkeypatch.setattr(runtime, "_pe_by_device_id",
+                      {d.id: i for i, d in enumerate(mesh.devices.flat)})
+  groups = runtime.node_groups_along_axis(mesh, axes, ranks_per_node=4)
+  assert len(groups) == 8 // 2 and all(len(g) == 2 for g in groups)
+  host = np.random.default_rng().standard_normal((8, 5)).astype(np.float32)
+  spec = P(("dp", "tp"))
+  f = jax.jit(jax.shard_map(
+      lambda x: _primitives.node_psum_p.bind(x, node_groups=tuple(map(tuple, groups))),
+      mesh=mesh, in_specs=spec, out_specs=spec))
+  out = np.asarray(f(jax.device_put(host, NamedSharding(mesh, spec))))
+  # Rank r of the mesh (row-major over dp, tp) gets the sum over the two processes (dp) of the
+  # GPUs with its local rank: its own tp index.
+  want = host.reshape(2, 4, 5).sum(0, keepdims=True).repeat(2, 0).reshape(8, 5)
+  np.testing.assert_allclose(out, want, rtol=1e-6)
+
+
+@pytest.mark.parametrize("n,local,itemsize,slot", [
+    (4096, 4, 2, 1 << 20), (1, 2, 4, 1 << 20), (1000, 4, 2, 1 << 20), (10_000, 2, 4, 4096),
+    (8193, 8, 2, 256), (0, 2, 2, 4096)])
+def test_stage_pieces_match_the_kernels_layout(n, local, itemsize, slot):
+  """Pieces tile the message; each shard is the two-shot shard (16-byte multiple) and fits."""
+  pieces = dispatch.stage_pieces(n, local, itemsize, slot)
+  vec = 16 // itemsize
+  assert [p[0] for p in pieces] == list(np.cumsum([0] + [p[1] for p in pieces[:-1]]))[
+      :len(pieces)]
+  assert sum(p[1] for p in pieces) == n
+  for start, length, shard in pieces:
+    assert shard % vec == 0 and shard * local >= length > 0
+    assert shard - vec < -(-length // local) <= shard
+    assert shard * itemsize <= slot
+
+
+def test_stage_pieces_refuse_a_slot_below_one_vector():
+  with pytest.raises(ValueError, match="too small for one vector per rank"):
+    dispatch.stage_pieces(100, 2, 4, 8)
 
 
 def test_pe_of_device_in_process(monkeypatch):

@@ -83,6 +83,9 @@ struct Params {
   DeviceError* error;
   uint64_t timeout_ns;
   bool force_put;  // inter-node steps use NVSHMEM puts even to load/store-reachable peers
+  Stage stage;     // the whole all-reduce, or only its intra-node reduce-scatter or all-gather
+  float* shard_out;       // Stage::kReduceScatter: this rank's reduced shard, fp32 [shard]
+  const float* shard_in;  // Stage::kAllGather: this rank's shard to gather, fp32 [shard]
   int bump[kMaxBump];  // peers whose pair epoch this call advances
   int num_bump;
 };
@@ -484,7 +487,9 @@ __device__ const float* InterNodeRecv(const Params& p, size_t off, size_t count,
 // Reduce-scatter within the node, recursive doubling across nodes (with the
 // MPICH fold for a node count that is not a power of two), all-gather within
 // the node. With one node this is the two-shot algorithm. Partial sums cross
-// nodes in fp32.
+// nodes in fp32. Stage::kReduceScatter runs only the first phase and writes
+// the fp32 shard out of the call; Stage::kAllGather only the last, from an
+// fp32 shard given to the call (the caller reduces across nodes in between).
 template <typename T, bool kLL>
 __global__ void __launch_bounds__(kThreads) ReduceScatterAllGatherKernel(Params p) {
   constexpr int kVec = Vec16<T>::kElems;
@@ -509,7 +514,7 @@ __global__ void __launch_bounds__(kThreads) ReduceScatterAllGatherKernel(Params 
   for (int r = 0; r < kMaxGroupSize; ++r) {
     if (r < G && r != t.local_rank) epoch[r] = EpochWith(p, t.local_pes[r]);
   }
-  if (G > 1) {
+  if (G > 1 && p.stage != Stage::kAllGather) {
 #pragma unroll
     for (int q = 0; q < kMaxGroupSize; ++q) {
       if (q >= G || q == t.local_rank) continue;
@@ -540,7 +545,9 @@ __global__ void __launch_bounds__(kThreads) ReduceScatterAllGatherKernel(Params 
     }
     __syncthreads();
   }
-  {
+  if (p.stage != Stage::kAllGather) {
+    // The reduced shard goes to acc[0], or out of the call (Stage::kReduceScatter).
+    float* sum = p.stage == Stage::kReduceScatter ? p.shard_out : acc[0];
     const T* mine = in + static_cast<size_t>(t.local_rank) * p.shard;
     const T* src[kMaxGroupSize];
 #pragma unroll
@@ -560,14 +567,25 @@ __global__ void __launch_bounds__(kThreads) ReduceScatterAllGatherKernel(Params 
         if (r < G) Vec16<T>::Add(reinterpret_cast<const uint4*>(src[r])[v], a);
       }
 #pragma unroll
-      for (int i = 0; i < kVec; ++i) acc[0][v * kVec + i] = a[i];
+      for (int i = 0; i < kVec; ++i) sum[v * kVec + i] = a[i];
     }
     for (size_t i = (oe / kVec) * kVec + threadIdx.x; i < oe; i += blockDim.x) {
       float a = 0.0f;
       for (int r = 0; r < G; ++r) a += ToFloat(src[r][i]);
-      acc[0][i] = a;
+      sum[i] = a;
+    }
+    if (p.stage == Stage::kReduceScatter) {
+      // The last rank's shard may be shorter than the buffer: zeros past it,
+      // so that the caller's reduction of whole shards stays exact.
+      const size_t pb = min(p.shard, blockIdx.x * p.per_block);
+      const size_t pend = min(p.shard, pb + p.per_block);
+      for (size_t i = max(pb, my_len) + threadIdx.x; i < pend; i += blockDim.x) sum[i] = 0.0f;
     }
     __syncthreads();
+  }
+  if (p.stage == Stage::kReduceScatter) {
+    Finish(p, /*quiet=*/false);
+    return;
   }
 
   // Phase 1: recursive doubling among the nodes (same local rank), with the
@@ -575,7 +593,7 @@ __global__ void __launch_bounds__(kThreads) ReduceScatterAllGatherKernel(Params 
   // doubling and gets the result back after it (one-directional steps).
   int cur = 0;
   bool used_put = false;  // an NVSHMEM put (not a direct store) was issued
-  if (t.num_nodes > 1) {
+  if (t.num_nodes > 1 && p.stage == Stage::kAll) {
     int pow2 = 1;
     while (pow2 * 2 <= t.num_nodes) pow2 *= 2;
     int step = 1;  // step numbers in timeout reports (0: reduce-scatter, 99: all-gather)
@@ -615,6 +633,7 @@ __global__ void __launch_bounds__(kThreads) ReduceScatterAllGatherKernel(Params 
   }
 
   // Phase 2: all-gather within the node, in T.
+  const float* gathered = p.stage == Stage::kAllGather ? p.shard_in : acc[cur];
   const size_t my_off = static_cast<size_t>(t.local_rank) * p.shard;
   char* remote[kMaxGroupSize];
 #pragma unroll
@@ -624,7 +643,7 @@ __global__ void __launch_bounds__(kThreads) ReduceScatterAllGatherKernel(Params 
     }
   }
   for (size_t v = ob / kVec + threadIdx.x; v < oe / kVec; v += blockDim.x) {
-    const uint4 x = Vec16<T>::Pack(acc[cur] + v * kVec);
+    const uint4 x = Vec16<T>::Pack(gathered + v * kVec);
     reinterpret_cast<uint4*>(out + my_off)[v] = x;
 #pragma unroll
     for (int r = 0; r < kMaxGroupSize; ++r) {
@@ -632,7 +651,7 @@ __global__ void __launch_bounds__(kThreads) ReduceScatterAllGatherKernel(Params 
     }
   }
   for (size_t i = (oe / kVec) * kVec + threadIdx.x; i < oe; i += blockDim.x) {
-    const T x = FromFloat<T>(acc[cur][i]);
+    const T x = FromFloat<T>(gathered[i]);
     out[my_off + i] = x;
 #pragma unroll
     for (int r = 0; r < kMaxGroupSize; ++r) {
@@ -779,6 +798,47 @@ ffi::Error PreloadKernelsOf() {
   return ffi::Error::Success();
 }
 
+// The parameters every launch of one call shares: the heap, the epochs and
+// the peers whose pair epoch the call advances.
+Params MakeParams(const RuntimeState& s, const Topology& topo) {
+  Params p{};
+  p.stage = Stage::kAll;
+  p.topo = topo;
+  p.my_pe = s.my_pe;
+  p.heap.peers = s.peers;
+  p.heap.flags = s.flags;
+  p.heap.ll = s.ll;
+  p.heap.data = s.data;
+  p.heap.acc[0] = reinterpret_cast<float*>(s.acc[0]);
+  p.heap.acc[1] = reinterpret_cast<float*>(s.acc[1]);
+  p.heap.stage[0] = reinterpret_cast<uint4*>(s.stage[0]);
+  p.heap.stage[1] = reinterpret_cast<uint4*>(s.stage[1]);
+  p.heap.slot_bytes = s.slot_bytes;
+  p.heap.ll_slot_bytes = s.ll_slot_bytes;
+  p.heap.num_pes = s.num_pes;
+  p.pair_epochs = s.pair_epochs;
+  p.done_counter = s.done_counter;
+  p.error = s.error_device;
+  p.timeout_ns = s.timeout_ns;
+  p.force_put = s.force_put;
+  // Peers whose pair epoch this call advances: local peers, inter-node partners.
+  for (int r = 0; r < topo.local_size; ++r) {
+    if (r != topo.local_rank) p.bump[p.num_bump++] = topo.local_pes[r];
+  }
+  if (topo.num_nodes > 1) {
+    int pow2 = 1;
+    while (pow2 * 2 <= topo.num_nodes) pow2 *= 2;
+    if (topo.node >= pow2) {
+      p.bump[p.num_bump++] = topo.node_pes[topo.node - pow2];
+    } else {
+      if (topo.node + pow2 < topo.num_nodes) p.bump[p.num_bump++] = topo.node_pes[topo.node + pow2];
+      for (int mask = 1; mask < pow2; mask <<= 1) p.bump[p.num_bump++] = topo.node_pes[topo.node ^ mask];
+    }
+  }
+
+  return p;
+}
+
 }  // namespace
 
 ffi::Error PreloadKernels() {
@@ -904,39 +964,7 @@ ffi::Error AllReduce(const RuntimeState& s, cudaStream_t stream, Algorithm algor
                       "rank; raise JAXOVERLAP_HEAP_BYTES");
   }
 
-  Params p{};
-  p.topo = topo;
-  p.my_pe = s.my_pe;
-  p.heap.peers = s.peers;
-  p.heap.flags = s.flags;
-  p.heap.ll = s.ll;
-  p.heap.data = s.data;
-  p.heap.acc[0] = reinterpret_cast<float*>(s.acc[0]);
-  p.heap.acc[1] = reinterpret_cast<float*>(s.acc[1]);
-  p.heap.stage[0] = reinterpret_cast<uint4*>(s.stage[0]);
-  p.heap.stage[1] = reinterpret_cast<uint4*>(s.stage[1]);
-  p.heap.slot_bytes = s.slot_bytes;
-  p.heap.ll_slot_bytes = s.ll_slot_bytes;
-  p.heap.num_pes = s.num_pes;
-  p.pair_epochs = s.pair_epochs;
-  p.done_counter = s.done_counter;
-  p.error = s.error_device;
-  p.timeout_ns = s.timeout_ns;
-  p.force_put = s.force_put;
-  // Peers whose pair epoch this call advances: local peers, inter-node partners.
-  for (int r = 0; r < topo.local_size; ++r) {
-    if (r != topo.local_rank) p.bump[p.num_bump++] = topo.local_pes[r];
-  }
-  if (topo.num_nodes > 1) {
-    int pow2 = 1;
-    while (pow2 * 2 <= topo.num_nodes) pow2 *= 2;
-    if (topo.node >= pow2) {
-      p.bump[p.num_bump++] = topo.node_pes[topo.node - pow2];
-    } else {
-      if (topo.node + pow2 < topo.num_nodes) p.bump[p.num_bump++] = topo.node_pes[topo.node + pow2];
-      for (int mask = 1; mask < pow2; mask <<= 1) p.bump[p.num_bump++] = topo.node_pes[topo.node ^ mask];
-    }
-  }
+  Params p = MakeParams(s, topo);
 
   for (size_t offset = 0; offset < num_elements; offset += capacity) {
     const size_t n = std::min(capacity, num_elements - offset);
@@ -959,6 +987,71 @@ ffi::Error AllReduce(const RuntimeState& s, cudaStream_t stream, Algorithm algor
         break;
     }
     if (err != cudaSuccess) return CudaError(err, "all_reduce kernel launch", __FILE__, __LINE__);
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error AllReduceStage(const RuntimeState& s, cudaStream_t stream, Stage stage,
+                          ffi::DataType dtype, const void* in, void* out, size_t num_elements,
+                          size_t shard_elements, const Topology& topo) {
+  const char* what = stage == Stage::kReduceScatter ? "all_reduce (intra-node reduce-scatter)"
+                                                    : "all_reduce (intra-node all-gather)";
+  if (!s.initialized) {
+    return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
+                      std::string(what) + ": jaxoverlap.initialize() has not been called in "
+                                          "this process");
+  }
+  if (stage != Stage::kReduceScatter && stage != Stage::kAllGather) {
+    return ffi::Error::InvalidArgument(std::string(what) + ": not a stage of its own");
+  }
+  const size_t elem = ElementBytes(dtype);
+  if (elem == 0) {
+    return ffi::Error::InvalidArgument(std::string(what) +
+                                       ": dtype must be float32, bfloat16 or float16");
+  }
+  if (num_elements == 0) return ffi::Error::Success();
+  // One launch carries the whole message: the caller (jaxoverlap/_cuda.py)
+  // cuts larger ones into pieces, so that the shard layout is its own.
+  const LaunchConfig c =
+      MakeLaunchConfig(Algorithm::kTwoShot, Protocol::kSimple, num_elements, elem, topo.local_size);
+  if (c.shard != shard_elements) {
+    return ffi::Error::InvalidArgument(
+        std::string(what) + ": the shard buffer has " + std::to_string(shard_elements) +
+        " elements, but " + std::to_string(num_elements) + " elements over " +
+        std::to_string(topo.local_size) + " local ranks make shards of " +
+        std::to_string(c.shard) + " (the extension and the Python package disagree)");
+  }
+  if (c.shard * elem > s.slot_bytes) {
+    return ffi::Error(ffi::ErrorCode::kResourceExhausted,
+                      std::string(what) + ": a shard of " + std::to_string(c.shard * elem) +
+                          " bytes exceeds the slot of " + std::to_string(s.slot_bytes) +
+                          " bytes (the caller cuts messages into pieces that fit)");
+  }
+  Topology local = topo;  // only the node's peers take part; the nodes meet elsewhere
+  local.num_nodes = 1;
+  Params p = MakeParams(s, local);
+  p.stage = stage;
+  p.in = in;
+  p.out = out;
+  p.shard_out = stage == Stage::kReduceScatter ? static_cast<float*>(out) : nullptr;
+  p.shard_in = stage == Stage::kAllGather ? static_cast<const float*>(in) : nullptr;
+  p.n = num_elements;
+  p.per_block = c.per_block;
+  p.shard = c.shard;
+  cudaError_t err;
+  switch (dtype) {
+    case ffi::DataType::F32:
+      err = Launch<float>(Algorithm::kTwoShot, Protocol::kSimple, c, p, stream);
+      break;
+    case ffi::DataType::BF16:
+      err = Launch<__nv_bfloat16>(Algorithm::kTwoShot, Protocol::kSimple, c, p, stream);
+      break;
+    default:
+      err = Launch<__half>(Algorithm::kTwoShot, Protocol::kSimple, c, p, stream);
+      break;
+  }
+  if (err != cudaSuccess) {
+    return CudaError(err, (std::string(what) + " kernel launch").c_str(), __FILE__, __LINE__);
   }
   return ffi::Error::Success();
 }

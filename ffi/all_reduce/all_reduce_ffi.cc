@@ -34,6 +34,29 @@ ffi::Error AllReduceExecute(cudaStream_t stream, int32_t device, ffi::AnyBuffer 
                    x.untyped_data(), out->untyped_data(), x.element_count(), topo);
 }
 
+// One intra-node step of the hierarchical all-reduce whose inter-node step is
+// XLA's collective (all_reduce.h, AllReduceStage).
+template <Stage kStage>
+ffi::Error StageExecute(cudaStream_t stream, int32_t device, ffi::AnyBuffer x,
+                        ffi::Result<ffi::AnyBuffer> out, ffi::Span<const int64_t> groups,
+                        int64_t group_size) {
+  constexpr bool kRS = kStage == Stage::kReduceScatter;
+  const char* op = kRS ? "all_reduce (intra-node reduce-scatter)"
+                       : "all_reduce (intra-node all-gather)";
+  JAXOVERLAP_RETURN_IF_ERROR(CheckExecution(op, stream, device));
+  const RuntimeState& s = State(device);
+  const ffi::AnyBuffer& shard = kRS ? *out : x;
+  const ffi::AnyBuffer& full = kRS ? x : *out;
+  if (shard.element_type() != ffi::DataType::F32) {
+    return ffi::Error::InvalidArgument(std::string(op) + ": the shard must be float32");
+  }
+  Topology topo;
+  JAXOVERLAP_RETURN_IF_ERROR(MakeTopology(groups.begin(), groups.size(), group_size, s.my_pe,
+                                          s.num_pes, s.ranks_per_node, &topo));
+  return AllReduceStage(s, stream, kStage, full.element_type(), x.untyped_data(),
+                        out->untyped_data(), full.element_count(), shard.element_count(), topo);
+}
+
 }  // namespace
 
 }  // namespace jaxoverlap::all_reduce
@@ -47,3 +70,26 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Ret<xla::ffi::AnyBuffer>()   // out: same shape and dtype as x
         .Attrs<jaxoverlap::all_reduce::Attrs>(),  // groups, group_size, algorithm, protocol
     {xla::ffi::Traits::kCmdBufferCompatible});
+
+#define JAXOVERLAP_STAGE_BINDING                                                       \
+  xla::ffi::Ffi::Bind()                                                                \
+      .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()                                   \
+      .Ctx<xla::ffi::DeviceOrdinal>()                                                  \
+      .Arg<xla::ffi::AnyBuffer>()                                                      \
+      .Ret<xla::ffi::AnyBuffer>()                                                      \
+      .Attr<xla::ffi::Span<const int64_t>>("groups")                                   \
+      .Attr<int64_t>("group_size")
+
+// x: [n] f32/bf16/f16 (the message, flattened) -> out: f32 [shard] this rank's reduced shard.
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    JaxoverlapAllReduceReduceScatter,
+    jaxoverlap::all_reduce::StageExecute<jaxoverlap::all_reduce::Stage::kReduceScatter>,
+    JAXOVERLAP_STAGE_BINDING, {xla::ffi::Traits::kCmdBufferCompatible});
+
+// x: f32 [shard] this rank's shard, reduced across nodes -> out: [n] f32/bf16/f16.
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    JaxoverlapAllReduceAllGather,
+    jaxoverlap::all_reduce::StageExecute<jaxoverlap::all_reduce::Stage::kAllGather>,
+    JAXOVERLAP_STAGE_BINDING, {xla::ffi::Traits::kCmdBufferCompatible});
+
+#undef JAXOVERLAP_STAGE_BINDING

@@ -276,6 +276,46 @@ class Policy:
          a, p) for a, p in candidates)
     return Choice(alg, proto, f"cost model ({why})", t)
 
+  def choose_over_xla(self, nbytes: int, itemsize: int, ranks_per_node: int,
+                      num_nodes: int) -> Choice:
+    """The hierarchical all-reduce with XLA's psum between nodes, or psum alone.
+
+    Where the group spans processes of the in-process runtime (each driving
+    several GPUs), only XLA's collective joins the processes: the choice is
+    between the intra-node reduce-scatter, a psum of the fp32 shard over the
+    same-local-rank GPUs and the intra-node all-gather (NVRAR's structure,
+    arXiv 2511.09557 sec. 4, with NCCL between the nodes), and one psum over
+    the whole group. No table measures this; the cost model decides.
+
+    Args:
+      nbytes: message size per rank, bytes.
+      itemsize: bytes per element (2 or 4).
+      ranks_per_node: GPUs of the group per process (node).
+      num_nodes: processes (nodes) of the group, more than one.
+
+    Returns:
+      A ``Choice``: ``("hierarchical", "simple", ...)`` or ``("psum", None, ...)``.
+
+    Raises:
+      ValueError: fewer than two nodes, or a size or topology out of range.
+    """
+    if num_nodes < 2 or ranks_per_node < 1 or nbytes < 0 or itemsize < 1:
+      raise ValueError(f"Policy.choose_over_xla: need num_nodes >= 2, ranks_per_node >= 1, "
+                       f"nbytes >= 0, itemsize >= 1; got {num_nodes}, {ranks_per_node}, "
+                       f"{nbytes}, {itemsize}")
+    g, prm = ranks_per_node, self.params
+    shard_bytes = 4 * math.ceil(nbytes / itemsize / g)  # partial sums cross nodes as fp32
+    hierarchical = (cost_model.predict_us(names.TWO_SHOT, names.SIMPLE, nbytes, itemsize, g, 1,
+                                          prm)
+                    + prm.launch_us  # two calls of our kernels, not one
+                    + cost_model.predict_us(PSUM, None, shard_bytes, 4, 1, num_nodes, prm))
+    psum = cost_model.predict_us(PSUM, None, nbytes, itemsize, g, num_nodes, prm)
+    why = (f"cost model: intra-node steps + psum of the fp32 shard over {num_nodes} "
+           f"processes {hierarchical:.1f} us, one psum {psum:.1f} us")
+    if hierarchical < psum:
+      return Choice(names.HIERARCHICAL, names.SIMPLE, why, hierarchical)
+    return Choice(PSUM, None, why, psum)
+
   def table(self, ranks_per_node: int, num_nodes: int,
             sizes: Sequence[int] = tuple(4096 << (2 * i) for i in range(9)),
             itemsize: int = 2) -> list[dict[str, Any]]:

@@ -118,8 +118,10 @@ class World:
 
   ``start`` says how the processes start: "launcher" (``python -m jaxoverlap.launch``, one
   GPU each or packed), "in_process" (one process, no launcher, driving every GPU it sees:
-  the in-process runtime) or "slurm" (the processes started directly with SLURM's variables
-  as ``srun --gpus-per-task=1`` sets them: each sees only its own GPU).
+  the in-process runtime), "slurm" (the processes started directly with SLURM's variables
+  as ``srun --gpus-per-task=1`` sets them: each sees only its own GPU) or "slurm_per_node"
+  (SLURM's one task per node, each "node" a process that drives every GPU of the host, seen
+  in rotated order so that the GPUs with one local rank differ from process to process).
   """
 
   nproc: int
@@ -139,6 +141,8 @@ class World:
     available = gpu_count() or self.nproc if available is None else available
     if self.start == "in_process":
       return f"p1-{available}gpus-in-process"
+    if self.start == "slurm_per_node":
+      return f"p{self.nproc}x{available}gpus-slurm-per-node"
     k = self.per_gpu(available)
     return (f"w{self.nproc}-rpn{self.rpn}" + (f"-{k}pergpu" if k > 1 else "")
             + ("-put" if self.put else "") + ("-slurm" if self.start == "slurm" else ""))
@@ -152,6 +156,8 @@ class World:
   def env(self, available: int) -> dict[str, str]:
     if self.start == "in_process":
       return {}
+    if self.start == "slurm_per_node":  # every process holds memory on every GPU
+      return {"XLA_PYTHON_CLIENT_MEM_FRACTION": str(round(0.6 / self.nproc, 3))}
     env = {"JAXOVERLAP_RANKS_PER_NODE": str(self.rpn)}
     if self.per_gpu(available) > 1:
       env["JAXOVERLAP_NO_NCCL"] = "1"
@@ -392,6 +398,16 @@ def run_ranks(tmp_path: Path, module: str, world: World, *, select=(), timeout_s
                      SLURM_STEP_NUM_NODES="1", SLURM_NODEID="0")
     tasks = [f"SLURM_PROCID={r} SLURM_LOCALID={r} CUDA_VISIBLE_DEVICES={r % max(1, available)} "
              f"{shlex.join(pytest_cmd)}" for r in range(world.nproc)]
+    cmd = ["timeout", str(int(timeout_s)), "bash", "-c", " & ".join(tasks) + " & wait"]
+  elif world.start == "slurm_per_node":
+    # srun --ntasks-per-node=1 on N "nodes" of this host: every task sees every GPU.
+    g = max(1, available)
+    child_env.update(SLURM_JOB_ID=str(1000 + os.getpid() % 3000), SLURM_STEP_NODELIST="localhost",
+                     SLURM_NTASKS=str(world.nproc), SLURM_NTASKS_PER_NODE="1",
+                     SLURM_STEP_NUM_NODES=str(world.nproc), SLURM_LOCALID="0")
+    tasks = [f"SLURM_PROCID={r} SLURM_NODEID={r} CUDA_VISIBLE_DEVICES="
+             f"{','.join(str((r + i) % g) for i in range(g))} {shlex.join(pytest_cmd)}"
+             for r in range(world.nproc)]
     cmd = ["timeout", str(int(timeout_s)), "bash", "-c", " & ".join(tasks) + " & wait"]
   else:
     cmd = [sys.executable, "-m", "jaxoverlap.launch", "--nproc", str(world.nproc),

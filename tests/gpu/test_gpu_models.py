@@ -6,11 +6,14 @@
   and the NNX training steps (the values are swept by test_gpu_all_reduce/overlap).
 * SLURM one task per GPU, emulated on this host: each process sees only its own GPU as
   device 0 (CUDA_VISIBLE_DEVICES), JAX's SLURM cluster finds the coordinator.
+* SLURM one task per node, emulated on this host (tests/gpu/ranks/rank_processes.py): two
+  processes that each drive every GPU; the all-reduce across them.
 * The training example with ``--backend cuda`` and no launcher, on every GPU.
 """
 
 import json
 import os
+import random
 import subprocess
 import sys
 
@@ -52,6 +55,18 @@ def test_slurm_one_gpu_per_task(tmp_path):
                            select=("-k", "transport or (all_reduce and float32) or "
                                          "(fused_ops and bfloat16 and None)"),
                            env={"JAXOVERLAP_EXPECT_TRANSPORT": "nvshmem"})
+  run.print_summary()
+  run.check()
+
+
+def test_slurm_one_task_per_node_drives_every_gpu(tmp_path):
+  """Two "nodes" of one process each, every process driving all GPUs: the all-reduce across
+  processes (intra-node steps on the kernels, XLA's all-reduce between the processes)."""
+  _needs_two_gpus()
+  run = _harness.run_ranks(tmp_path, "rank_processes.py", World(2, 2, start="slurm_per_node"),
+                           timeout_s=420,
+                           env={"JAXOVERLAP_TEST_SEED": str(random.randrange(1 << 31)),
+                                "JAXOVERLAP_HEAP_BYTES": "64M"})
   run.print_summary()
   run.check()
 

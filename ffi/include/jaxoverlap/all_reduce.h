@@ -20,6 +20,10 @@ namespace ffi = xla::ffi;
 // here).
 enum class Algorithm : int32_t { kOneShot = 1, kTwoShot = 2, kHierarchical = 3 };
 enum class Protocol : int32_t { kLL = 1, kSimple = 2 };
+// What one call runs: the whole all-reduce, or one of the two intra-node steps
+// of the hierarchical all-reduce whose inter-node step is XLA's collective
+// (the in-process runtime across processes, jaxoverlap/_cuda.py).
+enum class Stage : int32_t { kAll = 0, kReduceScatter = 1, kAllGather = 2 };
 
 // The attributes of one all_reduce custom call (decoded as one struct).
 struct Attrs {
@@ -56,6 +60,17 @@ ffi::Error AllReduce(const RuntimeState& s, cudaStream_t stream, Algorithm algor
                      Protocol protocol, ffi::DataType dtype, const void* in, void* out,
                      size_t num_elements, const Topology& topo);
 
+// One intra-node step of the all-reduce over `topo`'s local ranks, in one
+// launch (two-shot layout, simple protocol): kReduceScatter reads
+// `num_elements` elements of `dtype` from `in` and writes this rank's reduced
+// shard, fp32 [shard_elements], zero-padded, to `out`; kAllGather reads that
+// shard from `in` and writes all `num_elements` elements to `out`.
+// `shard_elements` must be the two-shot shard of `num_elements` (16-byte
+// multiple of ceil(num_elements / local_size)) and fit one slot.
+ffi::Error AllReduceStage(const RuntimeState& s, cudaStream_t stream, Stage stage,
+                          ffi::DataType dtype, const void* in, void* out, size_t num_elements,
+                          size_t shard_elements, const Topology& topo);
+
 // Loads this file's kernels on the current GPU (at start-up; see
 // overlap::PreloadKernels).
 ffi::Error PreloadKernels();
@@ -72,5 +87,7 @@ XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(
     ::xla::ffi::StructMember<jaxoverlap::all_reduce::Protocol>("protocol"));
 
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxoverlapAllReduce);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxoverlapAllReduceReduceScatter);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxoverlapAllReduceAllGather);
 
 #endif  // JAXOVERLAP_ALL_REDUCE_H_
