@@ -1,7 +1,11 @@
-"""Measurements and models behind ``auto``, in four parts.
+"""Measurements and models behind ``auto``, in five parts.
 
 * ``jaxoverlap.tuning.cost_model``: the alpha-beta model of the all-reduce
-  algorithms and of ``lax.psum``, for topologies no measurement covers.
+  algorithms and of ``lax.psum`` (NCCL's ring and tree across nodes), for
+  topologies no measurement covers.
+* ``jaxoverlap.tuning.cluster``: presets of machines for that model (H200 +
+  InfiniBand NDR, Perlmutter, Vista), its predictions on 1-64 nodes and their
+  comparison with NVRAR's published figures (docs/cluster_model.md).
 * ``jaxoverlap.tuning.policy``: what ``auto`` picks: the all-reduce ``Policy``
   (measured table first, then the cost model), the protocol rule, and the
   fused ops' chunk and fusion rules.

@@ -8,10 +8,17 @@ Problem:
 Algorithm:
   ``predict_us`` prices each algorithm with one (alpha, beta) pair per link
   kind (NVLink inside a node, the network between nodes), a fixed per-call
-  overhead and the local reduction's HBM traffic; psum is priced as NCCL's
-  ring. The defaults were fit on 2x H200 (docs/results.md); the network's are
-  assumed (400 Gb/s NIC per GPU) and can be set by environment variables or a
-  tuning table's ``"params"``.
+  overhead and the local reduction's HBM traffic. psum is priced as NCCL
+  would run it: within one node by a line fit to our measurements of psum;
+  across nodes (``nccl_us``) as the fastest of NCCL's ring and tree with its
+  LL, LL128 and Simple protocols, each a number of pipeline hops of a
+  per-protocol latency plus the bytes at the protocol's share of the
+  bandwidth (NCCL's algorithms and protocols: "Demystifying NCCL", arXiv
+  2507.04786). The defaults were fit on 2x H200 (docs/results.md); the
+  network's are assumed (400 Gb/s NIC per GPU) and can be set by environment
+  variables or a tuning table's ``"params"``. Presets of other machines are in
+  ``jaxoverlap.tuning.cluster``; docs/cluster_model.md sets the model beside
+  NVRAR's published figures.
 
 Example:
   >>> from jaxoverlap.tuning import cost_model
@@ -43,6 +50,14 @@ __all__ = [
     "DEFAULT_PARAMS",
     "params_from_env",
     "predict_us",
+    "NCCL_ALGORITHMS",
+    "NCCL_PROTOCOLS",
+    "NcclProtocol",
+    "NCCL_PROTOCOL_COSTS",
+    "NCCL_TREE_BW_FACTOR",
+    "nccl_base_us",
+    "nccl_us",
+    "nccl_best",
 ]
 
 ALGORITHMS = names.algorithms(names.ALL_REDUCE, names.CUDA)
@@ -196,6 +211,145 @@ def params_from_env(base: CostParams | None = None,
     raise ValueError(f"{e} (from the JAXOVERLAP_* environment)") from None
 
 
+# --------------------------------------------------------------------------- NCCL across nodes
+
+NCCL_ALGORITHMS = ("ring", "tree")
+NCCL_PROTOCOLS = ("ll", "ll128", "simple")
+
+
+@dataclasses.dataclass(frozen=True)
+class NcclProtocol:
+  """What one NCCL protocol costs per pipeline hop, and what share of a link it gets.
+
+  Attributes:
+    bw_factor: share of a link's bandwidth that carries payload.
+    nvlink_hop_us: latency of one hop between two GPUs of a node, us.
+    net_hop_us: software latency of one hop between nodes, added to the
+      network's ``alpha_us`` (NCCL's network transport runs through a CPU proxy
+      thread that posts the send and polls for its completion), us.
+  """
+
+  bw_factor: float
+  nvlink_hop_us: float
+  net_hop_us: float
+
+
+# The protocols of NCCL ("Demystifying NCCL", arXiv 2507.04786): LL stores 8-byte
+# lines of 4 B data + 4 B flag (half the bandwidth, no fence, ~1 us per hop); LL128
+# stores 128-byte lines with 8 B of flag (120/128 of the bandwidth, ~2 us); Simple
+# moves data with a memory fence and a flag per chunk (all the bandwidth, the most
+# latency). Bandwidth shares follow from the line formats; the hop latencies are
+# ASSUMPTIONS (not measured by us): LL and LL128 on NVLink from the paper's orders
+# of magnitude, Simple twice LL128 (a fence per chunk), and across nodes 2-6 us of
+# proxy work on top of the wire (``network.alpha_us``). The same values serve every
+# machine: they are NCCL's software, the links are in ``CostParams``.
+NCCL_PROTOCOL_COSTS = {
+    "ll": NcclProtocol(bw_factor=0.5, nvlink_hop_us=1.0, net_hop_us=2.0),
+    "ll128": NcclProtocol(bw_factor=120 / 128, nvlink_hop_us=2.0, net_hop_us=3.0),
+    "simple": NcclProtocol(bw_factor=1.0, nvlink_hop_us=4.0, net_hop_us=6.0),
+}
+
+# NCCL's tree across nodes reaches less bus bandwidth than its ring: a parent
+# receives from two children while it forwards to its own parent. ASSUMPTION:
+# 0.8 of the ring's, so that ring wins at large sizes and tree at small sizes and
+# many nodes, as arXiv 2507.04786 measures; not measured by us.
+NCCL_TREE_BW_FACTOR = 0.8
+
+
+def nccl_base_us(params: CostParams | None = None) -> float:
+  """The fixed cost of one NCCL all-reduce as JAX calls it (``lax.psum``), us.
+
+  The measured psum floor on 2 GPUs (``nccl.alpha_us``) less the two NVLink
+  hops of its LL ring: what remains is XLA's and NCCL's launch and set-up.
+
+  Args:
+    params: model parameters (default: ``params_from_env()``).
+  """
+  p = params_from_env() if params is None else params
+  return max(0.0, p.nccl.alpha_us - 2 * NCCL_PROTOCOL_COSTS["ll"].nvlink_hop_us)
+
+
+def nccl_us(algorithm: str, protocol: str, nbytes: int, ranks_per_node: int, num_nodes: int,
+            params: CostParams | None = None) -> float:
+  """Predicted latency of NCCL's all-reduce with one algorithm and protocol, us.
+
+  With G = ranks_per_node, N = num_nodes, P = G N, M = nbytes and the
+  protocol's hop latencies h_nv (NVLink) and h_net = network.alpha + net_hop:
+
+  * ring: one ring through all P ranks (``2 (P-1)`` pipeline hops, of which
+    ``2 (N-1)`` cross nodes): base + (2(P-1) - 2(N-1)) h_nv + 2(N-1) h_net +
+    2(P-1)/P M / B.
+  * tree (N > 1; NCCL's double binary tree across nodes, a chain inside each
+    node): base + 2(G-1) h_nv + 2 ceil(log2 N) h_net + 2 M / (tree_factor B).
+
+  B is the bus bandwidth times the protocol's share: within one node
+  ``nccl.beta``; across nodes min(nccl.beta, G network.beta), the node's G
+  NICs shared by rail-aligned rings or trees.
+
+  Args:
+    algorithm: "ring" or "tree".
+    protocol: "ll", "ll128" or "simple".
+    nbytes: message size per rank, bytes.
+    ranks_per_node: G.
+    num_nodes: N.
+    params: model parameters (default: ``params_from_env()``).
+
+  Returns:
+    Latency, us (0 for a single rank).
+
+  Raises:
+    ValueError: unknown algorithm or protocol, tree within one node (NCCL
+      runs a ring there), or a topology with fewer than one rank.
+  """
+  p = params_from_env() if params is None else params
+  g, n, m = int(ranks_per_node), int(num_nodes), float(nbytes)
+  if g < 1 or n < 1 or m < 0:
+    raise ValueError(f"nccl_us: need ranks_per_node >= 1, num_nodes >= 1 and nbytes >= 0; "
+                     f"got {ranks_per_node}, {num_nodes}, {nbytes}")
+  if algorithm not in NCCL_ALGORITHMS:
+    raise ValueError(f"nccl_us: algorithm must be one of {NCCL_ALGORITHMS}, got {algorithm!r}")
+  if protocol not in NCCL_PROTOCOL_COSTS:
+    raise ValueError(f"nccl_us: protocol must be one of {NCCL_PROTOCOLS}, got {protocol!r}")
+  if algorithm == "tree" and n == 1:
+    raise ValueError("nccl_us: NCCL's tree spans nodes; within one node it runs a ring")
+  ranks = g * n
+  if ranks == 1:
+    return 0.0
+  proto = NCCL_PROTOCOL_COSTS[protocol]
+  net_hop = p.network.alpha_us + proto.net_hop_us
+  bus = p.nccl.beta_gbps if n == 1 else min(p.nccl.beta_gbps, g * p.network.beta_gbps)
+  bus *= proto.bw_factor * 1e3  # bytes per us
+  if algorithm == "ring":
+    hops, net_hops = 2 * (ranks - 1), 2 * (n - 1)
+    return (nccl_base_us(p) + (hops - net_hops) * proto.nvlink_hop_us + net_hops * net_hop
+            + 2 * (ranks - 1) / ranks * m / bus)
+  depth = math.ceil(math.log2(n))
+  return (nccl_base_us(p) + 2 * (g - 1) * proto.nvlink_hop_us + 2 * depth * net_hop
+          + 2 * m / (NCCL_TREE_BW_FACTOR * bus))
+
+
+def nccl_best(nbytes: int, ranks_per_node: int, num_nodes: int,
+              params: CostParams | None = None) -> tuple[float, str, str]:
+  """NCCL's fastest algorithm and protocol for one all-reduce, as its tuner would pick.
+
+  Args:
+    nbytes: message size per rank, bytes.
+    ranks_per_node: GPUs per node in the group.
+    num_nodes: nodes in the group.
+    params: model parameters (default: ``params_from_env()``).
+
+  Returns:
+    ``(time_us, algorithm, protocol)``; only the ring within one node.
+
+  Raises:
+    ValueError: as ``nccl_us``.
+  """
+  p = params_from_env() if params is None else params
+  algorithms = NCCL_ALGORITHMS if num_nodes > 1 else ("ring",)
+  return min((nccl_us(a, proto, nbytes, ranks_per_node, num_nodes, p), a, proto)
+             for a in algorithms for proto in NCCL_PROTOCOLS)
+
+
 def _step_us(link: LinkParams, nbytes: float, protocol: str) -> float:
   """One step in which every rank sends ``nbytes`` payload bytes and waits for its peers'.
 
@@ -216,6 +370,8 @@ def predict_us(
     ranks_per_node: int,
     num_nodes: int,
     params: CostParams | None = None,
+    *,
+    partial_itemsize: int = 4,
 ) -> float:
   """Predicted latency of one all-reduce, us.
 
@@ -227,12 +383,12 @@ def predict_us(
     step of (G-1)/G M, + HBM traffic.
   * hierarchical (N > 1; NVRAR, arXiv 2511.09557): intra-node reduce-scatter
     and all-gather as two_shot, between them floor(log2 N) network steps of
-    the whole shard as fp32 partial sums (M/G * 4/itemsize bytes), plus a
-    pre-step and a post-step when N is not a power of two.
-  * psum: NCCL ring, nccl.alpha + 2(P-1)/P M / beta; across nodes beta is
-    min(nccl.beta, G * network.beta) (rail-aligned rings share the node's
-    NICs) and 2 ceil(log2 N) network latencies are added (NCCL's tree for
-    small messages).
+    the whole shard as fp32 partial sums (M/G * 4/itemsize bytes; set
+    ``partial_itemsize`` for another width), plus a pre-step and a post-step
+    when N is not a power of two.
+  * psum: within one node NCCL's ring as measured, nccl.alpha + 2(P-1)/P M /
+    nccl.beta; across nodes the fastest of NCCL's ring and tree and of its
+    protocols (``nccl_best``).
 
   A step (``_step_us``) costs alpha + 2 bytes/beta with protocol "ll" and
   2 alpha + bytes/beta with "simple".
@@ -245,6 +401,9 @@ def predict_us(
     ranks_per_node: G, GPUs per node in the group.
     num_nodes: N, nodes in the group.
     params: model parameters (default: ``params_from_env()``).
+    partial_itemsize: bytes per element of the partial sums that hierarchical
+      sends between nodes: 4 (fp32), as the kernel does; 2 prices a kernel that
+      sends them in bf16.
 
   Returns:
     Latency, us.
@@ -255,21 +414,19 @@ def predict_us(
   """
   p = params_from_env() if params is None else params
   g, n, m = int(ranks_per_node), int(num_nodes), float(nbytes)
-  if g < 1 or n < 1 or m < 0 or itemsize < 1:
-    raise ValueError(f"predict_us: need ranks_per_node >= 1, num_nodes >= 1, nbytes >= 0 and "
-                     f"itemsize >= 1; got {ranks_per_node}, {num_nodes}, {nbytes}, {itemsize}")
+  if g < 1 or n < 1 or m < 0 or itemsize < 1 or partial_itemsize < 1:
+    raise ValueError(f"predict_us: need ranks_per_node >= 1, num_nodes >= 1, nbytes >= 0, "
+                     f"itemsize >= 1 and partial_itemsize >= 1; got {ranks_per_node}, "
+                     f"{num_nodes}, {nbytes}, {itemsize}, {partial_itemsize}")
   if algorithm == PSUM:
     if protocol is not None:
       raise ValueError(f"predict_us: psum takes protocol=None, got {protocol!r}")
     num_ranks = g * n
     if num_ranks == 1:
       return 0.0  # XLA drops a psum over one rank
-    ring_bytes = 2 * (num_ranks - 1) / num_ranks * m
     if n == 1:
-      return p.nccl.alpha_us + p.nccl.transfer_us(ring_bytes)
-    beta = min(p.nccl.beta_gbps, g * p.network.beta_gbps)
-    return (p.nccl.alpha_us + 2 * math.ceil(math.log2(n)) * p.network.alpha_us
-            + ring_bytes / (beta * 1e3))
+      return p.nccl.alpha_us + p.nccl.transfer_us(2 * (num_ranks - 1) / num_ranks * m)
+    return nccl_best(nbytes, g, n, p)[0]
   if algorithm not in ALGORITHMS:
     raise ValueError(f"predict_us: algorithm must be one of {ALGORITHMS + (PSUM,)}, "
                      f"got {algorithm!r}")
@@ -299,7 +456,7 @@ def predict_us(
     t += hbm((peers * wire + 1) * shard + shard)   # reduce G shards into one
     t += hbm((wire + 1) * peers * shard)           # unpack the gathered shards
   if algorithm == "hierarchical":
-    wire_shard = shard * 4 / itemsize  # partial sums travel as fp32
+    wire_shard = shard * partial_itemsize / itemsize  # partial sums (fp32 by default)
     steps = int(math.log2(n)) + (0 if n & (n - 1) == 0 else 2)  # fold in / out
     t += steps * (_step_us(p.network, wire_shard, protocol)
                   + hbm((wire + 2) * wire_shard))
