@@ -126,7 +126,9 @@ def test_auto_and_fused_ops_say_what_runs_across_processes(grid):
   plan = jaxoverlap.decisions("all_reduce")[-1]
   assert "cost model" in plan.summary(), plan.summary()
   assert (plan.backend == "xla") == ("lax.psum" in plan.reason("backend")), plan.summary()
-  w = jax.ShapeDtypeStruct((4096, 64), jnp.bfloat16, sharding=NamedSharding(grid, P()))
+  x = jax.ShapeDtypeStruct((grid.size * 16, 256), jnp.bfloat16,
+                           sharding=NamedSharding(grid, P(("node", "tp"))))
+  w = jax.ShapeDtypeStruct((256, 64), jnp.bfloat16, sharding=NamedSharding(grid, P()))
   jax.jit(jax.shard_map(lambda x, w: jaxoverlap.matmul_reduce_scatter(x, w, ("node", "tp")),
                         mesh=grid, in_specs=(P(("node", "tp")), P()),
                         out_specs=P(("node", "tp")))).lower(x, w)
