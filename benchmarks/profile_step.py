@@ -420,6 +420,8 @@ def define_flags():
   flags.DEFINE_bool("trace", True, "--notrace: run the same steps (batches made beforehand) "
                     "without jax.profiler and report nothing: tells a failure of the profiler "
                     "apart from one of the steps themselves")
+  flags.DEFINE_bool("trace_from_start", False, "start the profiler before the warm-up steps, "
+                    "so that XLA records its CUDA graphs under the active session")
   flags.DEFINE_string("logdir", "/tmp/jaxoverlap_profile", "profiler output; rank r traces "
                       "into <logdir>/rank<r> (emptied first)")
   flags.DEFINE_integer("max_rows", 40, "draw at most this many rows (the busiest)")
@@ -453,6 +455,12 @@ def main(argv):
   state, setup.state = setup.state, None
   corpus = data_lib.load_corpus(val_percent=config.val_percent)
 
+  logdir = os.path.join(os.path.abspath(fl.logdir), f"rank{rank}")
+  if fl.trace and fl.trace_from_start:
+    # The profiling session is active when XLA first records its CUDA graphs.
+    shutil.rmtree(logdir, ignore_errors=True)
+    os.makedirs(logdir, exist_ok=True)
+    jax.profiler.start_trace(logdir, create_perfetto_trace=True)
   # The first step compiles: its plans say where each op ran (backend "cuda"
   # raises there, with the reason, where the CUDA kernels cannot run).
   jaxoverlap.clear_decisions()
@@ -474,16 +482,19 @@ def main(argv):
     if rank == 0:
       print(f"profile_step --notrace: {fl.warmup} + {len(batches)} steps ran", flush=True)
     return 0
-  logdir = os.path.join(os.path.abspath(fl.logdir), f"rank{rank}")
-  shutil.rmtree(logdir, ignore_errors=True)
-  os.makedirs(logdir, exist_ok=True)
+  if not fl.trace_from_start:
+    shutil.rmtree(logdir, ignore_errors=True)
+    os.makedirs(logdir, exist_ok=True)
+    jax.profiler.start_trace(logdir, create_perfetto_trace=True)
   losses = []
-  with jax.profiler.trace(logdir, create_perfetto_trace=True):
+  try:
     for i, batch in enumerate(batches):
       with jax.profiler.StepTraceAnnotation(STEP_NAME, step_num=i):
         state, loss = setup.train_step(state, batch)
         jax.block_until_ready((state, loss))
       losses.append(loss)
+  finally:
+    jax.profiler.stop_trace()
   losses = [float(x) for x in jax.device_get(losses)]
   code = _report(fl, config, setup, resolved, logdir, losses) if rank == 0 else 0
   # No process leaves (and shuts jax.distributed and NVSHMEM down) before rank 0 is done.

@@ -10,7 +10,8 @@
 #         SKIP_BUILD=1 bash scripts/gpu_check.sh suite -k "errors or (all_reduce and w2-)"
 #         SKIP_BUILD=1 bash scripts/gpu_check.sh suite -k "all_reduce and not w2-"
 #   benchmarks: bench | bench2 | autobench | quickbench | tune | ovbench | ovbenchfull
-#       | ovwindowed | ovcalibrate (CAL_PART=ag_rs or ar) | train | profile | ovprofilegraphs
+#       | ovwindowed | ovcalibrate (CAL_PART=ag_rs or ar) | train | cmdbufcost (train steps with the
+#       fused ops outside, then inside, XLA's CUDA graphs, twice) | profile | ovprofilegraphs
 #       | decode | procbench (one process driving both GPUs beside two processes); 4/8 GPUs:
 #       multigpu_bench | multigpu_fused
 #   (several benchmark verbs in one call: bash scripts/gpu_check.sh bench autobench)
@@ -24,7 +25,8 @@ mkdir -p "$OUT"
 PY=${PYTHON:-python3}
 WHAT=${1:-}
 VERBS=" build suite bench bench2 autobench quickbench tune ovbench ovbenchfull ovwindowed"
-VERBS="$VERBS ovcalibrate train profile ovprofilegraphs decode procbench multigpu_bench multigpu_fused "
+VERBS="$VERBS ovcalibrate train cmdbufcost profile ovprofilegraphs decode procbench multigpu_bench"
+VERBS="$VERBS multigpu_fused "
 if [ -z "$WHAT" ] || [[ "$VERBS" != *" $WHAT "* ]]; then
   echo "usage: bash scripts/gpu_check.sh <verb> (verbs:$VERBS)" >&2
   exit 2
@@ -168,6 +170,14 @@ if [ "$WHAT" = train ] && [ "$NGPU" -ge 2 ]; then
   run train_step "$T" $PY -m jaxoverlap.launch --nproc 2 --timeout_s $((T - 10)) benchmarks/train_step.py \
     --out "$OUT" --presets ${TRAIN_PRESETS:-gpu_small} ${TRAIN_FLAGS:-}
 fi
+if [ "$WHAT" = cmdbufcost ] && [ "$NGPU" -ge 2 ]; then  # fused ops outside vs inside XLA's graphs
+  for v in plain cmdbuf plain cmdbuf; do
+    flag=$([ $v = cmdbuf ] && echo 1 || echo 0)
+    run "train_$v" 200 JAXOVERLAP_FUSED_CMD_BUFFER=$flag $PY -m jaxoverlap.launch --nproc 2 \
+      --timeout_s 190 benchmarks/train_step.py --out "$OUT/$v" --presets gpu_small --backends cuda \
+      --steps ${CMDBUF_STEPS:-60}
+  done
+fi
 if [ "$WHAT" = profile ] && [ "$NGPU" -ge 2 ]; then
   for b in ${PROFILE_BACKENDS:-cuda}; do
     run "profile_$b" 100 $PY -m jaxoverlap.launch --nproc 2 --timeout_s 90 benchmarks/profile_step.py \
@@ -179,6 +189,10 @@ if [ "$WHAT" = ovprofilegraphs ] && [ "$NGPU" -ge 2 ]; then  # profiler or addre
     --timeout_s 90 benchmarks/profile_step.py --out "$OUT/notrace" --backend cuda --notrace
   run profile_cmdbuf 100 JAXOVERLAP_FUSED_CMD_BUFFER=1 $PY -m jaxoverlap.launch --nproc 2 \
     --timeout_s 90 benchmarks/profile_step.py --out "$OUT/cmdbuf" --backend cuda
+  # The graphs first recorded under the profiler too: does mixing recordings break the update?
+  run profile_cmdbuf_from_start 100 JAXOVERLAP_FUSED_CMD_BUFFER=1 $PY -m jaxoverlap.launch --nproc 2 \
+    --timeout_s 90 benchmarks/profile_step.py --out "$OUT/cmdbuf_from_start" --backend cuda \
+    --trace_from_start
 fi
 if [ "$WHAT" = decode ] && [ "$NGPU" -ge 2 ]; then
   run decode 150 $PY -m jaxoverlap.launch --nproc 2 --timeout_s 140 benchmarks/decode.py \
