@@ -94,8 +94,7 @@ def all_reduce(x, axis_name, *, backend="auto", algorithm="auto", protocol="auto
       (``jaxoverlap.tuning.policy``: the measured table, else the cost
       model), which may hand the call to ``lax.psum`` where NCCL is faster.
     protocol: backend "cuda": ``"auto"``, ``"ll"`` (8-byte cells of data and
-      flag, no separate signal) or ``"simple"`` (data, then a flag); two_shot
-      has only "simple".
+      flag, no separate signal) or ``"simple"`` (data, then a flag).
     transport: ``"auto"`` or the runtime's transport, ``"nvshmem"``.
 
   Returns:

@@ -88,7 +88,7 @@ _ALGORITHMS = {
 LL = "ll"
 SIMPLE = "simple"
 PROTOCOLS = (LL, SIMPLE)
-_PROTOCOLS = {ONE_SHOT: (LL, SIMPLE), TWO_SHOT: (SIMPLE,), HIERARCHICAL: (LL, SIMPLE)}
+_PROTOCOLS = {ONE_SHOT: (LL, SIMPLE), TWO_SHOT: (LL, SIMPLE), HIERARCHICAL: (LL, SIMPLE)}
 
 # Transports of the CUDA kernels. "nvshmem": the NVSHMEM runtime, one PE per
 # process (all_reduce: direct NVLink stores to load/store-reachable peers and

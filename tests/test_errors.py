@@ -294,15 +294,13 @@ def test_cuda_algorithm_with_xla_backend():
 @pytest.mark.parametrize("kw,msg", [
     (dict(protocol="ll128"), "all_reduce: protocol='ll128' is unknown; valid: 'auto', "
                              "('ll', 'simple') (backend 'cuda')"),
-    (dict(algorithm="two_shot", protocol="ll"), "all_reduce: algorithm='two_shot' has no "
-                                                "protocol 'll'; valid: ('simple',)"),
     (dict(backend="xla", protocol="ll"), "all_reduce: protocol='ll' applies to backend 'cuda' only"),
     (dict(algorithm="ppermute", protocol="simple"), "all_reduce: protocol='simple' applies to "
                                                     "backend 'cuda' only"),
     (dict(transport="copy_engine"), "all_reduce: transport='copy_engine' is unknown; valid: "
                                     "'auto', ('nvshmem', 'peer') (backend 'cuda')"),
     (dict(protocol=1), "all_reduce: protocol must be a str, got 1"),
-], ids=["unknown", "two_shot-ll", "xla", "ppermute", "transport", "not-str"])
+], ids=["unknown", "xla", "ppermute", "transport", "not-str"])
 def test_all_reduce_protocol_and_transport(kw, msg):
   with pytest.raises(ValueError, match=re.escape(msg)):
     trace(lambda x: collectives.all_reduce(x, "tp", **kw), ((8,), F32))

@@ -396,6 +396,110 @@ __global__ void __launch_bounds__(kThreads) OneShotSimpleKernel(Params p) {
   Finish(p, /*quiet=*/false);
 }
 
+// ---------------------------------------------------------------- two-shot LL
+
+// Two-shot within one node, LL8 protocol: the reduce-scatter and the
+// all-gather each send 8-byte lines as LL8 cells (data and epoch together, so
+// no flag round trip), and the reduced shard goes back out in T (rounded once,
+// as in the simple two-shot). Block b owns the same line range of every
+// rank's shard in both phases.
+template <typename T>
+__global__ void __launch_bounds__(kThreads) TwoShotLLKernel(Params p) {
+  constexpr size_t kLineElems = 8 / sizeof(T);
+  const Topology& t = p.topo;
+  const HeapView& h = p.heap;
+  const T* in = static_cast<const T*>(p.in);
+  T* out = static_cast<T*>(p.out);
+  const int G = t.local_size;
+  auto shard_len = [&](int q) -> size_t {
+    const size_t s = min(p.n, static_cast<size_t>(q) * p.shard);
+    return min(p.n, s + p.shard) - s;
+  };
+  auto line_range = [&](size_t len, size_t* lb, size_t* le) {
+    const size_t lines = (len + kLineElems - 1) / kLineElems;
+    const size_t per_block = p.per_block / kLineElems;
+    *lb = min(lines, blockIdx.x * per_block);
+    *le = min(lines, *lb + per_block);
+  };
+  uint64_t epoch[kMaxGroupSize];
+#pragma unroll
+  for (int r = 0; r < kMaxGroupSize; ++r) {
+    if (r < G && r != t.local_rank) epoch[r] = EpochWith(p, t.local_pes[r]);
+  }
+
+  // Reduce-scatter: every peer's shard to that peer, as LL8 cells.
+#pragma unroll
+  for (int q = 0; q < kMaxGroupSize; ++q) {
+    if (q >= G || q == t.local_rank) continue;
+    const size_t len = shard_len(q);
+    size_t lb, le;
+    line_range(len, &lb, &le);
+    const T* src = in + static_cast<size_t>(q) * p.shard;
+    uint4* dst = PeerPtr(h, LlAt(h, epoch[q], kPhaseReduceScatter, p.my_pe), t.local_pes[q]);
+    const uint32_t flag = static_cast<uint32_t>(epoch[q]);
+    for (size_t l = lb + threadIdx.x; l < le; l += blockDim.x) {
+      StoreLL(dst + l, LoadLine(src, l * kLineElems, len), flag);
+    }
+  }
+  // Sum my shard in rank order; the result goes to my output and, as LL8
+  // cells, to every peer's all-gather slot.
+  {
+    const size_t len = shard_len(t.local_rank);
+    size_t lb, le;
+    line_range(len, &lb, &le);
+    const size_t my_off = static_cast<size_t>(t.local_rank) * p.shard;
+    uint4* remote[kMaxGroupSize];
+#pragma unroll
+    for (int r = 0; r < kMaxGroupSize; ++r) {
+      if (r < G && r != t.local_rank) {
+        remote[r] = PeerPtr(h, LlAt(h, epoch[r], kPhaseAllGather, p.my_pe), t.local_pes[r]);
+      }
+    }
+    for (size_t l = lb + threadIdx.x; l < le; l += blockDim.x) {
+      const uint2 mine = LoadLine(in + my_off, l * kLineElems, len);
+      float acc[kLineElems];
+#pragma unroll
+      for (int i = 0; i < kLineElems; ++i) acc[i] = 0.0f;
+#pragma unroll
+      for (int r = 0; r < kMaxGroupSize; ++r) {
+        if (r >= G) break;
+        const uint2 v = r == t.local_rank
+                            ? mine
+                            : LoadLL(LlAt(h, epoch[r], kPhaseReduceScatter, t.local_pes[r]) + l,
+                                     static_cast<uint32_t>(epoch[r]), p, t.local_pes[r],
+                                     /*step=*/0);
+        float f[kLineElems];
+        Words<T>::ToFloat(v.x, f);
+        Words<T>::ToFloat(v.y, f + Words<T>::kPerWord);
+#pragma unroll
+        for (int i = 0; i < kLineElems; ++i) acc[i] += f[i];
+      }
+      const uint2 res =
+          make_uint2(Words<T>::FromFloat(acc), Words<T>::FromFloat(acc + Words<T>::kPerWord));
+#pragma unroll
+      for (int r = 0; r < kMaxGroupSize; ++r) {
+        if (r < G && r != t.local_rank) StoreLL(remote[r] + l, res, static_cast<uint32_t>(epoch[r]));
+      }
+      StoreLine(out + my_off, l * kLineElems, len, res);
+    }
+  }
+  // All-gather: the peers' reduced shards from my slots.
+#pragma unroll
+  for (int q = 0; q < kMaxGroupSize; ++q) {
+    if (q >= G || q == t.local_rank) continue;
+    const size_t len = shard_len(q);
+    size_t lb, le;
+    line_range(len, &lb, &le);
+    const uint4* cells = LlAt(h, epoch[q], kPhaseAllGather, t.local_pes[q]);
+    T* dst = out + static_cast<size_t>(q) * p.shard;
+    for (size_t l = lb + threadIdx.x; l < le; l += blockDim.x) {
+      StoreLine(dst, l * kLineElems, len,
+                LoadLL(cells + l, static_cast<uint32_t>(epoch[q]), p, t.local_pes[q], /*step=*/99));
+    }
+  }
+  Finish(p, /*quiet=*/false);
+}
+
 // -------------------------------------------------- reduce-scatter/all-gather
 
 // Puts `count` fp32 values acc[off, off+count) into `pe`'s inter-node slot for
@@ -778,6 +882,8 @@ cudaError_t Launch(Algorithm algorithm, Protocol protocol, const LaunchConfig& c
     } else {
       OneShotSimpleKernel<T><<<c.blocks, kThreads, 0, stream>>>(p);
     }
+  } else if (algorithm == Algorithm::kTwoShot && protocol == Protocol::kLL) {
+    TwoShotLLKernel<T><<<c.blocks, kThreads, 0, stream>>>(p);
   } else if (protocol == Protocol::kLL) {
     ReduceScatterAllGatherKernel<T, true><<<c.blocks, kThreads, 0, stream>>>(p);
   } else {
@@ -791,6 +897,7 @@ ffi::Error PreloadKernelsOf() {
   cudaFuncAttributes a;
   JAXOVERLAP_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&a, OneShotLLKernel<T>));
   JAXOVERLAP_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&a, OneShotSimpleKernel<T>));
+  JAXOVERLAP_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&a, TwoShotLLKernel<T>));
   JAXOVERLAP_CUDA_RETURN_IF_ERROR(
       cudaFuncGetAttributes(&a, ReduceScatterAllGatherKernel<T, true>));
   JAXOVERLAP_CUDA_RETURN_IF_ERROR(
@@ -951,9 +1058,6 @@ ffi::Error AllReduce(const RuntimeState& s, cudaStream_t stream, Algorithm algor
         std::string("all_reduce: ") + AlgorithmName(algorithm) +
         " needs the whole group on one node, but it spans " + std::to_string(topo.num_nodes) +
         " nodes (ranks_per_node " + std::to_string(s.ranks_per_node) + "); use hierarchical");
-  }
-  if (algorithm == Algorithm::kTwoShot && protocol == Protocol::kLL) {
-    return ffi::Error::InvalidArgument("all_reduce: two_shot has only the simple protocol");
   }
   if (num_elements == 0) return ffi::Error::Success();
 

@@ -75,7 +75,7 @@ def protocol_for(algorithm: str, nbytes: int, ranks_per_node: int) -> str:
     ranks_per_node: ranks of the group on one node.
 
   Returns:
-    "ll" or "simple" (two_shot has only "simple").
+    "ll" or "simple" (two_shot: "simple" until a table measures its "ll").
   """
   if algorithm == names.ONE_SHOT:
     return names.LL if nbytes <= ONE_SHOT_LL_MAX_BYTES else names.SIMPLE
@@ -199,7 +199,7 @@ class Policy:
                                             protocol not in self.protocols):
       return False
     if protocol is not None and protocol not in names.protocols(algorithm):
-      return False  # e.g. the two-shot kernel has only the simple protocol
+      return False  # a protocol the algorithm's kernels do not have
     return (num_nodes > 1) == (algorithm == names.HIERARCHICAL)
 
   def _from_measurements(self, nbytes, itemsize, ranks_per_node, num_nodes):

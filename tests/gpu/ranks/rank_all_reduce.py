@@ -34,7 +34,8 @@ from jax.sharding import PartitionSpec as P
 
 pytestmark = pytest.mark.usefixtures("runtime")
 
-WITHIN_NODE = (("one_shot", "ll"), ("one_shot", "simple"), ("two_shot", "simple"))
+WITHIN_NODE = (("one_shot", "ll"), ("one_shot", "simple"), ("two_shot", "ll"),
+               ("two_shot", "simple"))
 ACROSS_NODES = (("hierarchical", "ll"), ("hierarchical", "simple"))
 AUTO = ("auto", "auto")
 

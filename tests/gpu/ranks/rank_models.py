@@ -113,7 +113,8 @@ def test_runtime_transport(runtime):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
 @pytest.mark.parametrize("algorithm,protocol", [("one_shot", "ll"), ("one_shot", "simple"),
-                                                ("two_shot", "simple"), ("auto", "auto")])
+                                                ("two_shot", "ll"), ("two_shot", "simple"),
+                                                ("auto", "auto")])
 def test_all_reduce(runtime, mesh, R, dtype, algorithm, protocol):
   for seed, n in enumerate([0, 3, 4096, 32769, 1 << 19]):
     host = _randn([seed, n], (R * n,), dtype)
