@@ -24,7 +24,8 @@ import numpy as np
 
 from jaxoverlap import _ffi, names
 
-__all__ = ["all_reduce", "all_reduce_rms_norm", "fused", "launch_floor", "reduce_scatter_stage", "all_gather_stage"]
+__all__ = ["all_reduce", "all_reduce_rms_norm", "fused", "launch_floor", "reduce_scatter_stage",
+           "all_gather_stage"]
 
 _FUSED_TARGETS = {
     names.ALL_GATHER_MATMUL: "jaxoverlap_all_gather_matmul",

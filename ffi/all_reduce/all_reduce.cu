@@ -1222,8 +1222,8 @@ ffi::Error AllReduceRmsNorm(const RuntimeState& s, cudaStream_t stream, ffi::Dat
   const size_t lines = rows * row_lines;
   if (lines * sizeof(uint4) > s.ll_slot_bytes) {
     return ffi::Error(ffi::ErrorCode::kResourceExhausted,
-                      std::string(kWhat) + ": the message (" + std::to_string(rows * hidden * elem) +
-                          " bytes per rank) needs " + std::to_string(lines * sizeof(uint4)) +
+                      std::string(kWhat) + ": the message (" +
+                          std::to_string(rows * hidden * elem) + " bytes per rank) needs " + std::to_string(lines * sizeof(uint4)) +
                           " bytes of LL slot per sender, but the slot has " +
                           std::to_string(s.ll_slot_bytes) +
                           " (jaxoverlap.dispatch plans such calls on xla)");
