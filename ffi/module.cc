@@ -72,6 +72,7 @@ NB_MODULE(_jaxoverlap_cuda, m) {
     d["jaxoverlap_all_reduce_reduce_scatter"] =
         EncapsulateFfiHandler(JaxoverlapAllReduceReduceScatter);
     d["jaxoverlap_all_reduce_all_gather"] = EncapsulateFfiHandler(JaxoverlapAllReduceAllGather);
+    d["jaxoverlap_all_reduce_rms_norm"] = EncapsulateFfiHandler(JaxoverlapAllReduceRmsNorm);
     d["jaxoverlap_launch_floor"] = EncapsulateFfiHandler(JaxoverlapLaunchFloor);
     d["jaxoverlap_all_gather_matmul"] = EncapsulateFfiHandler(JaxoverlapAllGatherMatmul);
     d["jaxoverlap_all_gather_matmul_gathered"] =

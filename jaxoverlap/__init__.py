@@ -8,6 +8,8 @@ Public ops (call inside ``jax.shard_map``; each a ``jax.custom_vjp``):
 * ``matmul_reduce_scatter(x, w, axis_name, scatter_dimension=0)``
   == ``lax.psum_scatter(x @ w, axis_name, scatter_dimension=..., tiled=True)``
 * ``matmul_all_reduce(x, w, axis_name)`` == ``lax.psum(x @ w, axis_name)``
+* ``all_reduce_rms_norm(p, residual, weight, axis_name)`` == ``(h, rms_norm(h) * weight)``
+  with ``h = residual + lax.psum(p, axis_name)``
 
 Runtime: ``initialize()`` (NVSHMEM, for ``backend="cuda"``), ``finalize()``,
 ``runtime_info()``. How each call ran: ``decisions()`` (``jaxoverlap.dispatch``).
@@ -15,7 +17,7 @@ The names of backends, algorithms, protocols and transports: ``jaxoverlap.names`
 Importing the package needs no GPU and loads no extension.
 """
 
-from jaxoverlap.collectives import all_reduce
+from jaxoverlap.collectives import all_reduce, all_reduce_rms_norm
 from jaxoverlap.dispatch import Plan, clear_decisions, decisions
 from jaxoverlap.overlap import all_gather_matmul, matmul_all_reduce, matmul_reduce_scatter
 from jaxoverlap.runtime import finalize, initialize, is_initialized, runtime_info
@@ -26,6 +28,7 @@ __all__ = [
     "Plan",
     "all_gather_matmul",
     "all_reduce",
+    "all_reduce_rms_norm",
     "clear_decisions",
     "decisions",
     "finalize",

@@ -24,7 +24,8 @@ import numpy as np
 
 from jaxoverlap import _ffi, names
 
-__all__ = ["all_reduce", "fused", "launch_floor", "reduce_scatter_stage", "all_gather_stage"]
+__all__ = ["all_reduce", "all_reduce_rms_norm", "fused", "launch_floor", "reduce_scatter_stage",
+           "all_gather_stage"]
 
 _FUSED_TARGETS = {
     names.ALL_GATHER_MATMUL: "jaxoverlap_all_gather_matmul",
@@ -49,6 +50,12 @@ def all_reduce(ctx, x, plan):
       ctx, x, **_groups(plan),
       algorithm=_enum("AllReduceAlgorithm", plan.algorithm),
       protocol=_enum("Protocol", plan.protocol))
+
+
+def all_reduce_rms_norm(ctx, p, residual, weight, plan, eps: float):
+  """The fused all-reduce + residual + RMSNorm custom call (one-shot LL, one launch)."""
+  return jax.ffi.ffi_lowering("jaxoverlap_all_reduce_rms_norm")(
+      ctx, p, residual, weight, **_groups(plan), eps=np.float32(eps))
 
 
 def reduce_scatter_stage(piece: jax.Array, plan, shard: int) -> jax.Array:

@@ -1,4 +1,4 @@
-"""The four primitives behind the public ops, and the lowering that reads the plan.
+"""The primitives behind the public ops, and the lowering that reads the plan.
 
 Problem:
   Inside ``shard_map`` an op sees only its own shard; which devices, processes
@@ -40,7 +40,7 @@ from jaxoverlap import _cuda, _xla, dispatch, names
 from jaxoverlap.dispatch import Request
 
 __all__ = ["bind_all_reduce", "bind_all_gather_matmul", "bind_matmul_reduce_scatter",
-           "bind_matmul_all_reduce"]
+           "bind_matmul_all_reduce", "bind_all_reduce_rms_norm"]
 
 
 def _axes(axis_name) -> set:
@@ -297,3 +297,60 @@ batching.primitive_batchers[matmul_all_reduce_p] = functools.partial(_gemm_batch
 def bind_matmul_all_reduce(x, w, request: Request, num_ranks: int):
   """``psum(x @ w)`` as planned; x and w share their varying axes."""
   return matmul_all_reduce_p.bind(x, w, request=request, num_ranks=num_ranks)
+
+
+# ---------------------------------------------------------------------------- all_reduce_rms_norm
+
+# Outputs (h, y): h = residual + psum(p), y = rms_norm(h) * weight.
+all_reduce_rms_norm_p = Primitive("jaxoverlap_all_reduce_rms_norm")
+all_reduce_rms_norm_p.multiple_results = True
+
+
+def _norm_abstract_eval(p, residual, weight, *, request, num_ranks, eps):
+  del num_ranks, eps
+  # As the pure expression: psum(p) is invariant over the axis; the residual
+  # and the weight bring their own varying axes.
+  h_vma = (_vma(p) - _axes(request.axis_name)) | _vma(residual)
+  return [_with_vma(p, p.shape, h_vma), _with_vma(p, p.shape, h_vma | _vma(weight))]
+
+
+def _norm_lowering(ctx, p, residual, weight, *, request, num_ranks, eps):
+  plan = dispatch.plan_lowering(ctx, request, num_ranks)
+  if plan.backend == names.XLA:
+    return _lower_xla(
+        lambda p, r, w: _xla.all_reduce_rms_norm(p, r, w, request.axis_name, eps,
+                                                 plan.algorithm, _mesh_axes(ctx)),
+        ctx, p, residual, weight, multiple_results=True)
+  return _cuda.all_reduce_rms_norm(ctx, p, residual, weight, plan, eps)
+
+
+def _norm_batch(args, dims, *, request, num_ranks, eps):
+  p, r, w = args
+  dp, dr, dw = dims
+  size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
+
+  def lead(a, d):
+    return (jax.numpy.broadcast_to(a, (size,) + a.shape) if d is None
+            else jax.numpy.moveaxis(a, d, 0))
+
+  p, r = lead(p, dp), lead(r, dr)
+  if dw is None:  # rows are independent: the batch is one more leading dimension
+    outs = all_reduce_rms_norm_p.bind(p, r, w, request=request, num_ranks=num_ranks, eps=eps)
+  else:
+    w = jax.numpy.moveaxis(w, dw, 0)
+    outs = lax.map(lambda a: all_reduce_rms_norm_p.bind(*a, request=request,
+                                                        num_ranks=num_ranks, eps=eps),
+                   (p, r, w))
+  return outs, [0, 0]
+
+
+all_reduce_rms_norm_p.def_abstract_eval(_norm_abstract_eval)
+mlir.register_lowering(all_reduce_rms_norm_p, _norm_lowering)
+batching.primitive_batchers[all_reduce_rms_norm_p] = _norm_batch
+
+
+def bind_all_reduce_rms_norm(p, residual, weight, request: Request, num_ranks: int,
+                             eps: float):
+  """``(h, y)`` of ``residual + psum(p)`` as planned; ``p`` must be varying over the axis."""
+  return all_reduce_rms_norm_p.bind(p, residual, weight, request=request,
+                                    num_ranks=num_ranks, eps=float(eps))

@@ -65,6 +65,8 @@ __all__ = [
     "all_gather_matmul",
     "matmul_reduce_scatter",
     "matmul_all_reduce",
+    "rms_norm_tail",
+    "all_reduce_rms_norm",
 ]
 
 
@@ -314,3 +316,26 @@ def matmul_all_reduce(x, w, axis_name, algorithm: str, mesh_axes=None):
   mine = matmul_reduce_scatter(x2, w, axis_name, dim, "ppermute", mesh_axes)
   full = lax.all_gather(mine, axis_name, axis=dim, tiled=True, to="invarying")
   return full[:rows].reshape(lead + (n,))
+
+
+# ----------------------------------------------------------------------------
+# All-reduce + residual + RMSNorm
+
+
+def rms_norm_tail(s, residual, weight, eps: float):
+  """``h = residual + s``, ``y = rms_norm(h) * weight``; returns ``(h, y)``.
+
+  The norm is computed in float32 from ``h`` as stored (in its dtype) and
+  rounded once to that dtype: ``h * rsqrt(mean(h^2, -1) + eps) * weight``.
+  """
+  h = residual + s
+  h32 = h.astype(jnp.float32)
+  ms = jnp.mean(jnp.square(h32), axis=-1, keepdims=True)
+  y = (h32 * lax.rsqrt(ms + eps) * weight.astype(jnp.float32)).astype(h.dtype)
+  return h, y
+
+
+def all_reduce_rms_norm(p, residual, weight, axis_name, eps: float, algorithm: str,
+                        mesh_axes=None):
+  """``rms_norm_tail(all_reduce(p), residual, weight, eps)`` (the op's pure expression)."""
+  return rms_norm_tail(all_reduce(p, axis_name, algorithm, mesh_axes), residual, weight, eps)

@@ -1,4 +1,4 @@
-"""all_reduce: the sum of an array over the ranks of a mesh axis.
+"""all_reduce: the sum of an array over the ranks of a mesh axis (and all_reduce_rms_norm).
 
 Problem:
   Tensor-parallel decode all-reduces small activations (8 KB - 4 MB) once or
@@ -27,14 +27,17 @@ Example:
 from __future__ import annotations
 
 import functools
+import math
+import numbers
 from typing import NamedTuple
 
 import jax
+import jax.numpy as jnp
 
 from jaxoverlap import _checks, _primitives, _xla, names
 from jaxoverlap.dispatch import Request
 
-__all__ = ["all_reduce"]
+__all__ = ["all_reduce", "all_reduce_rms_norm"]
 
 
 class _Config(NamedTuple):
@@ -144,3 +147,165 @@ def all_reduce(x, axis_name, *, backend="auto", algorithm="auto", protocol="auto
                     transport=transport)
   cfg = _Config(request, num_ranks, _xla.vma_checked(axis_name), _xla.varying_axes(x))
   return _all_reduce(x, cfg)
+
+
+# ---------------------------------------------------------------------------- all_reduce_rms_norm
+
+
+class _NormConfig(NamedTuple):
+  request: Request
+  num_ranks: int
+  eps: float
+  checked: bool  # shard_map(check_vma=True)
+  vmas: tuple  # the varying axes of p, residual, weight
+
+
+def _norm_impl(p, residual, weight, cfg: _NormConfig):
+  p = _xla.to_varying(p, cfg.request.axis_name)
+  h, y = _primitives.bind_all_reduce_rms_norm(p, residual, weight, cfg.request, cfg.num_ranks,
+                                              cfg.eps)
+  return h, y
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _all_reduce_rms_norm(p, residual, weight, cfg):
+  return _norm_impl(p, residual, weight, cfg)
+
+
+def _norm_fwd(p, residual, weight, cfg):
+  h, y = _norm_impl(p, residual, weight, cfg)
+  return (h, y), (h, weight)
+
+
+def _norm_bwd(cfg, saved, cts):
+  h, weight = saved
+  ct_h, ct_y = cts
+  # The VJP of the pure expression: y = norm(h, weight) (jax.vjp of the same
+  # code), h = residual + psum(p), whose cotangent passes unchanged to the
+  # residual and, through psum's transpose, to every rank's p.
+  _, norm_vjp = jax.vjp(lambda h, w: _xla.rms_norm_tail(jnp.zeros_like(h), h, w, cfg.eps)[1],
+                        h, weight)
+  dh_norm, dw = norm_vjp(ct_y)
+  dh = ct_h + dh_norm
+  p_vma, r_vma, w_vma = cfg.vmas
+  axis_name = cfg.request.axis_name
+  if cfg.checked:
+    # psum(p) is invariant over the axis: a varying h (a varying residual)
+    # received it through pvary, whose transpose sums; psum's own transpose
+    # is the cast to varying.
+    ds = _xla.cast_to_vma(dh, frozenset(p_vma) - set(_axes(axis_name)))
+    dp = _xla.cast_to_vma(_xla.to_varying(ds, axis_name), p_vma)
+  else:  # every value counts as per-rank and psum transposes to psum
+    alg = cfg.request.algorithm
+    if names.backend_of_algorithm(names.ALL_REDUCE, alg) != names.XLA:
+      alg = names.AUTO
+    sub = Request(names.ALL_REDUCE, axis_name, backend=cfg.request.backend, algorithm=alg)
+    dp = _primitives.bind_all_reduce(dh, sub, cfg.num_ranks)
+  return dp, _xla.cast_to_vma(dh, r_vma), _xla.cast_to_vma(dw, w_vma)
+
+
+def _axes(axis_name) -> tuple:
+  return axis_name if isinstance(axis_name, tuple) else (axis_name,)
+
+
+_all_reduce_rms_norm.defvjp(_norm_fwd, _norm_bwd)
+
+
+def _check_norm_operands(op, p, residual, weight, eps):
+  p_dtype = _checks.check_array(op, "p", p)
+  r_dtype = _checks.check_array(op, "residual", residual)
+  w_dtype = _checks.check_array(op, "weight", weight)
+  if not p_dtype == r_dtype == w_dtype:
+    raise ValueError(f"{op}: p.dtype={p_dtype}, residual.dtype={r_dtype} and "
+                     f"weight.dtype={w_dtype} must be one dtype; cast them alike")
+  if len(p.shape) < 1:
+    raise ValueError(f"{op}: p must have at least 1 dimension [..., hidden], got p.shape=()")
+  if tuple(residual.shape) != tuple(p.shape):
+    raise ValueError(f"{op}: residual.shape={tuple(residual.shape)} differs from "
+                     f"p.shape={tuple(p.shape)}")
+  if tuple(weight.shape) != (p.shape[-1],):
+    raise ValueError(f"{op}: weight.shape={tuple(weight.shape)} must be (hidden,) = "
+                     f"({p.shape[-1]},), the last dimension of p")
+  if p.shape[-1] == 0:
+    raise ValueError(f"{op}: the normalized dimension is empty (p.shape={tuple(p.shape)})")
+  if isinstance(eps, bool) or not isinstance(eps, numbers.Real):
+    raise TypeError(f"{op}: eps must be a Python float, got {type(eps).__name__}")
+  if not (math.isfinite(eps) and eps > 0):
+    raise ValueError(f"{op}: eps must be positive and finite, got eps={eps!r}")
+
+
+def all_reduce_rms_norm(p, residual, weight, axis_name, *, eps=1e-6, backend="auto",
+                        algorithm="auto"):
+  """``h = residual + all_reduce(p)``, ``y = rms_norm(h) * weight``; call inside ``shard_map``.
+
+  The pattern after every row-parallel layer of a pre-norm transformer in
+  decode: the layer's partial sums are all-reduced, added to the residual
+  stream, and the sum is normalized for the next layer. Equals
+  ``reference.all_reduce_rms_norm`` up to the order of summation (and, on
+  backend "cuda", psum's intermediate rounding to the dtype, which the kernel
+  skips: it sums the ranks and the residual in float32 and rounds h once).
+
+  Args:
+    p: this rank's partial sums, ``[..., hidden]``, float32, bfloat16 or
+      float16, varying over ``axis_name`` like ``all_reduce``'s input.
+    residual: ``[..., hidden]``, p's shape and dtype; normally invariant over
+      the axis (the residual stream, the same on every rank).
+    weight: ``[hidden]``, p's dtype: the RMSNorm scale.
+    axis_name: the mesh axis to reduce over (str), or a tuple of axes.
+    eps: added to the mean square before the reciprocal square root (> 0).
+    backend: ``"auto"``, ``"xla"`` or ``"cuda"``. "auto" runs the fused
+      kernel where it can run (GPUs, ``jaxoverlap.initialize()`` called, the
+      group within one node, the message within one launch of the one-shot
+      LL all-reduce, a row a whole number of 8-byte lines) and the pure-JAX
+      expression elsewhere; ``jaxoverlap.decisions()`` says why.
+    algorithm: ``"auto"``; backend "xla": ``"collective"`` (``lax.psum``) or
+      ``"ppermute"`` (the ring of ``all_reduce``), then the norm in JAX;
+      backend "cuda": ``"one_shot"`` (the fused kernel).
+
+  Returns:
+    ``(h, y)``, both of p's shape and dtype: ``h = residual + psum(p)`` (the
+    new residual stream) and ``y = h * rsqrt(mean(h^2, -1) + eps) * weight``,
+    computed in float32 from h as rounded to the dtype, rounded once. With an
+    invariant residual and weight both are invariant over ``axis_name``, like
+    ``all_reduce``'s output.
+
+  Raises:
+    ValueError: an unsupported dtype or dtypes that differ; ``residual`` not
+      of p's shape, ``weight`` not ``[hidden]``, a scalar p or an empty last
+      dimension; eps not positive and finite; an axis name that is not a
+      manual axis of the enclosing ``shard_map``; an unknown or contradictory
+      backend or algorithm; at lowering, ``backend="cuda"`` for a call the
+      kernel does not take (a group across nodes, a message above one launch,
+      a row that is not a whole number of 8-byte lines).
+    TypeError: eps not a real number; a forward-mode tangent (the op is a
+      ``jax.custom_vjp``).
+    RuntimeError: at lowering, ``backend="cuda"`` while the CUDA kernels
+      cannot run in this process; the message says why.
+
+  Algorithm:
+    Backend "cuda": one kernel. Every rank pushes its p to every peer of its
+    node as LL8 lines (8 bytes of data, each 4-byte word with the call's epoch
+    as flag; the one-shot LL all-reduce of ``all_reduce``), and each block
+    owns whole rows: it sums the ranks in rank order in float32, adds the
+    residual, writes h, reduces the row's sum of squares across the block in
+    float32 and writes y. The completion protocol (pair epochs, two slot
+    parities) is the all-reduce's. Backward (both backends): the VJP of the
+    pure expression; the cotangent of h (its own plus the norm's) goes to the
+    residual and, as the transpose of ``psum``, to every rank's p.
+
+  Source:
+    RMSNorm: Zhang & Sennrich, "Root Mean Square Layer Normalization",
+    NeurIPS 2019 (arXiv 1910.07467). The one-shot all-reduce and LL protocol:
+    NVRAR, arXiv 2511.09557, sec. 4. Where the pattern occurs: Megatron-LM,
+    arXiv 1909.08053 (the all-reduce after each row-parallel layer).
+  """
+  op = names.ALL_REDUCE_RMS_NORM
+  _check_norm_operands(op, p, residual, weight, eps)
+  _checks.refuse_forward_mode(op, p, residual, weight)
+  num_ranks = _checks.axis_size(op, axis_name)
+  _checks.check_options(op, backend=backend, algorithm=algorithm)
+  request = Request(op, axis_name, backend=backend, algorithm=algorithm)
+  cfg = _NormConfig(request, num_ranks, float(eps), _xla.vma_checked(axis_name),
+                    (_xla.varying_axes(p), _xla.varying_axes(residual),
+                     _xla.varying_axes(weight)))
+  return _all_reduce_rms_norm(p, residual, weight, cfg)

@@ -50,7 +50,7 @@ from jaxoverlap import names, runtime
 from jaxoverlap.tuning import policy as _policy
 
 __all__ = ["Request", "Plan", "Geometry", "make_plan", "plan_lowering", "decisions",
-           "clear_decisions", "geometry", "stage_pieces"]
+           "clear_decisions", "geometry", "stage_pieces", "norm_capacity"]
 
 logger = logging.getLogger("jaxoverlap")
 
@@ -420,6 +420,10 @@ def _cuda_plan(r, shapes, dtype, mesh, facts, num_ranks, base) -> Plan:
     raise _Fallback(str(e)) from None
   group = _group_of(groups, facts.pe)
   local_size, num_nodes = _topology(group, facts.ranks_per_node)
+  if r.op == names.ALL_REDUCE_RMS_NORM:
+    return _norm_plan(r, shapes, dtype, group, local_size, num_nodes, facts,
+                      dict(base, backend=names.CUDA, ranks_per_node=local_size,
+                           num_nodes=num_nodes, groups=tuple(tuple(g) for g in groups)))
   if facts.transport == names.PEER and num_nodes > 1 and r.op != names.ALL_REDUCE:
     raise _Fallback(
         f"the group over {r.axis_name!r} spans {num_nodes} processes, and the fused kernels of "
@@ -480,6 +484,48 @@ def _all_reduce_plan(r, dtype, local_size, num_nodes, facts, cuda) -> Plan:
                      f"transport is {transport!r}")
   return Plan(**cuda, algorithm=algorithm, protocol=protocol, transport=transport,
               why=tuple(why))
+
+
+def norm_capacity(itemsize: int, ll_slot_bytes: int) -> int:
+  """Elements one launch of the fused all-reduce + RMSNorm carries per rank.
+
+  The kernel is the one-shot LL all-reduce in one launch: every 8 bytes of the
+  message travel as one 16-byte LL8 line in the receiver's slot per sender.
+  """
+  return (ll_slot_bytes // 16) * (8 // itemsize)
+
+
+def _norm_plan(r, shapes, dtype, group, local_size, num_nodes, facts, cuda) -> Plan:
+  """all_reduce_rms_norm on backend "cuda": the one-shot LL kernel with the norm fused."""
+  op, limits = r.op, facts.limits
+  if num_nodes > 1:
+    raise _Fallback(f"the group over {r.axis_name!r} (PEs {list(group)}) spans {num_nodes} "
+                    "nodes (or processes of the in-process runtime) and the fused all-reduce + "
+                    "RMSNorm is a one-shot all-reduce within one node")
+  if local_size > limits["max_group_size"]:
+    raise _Fallback(f"the group has {local_size} ranks; the kernels take at most "
+                    f"{limits['max_group_size']}")
+  hidden = shapes[0][-1]
+  if (hidden * dtype.itemsize) % 8:
+    raise _Fallback(f"a row of hidden={hidden} {dtype.name} elements is not a whole number of "
+                    "8-byte LL lines (the kernel's blocks own whole rows)")
+  n = math.prod(shapes[0])
+  capacity = norm_capacity(dtype.itemsize, facts.ll_slot_bytes)
+  if n > capacity:
+    raise _Fallback(f"the message ({cuda['nbytes']} bytes per rank) exceeds one launch of the "
+                    f"one-shot LL all-reduce ({capacity * dtype.itemsize} bytes: the LL slot of "
+                    f"{facts.ll_slot_bytes} bytes per sender)")
+  if r.transport not in (names.AUTO, facts.transport):
+    raise ValueError(f"{op}: transport={r.transport!r} was requested, but this runtime's "
+                     f"transport is {facts.transport!r}")
+  why = (("backend", "requested" if r.backend == names.CUDA
+          else "auto: the CUDA kernels run here"),
+         ("algorithm", "requested" if r.algorithm == names.ONE_SHOT
+          else "the only algorithm of the fused kernel"),
+         ("protocol", "the fused kernel's protocol (LL: no flag round trip for small messages)"),
+         ("transport", "the runtime's transport"))
+  return Plan(**cuda, algorithm=names.ONE_SHOT, protocol=names.LL, transport=facts.transport,
+              why=why)
 
 
 def _all_reduce_over_xla_plan(r, dtype, mesh, local_size, num_nodes, facts, cuda) -> Plan:

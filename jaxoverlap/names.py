@@ -25,6 +25,8 @@ Algorithm:
   matmul_reduce_scatter                          nvshmem)
   matmul_all_reduce     collective, ppermute     fused, unfused (the GEMM, then
                                                  the CUDA all_reduce)
+  all_reduce_rms_norm   collective, ppermute     one_shot (LL, the norm in the
+                                                 all-reduce's epilogue)
   ===================== ======================== ==================================
 
 Example:
@@ -40,6 +42,7 @@ from __future__ import annotations
 __all__ = [
     "AUTO",
     "ALL_REDUCE", "ALL_GATHER_MATMUL", "MATMUL_REDUCE_SCATTER", "MATMUL_ALL_REDUCE",
+    "ALL_REDUCE_RMS_NORM",
     "OPS", "FUSED_OPS",
     "XLA", "CUDA", "BACKENDS",
     "COLLECTIVE", "PPERMUTE", "ONE_SHOT", "TWO_SHOT", "HIERARCHICAL", "FUSED", "UNFUSED",
@@ -55,7 +58,10 @@ ALL_REDUCE = "all_reduce"
 ALL_GATHER_MATMUL = "all_gather_matmul"
 MATMUL_REDUCE_SCATTER = "matmul_reduce_scatter"
 MATMUL_ALL_REDUCE = "matmul_all_reduce"
-OPS = (ALL_REDUCE, ALL_GATHER_MATMUL, MATMUL_REDUCE_SCATTER, MATMUL_ALL_REDUCE)
+# residual + all_reduce(p), then RMSNorm of the sum (one kernel on backend "cuda").
+ALL_REDUCE_RMS_NORM = "all_reduce_rms_norm"
+OPS = (ALL_REDUCE, ALL_GATHER_MATMUL, MATMUL_REDUCE_SCATTER, MATMUL_ALL_REDUCE,
+       ALL_REDUCE_RMS_NORM)
 FUSED_OPS = (ALL_GATHER_MATMUL, MATMUL_REDUCE_SCATTER, MATMUL_ALL_REDUCE)
 
 # Backends. "xla": pure JAX (lax collectives); "cuda": this package's kernels.
@@ -80,6 +86,7 @@ _ALGORITHMS = {
         ALL_GATHER_MATMUL: (FUSED,),
         MATMUL_REDUCE_SCATTER: (FUSED,),
         MATMUL_ALL_REDUCE: (FUSED, UNFUSED),
+        ALL_REDUCE_RMS_NORM: (ONE_SHOT,),
     },
 }
 
@@ -106,6 +113,7 @@ _TRANSPORTS = {
     ALL_GATHER_MATMUL: (COPY_ENGINE, NVSHMEM),
     MATMUL_REDUCE_SCATTER: (COPY_ENGINE, NVSHMEM),
     MATMUL_ALL_REDUCE: (COPY_ENGINE, NVSHMEM),
+    ALL_REDUCE_RMS_NORM: (NVSHMEM, PEER),
 }
 
 # Values of version 0.1 that now have another name or keyword.

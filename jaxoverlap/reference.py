@@ -21,9 +21,11 @@ Example:
 
 from __future__ import annotations
 
+import jax.numpy as jnp
 from jax import lax
 
-__all__ = ["all_reduce", "all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce"]
+__all__ = ["all_reduce", "all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce",
+           "all_reduce_rms_norm"]
 
 
 def all_reduce(x, axis_name):
@@ -50,3 +52,15 @@ def matmul_reduce_scatter(x, w, axis_name, *, scatter_dimension=0):
 def matmul_all_reduce(x, w, axis_name):
   """``lax.psum(x @ w, axis_name)``."""
   return lax.psum(x @ w, axis_name)
+
+
+def all_reduce_rms_norm(p, residual, weight, axis_name, *, eps=1e-6):
+  """``h = residual + lax.psum(p, axis_name)``, ``y = rms_norm(h) * weight``; returns ``(h, y)``.
+
+  The norm is over the last dimension, in float32, rounded to h's dtype:
+  ``h * rsqrt(mean(h^2, -1) + eps) * weight``.
+  """
+  h = residual + lax.psum(p, axis_name)
+  h32 = h.astype(jnp.float32)
+  ms = jnp.mean(jnp.square(h32), axis=-1, keepdims=True)
+  return h, (h32 * lax.rsqrt(ms + eps) * weight.astype(jnp.float32)).astype(h.dtype)

@@ -466,3 +466,74 @@ def test_decode_errors_and_new_options():
     layer(x[:, :2], decode=True)
   with pytest.raises(ValueError, match="x has batch size 1, the KV cache 2"):
     layer(x[:1, :1], decode=True)
+
+
+# ----------------------------------------------------------------------------
+# fuse_norm: the attention's reduction + residual + the MLP's RMSNorm in one op
+# ----------------------------------------------------------------------------
+
+
+def _fused_and_unfused(mesh, use_bias, **block_kw):
+  """Sharded blocks with fuse_norm on and off (row_reduction "all_reduce"), same values."""
+  common = dict(mesh=mesh, dp_axis="dp" if "dp" in mesh.axis_names else None,
+                backend="xla", row_reduction="all_reduce", all_reduce_algorithm="collective")
+  build = lambda c: TransformerBlock(D, H, F, config=c, num_kv_heads=KV, rope_theta=THETA,  # noqa
+                                     activation="swiglu", norm="rms", use_bias=use_bias,
+                                     rngs=nnx.Rngs(0), **block_kw)
+  fused = nnx.jit(lambda: build(ParallelConfig(fuse_norm=True, **common)))()
+  unfused = nnx.jit(lambda: build(ParallelConfig(**common)))()
+  pure = _random_params(fused, _key())
+  _load(fused, pure)
+  _load(unfused, pure)
+  return fused, unfused
+
+
+@pytest.mark.parametrize("use_bias", [False, True], ids=["nobias", "bias"])
+def test_fuse_norm_block_equals_the_unfused_block(use_bias):
+  """Outputs and every gradient equal the unfused block's (f32: up to summation order)."""
+  fused, unfused = _fused_and_unfused(_mesh(2, 2), use_bias)
+  x = jax.random.normal(_key(), (B, S, D), jnp.float32).at[0, 0, 0].set(8.0)
+  r = jax.random.normal(_key(), (B, S, D), jnp.float32)
+  y, g_params, g_x = _forward_and_grads(fused, x, r)
+  y_want, g_params_want, g_x_want = _forward_and_grads(unfused, x, r)
+  tol = dict(rtol=1e-5, atol=1e-5)
+  _assert_tree_close(y, y_want, tol, "output")
+  _assert_tree_close(g_x, g_x_want, tol, "grad x")
+  _assert_tree_close(g_params, g_params_want, tol, "grad")
+  # The fused path really ran: one all_reduce_rms_norm per block.
+  graphdef, state = nnx.split(fused)
+  text = str(jax.make_jaxpr(lambda s, x: nnx.merge(graphdef, s)(x))(state, x))
+  assert text.count("jaxoverlap_all_reduce_rms_norm") == 1, text.count("all_reduce_rms_norm")
+
+
+def test_fuse_norm_block_matches_unsharded_bf16():
+  config = ParallelConfig(mesh=_mesh(2, 2), backend="xla", row_reduction="all_reduce",
+                          fuse_norm=True)
+  build = lambda c: TransformerBlock(D, H, F, config=c, dtype=jnp.bfloat16,  # noqa: E731
+                                     activation="swiglu", norm="rms", rngs=nnx.Rngs(0))
+  _check_against_reference(build, config, (B, S, D), dtype=jnp.bfloat16,
+                           tol=dict(rtol=6e-2, atol=6e-2))
+
+
+def test_fuse_norm_decode_equals_unsharded():
+  mesh = _mesh(1, 2)
+  config = ParallelConfig(mesh=mesh, dp_axis=None, backend="xla", fuse_norm=True)
+  sharded, ref = _decoder_pair(config, num_layers=2)
+  b, max_len = 3, 8
+  for model in (sharded, ref):
+    for block in model:
+      block.init_cache((b, max_len, D))
+  x = jax.random.normal(_key(), (b, 6, D), jnp.float32)
+  tol = _tol(jnp.float32)
+  for lo, hi in ((0, 4), (4, 5), (5, 6)):
+    got, want = _run(sharded, x[:, lo:hi], True), _run(ref, x[:, lo:hi], True)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), **tol, err_msg=f"{lo}:{hi}")
+
+
+def test_fuse_norm_refusals():
+  with pytest.raises(ValueError, match="fuse_norm fuses the all-reduce of a row-parallel layer"):
+    ParallelConfig(mesh=_mesh(2, 2), sequence_parallel=True, fuse_norm=True)
+  with pytest.raises(ValueError, match="config.fuse_norm fuses an RMSNorm; this block's norm is "
+                                       "'layer'"):
+    TransformerBlock(D, H, F, config=ParallelConfig(mesh=None, fuse_norm=True), norm="layer",
+                     rngs=nnx.Rngs(0))

@@ -32,6 +32,7 @@
 #include <nvshmemx.h>
 
 #include <algorithm>
+#include <cmath>
 #include <string>
 
 #include "jaxoverlap/all_reduce.h"
@@ -500,6 +501,135 @@ __global__ void __launch_bounds__(kThreads) TwoShotLLKernel(Params p) {
   Finish(p, /*quiet=*/false);
 }
 
+// ------------------------------------------- one-shot + residual + RMSNorm
+
+// The fused all-reduce + residual add + RMSNorm of one launch (AllReduceRmsNorm).
+struct NormParams {
+  Params base;           // in: p, out: h, n: rows * hidden; the one-shot LL protocol's state
+  const void* residual;  // [rows, hidden]
+  const void* weight;    // [hidden]
+  void* y;               // [rows, hidden]
+  size_t rows;
+  size_t hidden;
+  size_t row_lines;  // 8-byte lines per row (hidden * sizeof(T) / 8, exact)
+  float eps;
+};
+
+// One-shot LL all-reduce whose blocks own whole rows, with the norm in its
+// epilogue. Every thread first pushes the lines of its block's rows to every
+// peer (as OneShotLLKernel); then, row by row, it sums the ranks' lines in rank
+// order in fp32, adds the residual, rounds h to T and stores it, and
+// accumulates the square of the rounded h. A block reduction (warp shuffles,
+// then one value per warp in shared memory) gives the row's sum of squares;
+// each thread re-reads the h lines it stored itself (no barrier needed for
+// those) and writes y = h * rsqrt(sum / hidden + eps) * weight.
+template <typename T>
+__global__ void __launch_bounds__(kThreads) OneShotLLRmsNormKernel(NormParams np) {
+  constexpr int kLineElems = 8 / sizeof(T);
+  constexpr int kPerWord = Words<T>::kPerWord;
+  const Params& p = np.base;
+  const Topology& t = p.topo;
+  const HeapView& h = p.heap;
+  const uint2* in = static_cast<const uint2*>(p.in);
+  const uint2* res = static_cast<const uint2*>(np.residual);
+  const uint2* wgt = static_cast<const uint2*>(np.weight);
+  uint2* hout = static_cast<uint2*>(p.out);
+  uint2* yout = static_cast<uint2*>(np.y);
+  const size_t L = np.row_lines;
+
+  uint64_t epoch[kMaxGroupSize];
+  uint4* remote[kMaxGroupSize];
+  const uint4* local[kMaxGroupSize];
+#pragma unroll
+  for (int r = 0; r < kMaxGroupSize; ++r) {
+    if (r < t.local_size && r != t.local_rank) {
+      const int pe = t.local_pes[r];
+      epoch[r] = EpochWith(p, pe);
+      remote[r] = PeerPtr(h, LlAt(h, epoch[r], kPhaseReduceScatter, p.my_pe), pe);
+      local[r] = LlAt(h, epoch[r], kPhaseReduceScatter, pe);
+    }
+  }
+  for (size_t row = blockIdx.x; row < np.rows; row += gridDim.x) {
+    for (size_t l = threadIdx.x; l < L; l += blockDim.x) {
+      const size_t g = row * L + l;
+      const uint2 mine = in[g];
+#pragma unroll
+      for (int r = 0; r < kMaxGroupSize; ++r) {
+        if (r < t.local_size && r != t.local_rank) {
+          StoreLL(remote[r] + g, mine, static_cast<uint32_t>(epoch[r]));
+        }
+      }
+    }
+  }
+
+  __shared__ float warp_sums[kThreads / 32];
+  __shared__ float row_scale;
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int num_warps = (blockDim.x + 31) / 32;
+  for (size_t row = blockIdx.x; row < np.rows; row += gridDim.x) {
+    float sumsq = 0.0f;
+    for (size_t l = threadIdx.x; l < L; l += blockDim.x) {
+      const size_t g = row * L + l;
+      float acc[kLineElems];
+#pragma unroll
+      for (int i = 0; i < kLineElems; ++i) acc[i] = 0.0f;
+      float f[kLineElems];
+#pragma unroll
+      for (int r = 0; r < kMaxGroupSize; ++r) {
+        if (r >= t.local_size) break;
+        const uint2 v = r == t.local_rank
+                            ? in[g]
+                            : LoadLL(local[r] + g, static_cast<uint32_t>(epoch[r]), p,
+                                     t.local_pes[r], /*step=*/0);
+        Words<T>::ToFloat(v.x, f);
+        Words<T>::ToFloat(v.y, f + kPerWord);
+#pragma unroll
+        for (int i = 0; i < kLineElems; ++i) acc[i] += f[i];
+      }
+      const uint2 rv = res[g];
+      Words<T>::ToFloat(rv.x, f);
+      Words<T>::ToFloat(rv.y, f + kPerWord);
+#pragma unroll
+      for (int i = 0; i < kLineElems; ++i) acc[i] += f[i];
+      const uint2 hv = make_uint2(Words<T>::FromFloat(acc), Words<T>::FromFloat(acc + kPerWord));
+      hout[g] = hv;
+      // The norm sees h as stored (rounded to T), like the unfused expression.
+      Words<T>::ToFloat(hv.x, f);
+      Words<T>::ToFloat(hv.y, f + kPerWord);
+#pragma unroll
+      for (int i = 0; i < kLineElems; ++i) sumsq += f[i] * f[i];
+    }
+#pragma unroll
+    for (int offset = 16; offset > 0; offset /= 2) {
+      sumsq += __shfl_xor_sync(0xffffffffu, sumsq, offset);
+    }
+    if (lane == 0) warp_sums[warp] = sumsq;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      float total = 0.0f;
+      for (int k = 0; k < num_warps; ++k) total += warp_sums[k];
+      row_scale = rsqrtf(total / static_cast<float>(np.hidden) + np.eps);
+    }
+    __syncthreads();
+    const float scale = row_scale;
+    for (size_t l = threadIdx.x; l < L; l += blockDim.x) {
+      const size_t g = row * L + l;
+      const uint2 hv = hout[g];  // stored by this thread above
+      const uint2 wv = wgt[l];
+      float f[kLineElems], w[kLineElems];
+      Words<T>::ToFloat(hv.x, f);
+      Words<T>::ToFloat(hv.y, f + kPerWord);
+      Words<T>::ToFloat(wv.x, w);
+      Words<T>::ToFloat(wv.y, w + kPerWord);
+#pragma unroll
+      for (int i = 0; i < kLineElems; ++i) f[i] = f[i] * scale * w[i];
+      yout[g] = make_uint2(Words<T>::FromFloat(f), Words<T>::FromFloat(f + kPerWord));
+    }
+    __syncthreads();  // warp_sums and row_scale are reused by the next row
+  }
+  Finish(p, /*quiet=*/false);
+}
+
 // -------------------------------------------------- reduce-scatter/all-gather
 
 // Puts `count` fp32 values acc[off, off+count) into `pe`'s inter-node slot for
@@ -902,6 +1032,7 @@ ffi::Error PreloadKernelsOf() {
       cudaFuncGetAttributes(&a, ReduceScatterAllGatherKernel<T, true>));
   JAXOVERLAP_CUDA_RETURN_IF_ERROR(
       cudaFuncGetAttributes(&a, ReduceScatterAllGatherKernel<T, false>));
+  JAXOVERLAP_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&a, OneShotLLRmsNormKernel<T>));
   return ffi::Error::Success();
 }
 
@@ -1156,6 +1287,80 @@ ffi::Error AllReduceStage(const RuntimeState& s, cudaStream_t stream, Stage stag
   }
   if (err != cudaSuccess) {
     return CudaError(err, (std::string(what) + " kernel launch").c_str(), __FILE__, __LINE__);
+  }
+  return ffi::Error::Success();
+}
+
+
+ffi::Error AllReduceRmsNorm(const RuntimeState& s, cudaStream_t stream, ffi::DataType dtype,
+                            const void* p, const void* residual, const void* weight, void* h,
+                            void* y, size_t rows, size_t hidden, float eps,
+                            const Topology& topo) {
+  constexpr const char* kWhat = "all_reduce_rms_norm";
+  if (!s.initialized) {
+    return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
+                      std::string(kWhat) + ": jaxoverlap.initialize() has not been called in "
+                                           "this process");
+  }
+  const size_t elem = ElementBytes(dtype);
+  if (elem == 0) {
+    return ffi::Error::InvalidArgument(std::string(kWhat) +
+                                       ": dtype must be float32, bfloat16 or float16");
+  }
+  if (topo.num_nodes > 1) {
+    return ffi::Error::InvalidArgument(
+        std::string(kWhat) + ": the fused kernel is a one-shot all-reduce within one node, but "
+        "the group spans " + std::to_string(topo.num_nodes) + " nodes (ranks_per_node " +
+        std::to_string(s.ranks_per_node) + ")");
+  }
+  if (!(eps > 0.0f) || !std::isfinite(eps)) {
+    return ffi::Error::InvalidArgument(std::string(kWhat) + ": eps must be positive and finite");
+  }
+  if (hidden == 0 || (hidden * elem) % 8 != 0) {
+    return ffi::Error::InvalidArgument(
+        std::string(kWhat) + ": a row of " + std::to_string(hidden) + " elements of " +
+        std::to_string(elem) + " bytes is not a whole number of 8-byte LL lines");
+  }
+  if (rows == 0) return ffi::Error::Success();
+  const size_t row_lines = hidden * elem / 8;
+  const size_t lines = rows * row_lines;
+  if (lines * sizeof(uint4) > s.ll_slot_bytes) {
+    return ffi::Error(ffi::ErrorCode::kResourceExhausted,
+                      std::string(kWhat) + ": the message (" +
+                          std::to_string(rows * hidden * elem) + " bytes per rank) needs " + std::to_string(lines * sizeof(uint4)) +
+                          " bytes of LL slot per sender, but the slot has " +
+                          std::to_string(s.ll_slot_bytes) +
+                          " (jaxoverlap.dispatch plans such calls on xla)");
+  }
+  NormParams np{};
+  np.base = MakeParams(s, topo);
+  np.base.in = p;
+  np.base.out = h;
+  np.base.n = rows * hidden;
+  np.residual = residual;
+  np.weight = weight;
+  np.y = y;
+  np.rows = rows;
+  np.hidden = hidden;
+  np.row_lines = row_lines;
+  np.eps = eps;
+  const int blocks = static_cast<int>(std::min<size_t>(rows, kMaxBlocks));
+  // One thread per line of a row, in whole warps, at most kThreads.
+  const int threads = static_cast<int>(std::clamp<size_t>(RoundUp(row_lines, 32), 32, kThreads));
+  switch (dtype) {
+    case ffi::DataType::F32:
+      OneShotLLRmsNormKernel<float><<<blocks, threads, 0, stream>>>(np);
+      break;
+    case ffi::DataType::BF16:
+      OneShotLLRmsNormKernel<__nv_bfloat16><<<blocks, threads, 0, stream>>>(np);
+      break;
+    default:
+      OneShotLLRmsNormKernel<__half><<<blocks, threads, 0, stream>>>(np);
+      break;
+  }
+  const cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess) {
+    return CudaError(err, "all_reduce_rms_norm kernel launch", __FILE__, __LINE__);
   }
   return ffi::Error::Success();
 }

@@ -57,6 +57,41 @@ ffi::Error StageExecute(cudaStream_t stream, int32_t device, ffi::AnyBuffer x,
                         out->untyped_data(), full.element_count(), shard.element_count(), topo);
 }
 
+// h = residual + all_reduce(p), y = rms_norm(h) * weight (all_reduce.h, AllReduceRmsNorm).
+ffi::Error AllReduceRmsNormExecute(cudaStream_t stream, int32_t device, ffi::AnyBuffer p,
+                                   ffi::AnyBuffer residual, ffi::AnyBuffer weight,
+                                   ffi::Result<ffi::AnyBuffer> h, ffi::Result<ffi::AnyBuffer> y,
+                                   ffi::Span<const int64_t> groups, int64_t group_size,
+                                   float eps) {
+  constexpr const char* kOp = "all_reduce_rms_norm";
+  JAXOVERLAP_RETURN_IF_ERROR(CheckExecution(kOp, stream, device));
+  const RuntimeState& s = State(device);
+  const ffi::DataType dtype = p.element_type();
+  if (residual.element_type() != dtype || weight.element_type() != dtype ||
+      h->element_type() != dtype || y->element_type() != dtype) {
+    return ffi::Error::InvalidArgument(std::string(kOp) +
+                                       ": p, residual, weight, h and y must share one dtype");
+  }
+  const auto dims = p.dimensions();
+  if (dims.size() < 1) {
+    return ffi::Error::InvalidArgument(std::string(kOp) + ": p must be [..., hidden]");
+  }
+  const size_t hidden = static_cast<size_t>(dims.back());
+  const size_t count = p.element_count();
+  if (residual.element_count() != count || h->element_count() != count ||
+      y->element_count() != count || weight.element_count() != hidden) {
+    return ffi::Error::InvalidArgument(
+        std::string(kOp) + ": residual, h and y must have p's " + std::to_string(count) +
+        " elements and weight the " + std::to_string(hidden) + " of its last dimension");
+  }
+  Topology topo;
+  JAXOVERLAP_RETURN_IF_ERROR(MakeTopology(groups.begin(), groups.size(), group_size, s.my_pe,
+                                          s.num_pes, s.ranks_per_node, &topo));
+  return AllReduceRmsNorm(s, stream, dtype, p.untyped_data(), residual.untyped_data(),
+                          weight.untyped_data(), h->untyped_data(), y->untyped_data(),
+                          hidden == 0 ? 0 : count / hidden, hidden, eps, topo);
+}
+
 }  // namespace
 
 }  // namespace jaxoverlap::all_reduce
@@ -93,3 +128,19 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
     JAXOVERLAP_STAGE_BINDING, {xla::ffi::Traits::kCmdBufferCompatible});
 
 #undef JAXOVERLAP_STAGE_BINDING
+
+// p, residual: [..., hidden], weight: [hidden] (one dtype) -> h, y: [..., hidden].
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    JaxoverlapAllReduceRmsNorm, jaxoverlap::all_reduce::AllReduceRmsNormExecute,
+    xla::ffi::Ffi::Bind()
+        .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+        .Ctx<xla::ffi::DeviceOrdinal>()
+        .Arg<xla::ffi::AnyBuffer>()  // p: this rank's partial sums
+        .Arg<xla::ffi::AnyBuffer>()  // residual
+        .Arg<xla::ffi::AnyBuffer>()  // weight
+        .Ret<xla::ffi::AnyBuffer>()  // h = residual + all_reduce(p)
+        .Ret<xla::ffi::AnyBuffer>()  // y = rms_norm(h) * weight
+        .Attr<xla::ffi::Span<const int64_t>>("groups")
+        .Attr<int64_t>("group_size")
+        .Attr<float>("eps"),
+    {xla::ffi::Traits::kCmdBufferCompatible});

@@ -101,6 +101,11 @@ class ParallelConfig:
       * ``"none"``: the local GEMM only; each rank keeps its partial sum, so
         the results are WRONG. The model's compute without its forward
         all-reduces: the floor a benchmark measures the all-reduces against.
+    fuse_norm: ``TransformerBlock`` only (``norm="rms"``, no SP): the
+      attention's row-parallel reduction, the residual add and the MLP's
+      RMSNorm run as one ``all_reduce_rms_norm`` (one kernel on backend
+      "cuda"; the pattern after each row-parallel layer in decode) instead of
+      the row-parallel layer's own reduction, the add and the norm.
     logical_axis_rules: pairs ``(logical name, mesh axis or None)``. None (the
       default) derives them from ``dp_axis``, ``tp_axis`` and
       ``sequence_parallel`` as in the module docstring. Given rules replace
@@ -120,12 +125,16 @@ class ParallelConfig:
   all_reduce_algorithm: str = "auto"
   all_reduce_protocol: str = "auto"
   row_reduction: str = "matmul_all_reduce"
+  fuse_norm: bool = False
   logical_axis_rules: tuple[tuple[str, str | None], ...] | None = None
 
   def __post_init__(self):
     if self.row_reduction not in ROW_REDUCTIONS:
       raise ValueError(
           f"row_reduction must be one of {ROW_REDUCTIONS}, got {self.row_reduction!r}")
+    if self.fuse_norm and self.sequence_parallel:
+      raise ValueError("fuse_norm fuses the all-reduce of a row-parallel layer; with "
+                       "sequence_parallel=True the layers reduce-scatter instead")
     rules = dict(self._default_rules())
     if self.logical_axis_rules is not None:
       for pair in self.logical_axis_rules:

@@ -62,7 +62,7 @@ from flax import nnx
 from flax.nnx.nn import dtypes as nnx_dtypes
 from jax import lax
 
-from jaxoverlap.collectives import all_reduce
+from jaxoverlap.collectives import all_reduce, all_reduce_rms_norm
 from jaxoverlap.nnx.config import ParallelConfig
 from jaxoverlap.overlap import all_gather_matmul, matmul_all_reduce, matmul_reduce_scatter
 
@@ -444,6 +444,26 @@ class RowParallelLinear(nnx.Module):
     return _shard_map(local, cfg, in_specs, cfg.spec("batch", "seq", "embed"),
                       check_vma=not floor)(*args)
 
+  def partial(self, x_bsf: jax.Array) -> tuple[jax.Array, jax.Array | None]:
+    """Each tp rank's partial product, unreduced, for a fused reduction after the layer.
+
+    Args:
+      x_bsf: ``[b, s, f]`` sharded on ``f`` over tp (no SP).
+
+    Returns:
+      ``(p_tbsd, bias)``: ``p_tbsd: [tp, b, s, d]`` whose entry ``t`` (sharded
+      on its first axis over tp) is rank ``t``'s ``x_shard @ w_shard`` in the
+      compute dtype (their sum is the layer's output less the bias), and the
+      bias ``[d]`` or None.
+    """
+    x_bsf, w_fd, bias = _linear_inputs(self, x_bsf, "RowParallelLinear", "bsf")
+    cfg = self.config
+    in_axis = self.kernel_axes[0]
+    in_specs = (cfg.spec("batch", None, in_axis), cfg.spec(*self.kernel_axes))
+    out_spec = jax.sharding.PartitionSpec(cfg.tp_axis, *cfg.spec("batch", None, "embed"))
+    p = _shard_map(lambda x, w: _matmul(x, w)[None], cfg, in_specs, out_spec)(x_bsf, w_fd)
+    return p, bias
+
 
 # ----------------------------------------------------------------------------
 # Norms
@@ -823,7 +843,7 @@ class ParallelAttention(nnx.Module):
     self.cached_value = nnx.Cache(zeros(shape, dtype, cfg.spec("batch", None, "heads", "kv")))
     self.cache_index = nnx.Cache(zeros((), jnp.int32, cfg.spec()))
 
-  def __call__(self, x_bsd: jax.Array, *, decode: bool = False) -> jax.Array:
+  def __call__(self, x_bsd: jax.Array, *, decode: bool = False, partial: bool = False):
     """Applies attention to ``x_bsd: [b, s, d]``; returns ``[b, s, d]`` in the same layout.
 
     Args:
@@ -831,6 +851,10 @@ class ParallelAttention(nnx.Module):
       decode: attend over the KV cache (``init_cache``) from position
         ``cache_index`` on, and advance it by ``s``; else causal attention
         within ``x_bsd`` (positions ``0 .. s - 1``).
+      partial: return the output projection's unreduced partial products and
+        bias (``RowParallelLinear.partial``) instead of the output, for a
+        reduction fused with what follows (``TransformerBlock``'s
+        ``config.fuse_norm``).
 
     Raises:
       ValueError: decode without a cache, a batch other than the cache's, or
@@ -856,7 +880,7 @@ class ParallelAttention(nnx.Module):
         return _attention(*split(qkv_bsn, positions), positions)
 
       attn_bsn = _shard_map(core, self.config, (heads,), heads)(qkv_bsn)  # n = h * k
-      return self.out(attn_bsn)
+      return self.out.partial(attn_bsn) if partial else self.out(attn_bsn)
 
     if getattr(self, "cache_index", None) is None:
       raise ValueError("ParallelAttention: decode=True needs a KV cache; call "
@@ -886,7 +910,7 @@ class ParallelAttention(nnx.Module):
         cached_core, self.config, (heads, cache, cache, self.config.spec()),
         (heads, cache, cache))(qkv_bsn, self.cached_key[...], self.cached_value[...], index)
     self.cache_index[...] = index + s
-    return self.out(attn_bsn)
+    return self.out.partial(attn_bsn) if partial else self.out(attn_bsn)
 
 
 class TransformerBlock(nnx.Module):
@@ -949,7 +973,10 @@ class TransformerBlock(nnx.Module):
     """
     if norm not in _NORMS:
       raise ValueError(f"norm must be one of {_NORMS}, got {norm!r}")
+    if config.fuse_norm and norm != "rms":
+      raise ValueError(f"config.fuse_norm fuses an RMSNorm; this block's norm is {norm!r}")
     self.config = config
+    self.epsilon = epsilon
     norm_cls = RMSNorm if norm == "rms" else LayerNorm
     norm_kw = dict(config=config, epsilon=epsilon, dtype=dtype, param_dtype=param_dtype,
                    rngs=rngs)
@@ -970,5 +997,36 @@ class TransformerBlock(nnx.Module):
 
     ``decode=True``: the attention runs on its KV cache (``ParallelAttention``).
     """
+    if self.config.fuse_norm and self.config.mesh is not None:
+      x_bsd, normed_bsd = self._attn_residual_norm(x_bsd, decode)
+      return x_bsd + self.mlp(normed_bsd)
     x_bsd = x_bsd + self.attn(self.attn_norm(x_bsd), decode=decode)
     return x_bsd + self.mlp(self.mlp_norm(x_bsd))
+
+  def _attn_residual_norm(self, x_bsd: jax.Array, decode: bool):
+    """``h = x + attn(norm(x))`` and ``mlp_norm(h)`` through one ``all_reduce_rms_norm``.
+
+    The attention's output projection returns its partial products; the
+    all-reduce of the partials, the residual add and the MLP's RMSNorm run as
+    one op (one kernel on backend "cuda"). A bias of the projection joins the
+    residual before the sum. Computed in the dtype of ``x + attn(...)`` (the
+    norm's scale cast to it), as the unfused block does when the norm's
+    ``dtype`` is None or that dtype.
+    """
+    cfg = self.config
+    p_tbsd, bias = self.attn(self.attn_norm(x_bsd), decode=decode, partial=True)
+    dtype = jnp.result_type(x_bsd.dtype, p_tbsd.dtype)
+    residual = x_bsd.astype(dtype)
+    if bias is not None:
+      residual = residual + bias.astype(dtype)
+    scale = self.mlp_norm.scale[...].astype(dtype)
+    eps, tp = self.epsilon, cfg.tp_axis
+
+    def local(p_tbsd, residual_bsd, scale_d):
+      return all_reduce_rms_norm(p_tbsd[0].astype(dtype), residual_bsd, scale_d, tp, eps=eps,
+                                 backend=cfg.backend)
+
+    act = cfg.spec("batch", "seq", "embed")
+    p_spec = jax.sharding.PartitionSpec(tp, *cfg.spec("batch", None, "embed"))
+    return _shard_map(local, cfg, (p_spec, act, cfg.spec("embed")), (act, act))(
+        p_tbsd, residual, scale)

@@ -71,6 +71,17 @@ ffi::Error AllReduceStage(const RuntimeState& s, cudaStream_t stream, Stage stag
                           ffi::DataType dtype, const void* in, void* out, size_t num_elements,
                           size_t shard_elements, const Topology& topo);
 
+// The fused all-reduce + residual add + RMSNorm over `topo` (one node), in one
+// launch of the one-shot LL all-reduce: h = residual + sum over the group of
+// p, rounded to `dtype`; y = h * rsqrt(mean(h^2) + eps) * weight, in fp32 from
+// the rounded h, rounded to `dtype`. p, residual, h, y: [rows, hidden];
+// weight: [hidden]. A row must be a whole number of 8-byte lines and the
+// message must fit one LL slot (rows * hidden * elem * 2 <= ll_slot_bytes).
+ffi::Error AllReduceRmsNorm(const RuntimeState& s, cudaStream_t stream, ffi::DataType dtype,
+                            const void* p, const void* residual, const void* weight, void* h,
+                            void* y, size_t rows, size_t hidden, float eps,
+                            const Topology& topo);
+
 // Loads this file's kernels on the current GPU (at start-up; see
 // overlap::PreloadKernels).
 ffi::Error PreloadKernels();
@@ -89,5 +100,6 @@ XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxoverlapAllReduce);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxoverlapAllReduceReduceScatter);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxoverlapAllReduceAllGather);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxoverlapAllReduceRmsNorm);
 
 #endif  // JAXOVERLAP_ALL_REDUCE_H_
