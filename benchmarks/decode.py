@@ -90,6 +90,7 @@ from jaxoverlap import nnx as jnnx
 AXIS = "tp"
 PSUM = harness.PSUM
 FLOOR = harness.NO_ALL_REDUCE
+FUSE_NORM = "+fuse_norm"  # impl suffix: ParallelConfig.fuse_norm
 BENCHMARK = "decode"
 
 
@@ -143,18 +144,22 @@ def parallel_config(mesh, impl: str) -> jnnx.ParallelConfig:
   Args:
     mesh: the (tp,) mesh.
     impl: ``"xla:psum"`` (``lax.psum``), ``"jaxoverlap:<backend>:<algorithm>"``
-      (``jaxoverlap.all_reduce``; ``harness.impl_kwargs``) or
-      ``"floor:no_all_reduce"`` (no sum: wrong results, the same compute).
+      (``jaxoverlap.all_reduce``; ``harness.impl_kwargs``), the same with the
+      suffix ``FUSE_NORM`` (the attention's all-reduce, residual add and the
+      MLP's RMSNorm as one ``jaxoverlap.all_reduce_rms_norm``: ``fuse_norm``)
+      or ``"floor:no_all_reduce"`` (no sum: wrong results, the same compute).
 
   Raises:
     ValueError: an unknown name.
   """
   if impl == FLOOR:
     return jnnx.ParallelConfig(mesh=mesh, dp_axis=None, tp_axis=AXIS, row_reduction="none")
-  kw = harness.impl_kwargs("all_reduce", impl)
+  fuse_norm = impl.endswith(FUSE_NORM)
+  kw = harness.impl_kwargs("all_reduce", impl.removesuffix(FUSE_NORM))
   return jnnx.ParallelConfig(
       mesh=mesh, dp_axis=None, tp_axis=AXIS, backend=kw["backend"], row_reduction="all_reduce",
-      all_reduce_algorithm=kw["algorithm"], all_reduce_protocol=kw.get("protocol", "auto"))
+      all_reduce_algorithm=kw["algorithm"], all_reduce_protocol=kw.get("protocol", "auto"),
+      fuse_norm=fuse_norm)
 
 
 class Decoder(nnx.Module):
@@ -595,6 +600,8 @@ def define_flags():
   flags.DEFINE_string("algorithm", "auto", "jaxoverlap algorithm, with its protocol if any "
                       "(e.g. one_shot_ll)")
   flags.DEFINE_list("batches", ["1", "2", "4", "8", "16", "32", "64"], "batch sizes")
+  flags.DEFINE_bool("fuse_norm", False, "also time the jaxoverlap implementation with the "
+                    "all-reduce + residual + RMSNorm fusion (ParallelConfig.fuse_norm)")
   flags.DEFINE_integer("d_model", 4096, "model width")
   flags.DEFINE_integer("d_ff", 14336, "MLP hidden width")
   flags.DEFINE_integer("heads", 32, "query heads")
@@ -624,6 +631,8 @@ def main(argv):
                       max_len=fl.max_len, dtype=fl.dtype)
   ours = f"jaxoverlap:{fl.backend}:{fl.algorithm}"
   impls = {"both": [PSUM, ours], "psum": [PSUM], "jaxoverlap": [ours]}[fl.impl]
+  if fl.fuse_norm and fl.impl != "psum":
+    impls.append(ours + FUSE_NORM)
   run_.log(f"decode: world {run_.world} ({run_.platform}), {cfg}, impls {impls}")
   records, rejected = run(
       cfg, run_.mesh, impls=impls, batches=[int(b) for b in fl.batches],
