@@ -42,7 +42,8 @@ def test_one_process_drives_every_gpu(tmp_path):
 def test_one_process_per_gpu_transformations_and_model(tmp_path):
   _needs_two_gpus()
   run = _harness.run_ranks(tmp_path, "rank_models.py", World(2, 2), timeout_s=300,
-                           select=("-k", "transport or vmap or jacrev or graph or nnx or grads"),
+                           select=("-k", "transport or vmap or jacrev or graph or nnx or grads "
+                                         "or profiler"),
                            env={"JAXOVERLAP_EXPECT_TRANSPORT": "nvshmem"})
   run.print_summary()
   run.check()

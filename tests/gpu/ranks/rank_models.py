@@ -326,6 +326,49 @@ def test_new_buffers_under_graph_replay(runtime, mesh, R, monkeypatch):
   assert jaxoverlap.decisions("matmul_reduce_scatter")[-1].command_buffer
 
 
+@pytest.mark.parametrize("handlers,start", [("plain", "mid_run"), ("captured", "from_the_start")])
+def test_profiler(runtime, mesh, R, monkeypatch, tmp_path, handlers, start):
+  """jax.profiler as docs/kernels.md ("CUDA graphs") says it works: the default (plain)
+  handlers with a trace started after XLA recorded its graphs, and the captured handlers with a
+  trace active from the first call. New buffers every call, every value checked."""
+  if handlers == "captured":
+    monkeypatch.setenv("JAXOVERLAP_FUSED_CMD_BUFFER", "1")
+  else:
+    monkeypatch.delenv("JAXOVERLAP_FUSED_CMD_BUFFER", raising=False)
+  jax.clear_caches()  # lowered afresh, with this handler choice
+  logdir = str(tmp_path / f"trace-rank{jax.process_index()}")
+  x0, w0, specs, out_spec, _, _ = _gemm_case("matmul_reduce_scatter", R, jnp.bfloat16, 60)
+
+  def step(x, w):
+    y = jaxoverlap.matmul_reduce_scatter(x, w, "x", backend="cuda", chunks=2)
+    z = jaxoverlap.all_reduce(y * 2, "x", backend="cuda")
+    return y, z
+
+  f = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=specs, out_specs=(P("x"), P())))
+  traced = start == "from_the_start"
+  if traced:
+    jax.profiler.start_trace(logdir)
+  keep = []
+  try:
+    for it in range(6):
+      if it == 3 and not traced:
+        jax.profiler.start_trace(logdir)
+        traced = True
+      x, w, _, _, want, bound = _gemm_case("matmul_reduce_scatter", R, jnp.bfloat16, 61 + it)
+      args = (_put(mesh, x, specs[0]), _put(mesh, w, specs[1]))
+      keep.append(args)  # alive: every call gets new addresses
+      y, z = f(*args)
+      _check_shards(y, want, bound, EPS[np.dtype(jnp.bfloat16)], f"{handlers} call {it} y")
+      m = want.shape[0] // R
+      _check_shards(z, 2 * want.reshape(R, m, -1).sum(0), 2 * bound.reshape(R, m, -1).sum(0),
+                    EPS[np.dtype(jnp.bfloat16)], f"{handlers} call {it} z", factor=8)
+  finally:
+    if traced:
+      jax.profiler.stop_trace()
+  plan = jaxoverlap.decisions("matmul_reduce_scatter")[-1]
+  assert plan.command_buffer == (handlers == "captured"), plan.summary()
+
+
 # ---------------------------------------------------------------------------- a model
 
 
