@@ -11,7 +11,9 @@
 #         SKIP_BUILD=1 bash scripts/gpu_check.sh suite -k "all_reduce and not w2-"
 #   benchmarks: bench | bench2 | autobench | quickbench | tune | ovbench | ovbenchfull
 #       | ovwindowed | ovcalibrate (CAL_PART=ag_rs or ar) | train | cmdbufcost (train steps with the
-#       fused ops outside, then inside, XLA's CUDA graphs, twice) | profile | ovprofilegraphs
+#       fused ops outside, then inside, XLA's CUDA graphs, twice) | normbench (all-reduce +
+#       residual + RMSNorm: the fused kernel against psum + norm and all_reduce + norm)
+#       | profile | ovprofilegraphs
 #       | decode | procbench (one process driving both GPUs beside two processes); 4/8 GPUs:
 #       multigpu_bench | multigpu_fused
 #   (several benchmark verbs in one call: bash scripts/gpu_check.sh bench autobench)
@@ -26,7 +28,7 @@ PY=${PYTHON:-python3}
 WHAT=${1:-}
 VERBS=" build suite bench bench2 autobench quickbench tune ovbench ovbenchfull ovwindowed"
 VERBS="$VERBS ovcalibrate train cmdbufcost profile ovprofilegraphs decode procbench multigpu_bench"
-VERBS="$VERBS multigpu_fused "
+VERBS="$VERBS multigpu_fused normbench "
 if [ -z "$WHAT" ] || [[ "$VERBS" != *" $WHAT "* ]]; then
   echo "usage: bash scripts/gpu_check.sh <verb> (verbs:$VERBS)" >&2
   exit 2
@@ -169,6 +171,10 @@ if [ "$WHAT" = train ] && [ "$NGPU" -ge 2 ]; then
   T=${TRAIN_TIMEOUT:-300}
   run train_step "$T" $PY -m jaxoverlap.launch --nproc 2 --timeout_s $((T - 10)) benchmarks/train_step.py \
     --out "$OUT" --presets ${TRAIN_PRESETS:-gpu_small} ${TRAIN_FLAGS:-}
+fi
+if [ "$WHAT" = normbench ] && [ "$NGPU" -ge 2 ]; then  # all-reduce + residual + RMSNorm per call
+  run normbench 170 $PY -m jaxoverlap.launch --nproc 2 --timeout_s 160 benchmarks/all_reduce_rms_norm.py \
+    --out "$OUT" ${NORM_FLAGS:-}
 fi
 if [ "$WHAT" = cmdbufcost ] && [ "$NGPU" -ge 2 ]; then  # fused ops outside vs inside XLA's graphs
   for v in plain cmdbuf plain cmdbuf; do
