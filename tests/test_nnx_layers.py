@@ -537,3 +537,27 @@ def test_fuse_norm_refusals():
                                        "'layer'"):
     TransformerBlock(D, H, F, config=ParallelConfig(mesh=None, fuse_norm=True), norm="layer",
                      rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match="row_reduction='none' leaves the all-reduces out"):
+    ParallelConfig(mesh=_mesh(2, 2), row_reduction="none", fuse_norm=True)
+
+
+@pytest.mark.parametrize("row_reduction,key,algorithm,want", [
+    ("all_reduce", "all_reduce_algorithm", "ppermute", "ppermute"),
+    ("all_reduce", "all_reduce_algorithm", "collective", "collective"),
+    ("matmul_all_reduce", "algorithm", "ppermute", "ppermute"),
+    ("matmul_all_reduce", "algorithm", "auto", "collective"),  # xla's default
+])
+def test_fuse_norm_follows_the_configured_algorithm(row_reduction, key, algorithm, want):
+  """The fused op runs the algorithm the config names for the reduction it replaces."""
+  import jaxoverlap
+
+  config = ParallelConfig(mesh=_mesh(2, 2), backend="xla", row_reduction=row_reduction,
+                          fuse_norm=True, **{key: algorithm})
+  block = nnx.jit(lambda: TransformerBlock(D, H, F, config=config, activation="swiglu",
+                                           norm="rms", rngs=nnx.Rngs(0)))()
+  jaxoverlap.clear_decisions()
+  graphdef, state = nnx.split(block)
+  x = jax.random.normal(_key(), (B, S, D), jnp.float32)
+  jax.jit(lambda s, x: nnx.merge(graphdef, s)(x)).lower(state, x)
+  (plan,) = jaxoverlap.decisions("all_reduce_rms_norm")
+  assert plan.algorithm == want, plan.summary()

@@ -105,7 +105,11 @@ class ParallelConfig:
       attention's row-parallel reduction, the residual add and the MLP's
       RMSNorm run as one ``all_reduce_rms_norm`` (one kernel on backend
       "cuda"; the pattern after each row-parallel layer in decode) instead of
-      the row-parallel layer's own reduction, the add and the norm.
+      the row-parallel layer's own reduction, the add and the norm. Its
+      ``algorithm`` is ``all_reduce_algorithm`` (row_reduction "all_reduce")
+      or ``algorithm`` (row_reduction "matmul_all_reduce") where the fused op
+      has that name ("collective", "ppermute", "one_shot"), else "auto".
+      Needs a row reduction: ``row_reduction="none"`` is refused.
     logical_axis_rules: pairs ``(logical name, mesh axis or None)``. None (the
       default) derives them from ``dp_axis``, ``tp_axis`` and
       ``sequence_parallel`` as in the module docstring. Given rules replace
@@ -132,6 +136,9 @@ class ParallelConfig:
     if self.row_reduction not in ROW_REDUCTIONS:
       raise ValueError(
           f"row_reduction must be one of {ROW_REDUCTIONS}, got {self.row_reduction!r}")
+    if self.fuse_norm and self.row_reduction == "none":
+      raise ValueError("fuse_norm fuses the attention's all-reduce with the residual add and "
+                       "the norm; row_reduction='none' leaves the all-reduces out")
     if self.fuse_norm and self.sequence_parallel:
       raise ValueError("fuse_norm fuses the all-reduce of a row-parallel layer; with "
                        "sequence_parallel=True the layers reduce-scatter instead")

@@ -62,6 +62,7 @@ from flax import nnx
 from flax.nnx.nn import dtypes as nnx_dtypes
 from jax import lax
 
+from jaxoverlap import names
 from jaxoverlap.collectives import all_reduce, all_reduce_rms_norm
 from jaxoverlap.nnx.config import ParallelConfig
 from jaxoverlap.overlap import all_gather_matmul, matmul_all_reduce, matmul_reduce_scatter
@@ -1021,10 +1022,14 @@ class TransformerBlock(nnx.Module):
       residual = residual + bias.astype(dtype)
     scale = self.mlp_norm.scale[...].astype(dtype)
     eps, tp = self.epsilon, cfg.tp_axis
+    # The reduction's algorithm as the config names it, where the fused op has it
+    # (collective, ppermute, one_shot); "auto" otherwise (ParallelConfig.fuse_norm).
+    named = cfg.all_reduce_algorithm if cfg.row_reduction == "all_reduce" else cfg.algorithm
+    algorithm = named if named in names.algorithms(names.ALL_REDUCE_RMS_NORM) else names.AUTO
 
     def local(p_tbsd, residual_bsd, scale_d):
       return all_reduce_rms_norm(p_tbsd[0].astype(dtype), residual_bsd, scale_d, tp, eps=eps,
-                                 backend=cfg.backend)
+                                 backend=cfg.backend, algorithm=algorithm)
 
     act = cfg.spec("batch", "seq", "embed")
     p_spec = jax.sharding.PartitionSpec(tp, *cfg.spec("batch", None, "embed"))
