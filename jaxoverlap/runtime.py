@@ -703,6 +703,30 @@ def pe_of_device(device) -> int:
   return int(device.process_index)
 
 
+def _rows_along_axis(mesh, axis_name):
+  """The mesh's devices and their flat positions, one row per group along ``axis_name``.
+
+  Rows are ordered by position along the axes (the last axis fastest, as
+  ``lax.axis_index``); positions index ``mesh.devices`` flattened.
+
+  Raises:
+    ValueError: an axis is not in the mesh.
+  """
+  import numpy as np
+
+  mesh_axes = list(mesh.axis_names)
+  axes = axis_name if isinstance(axis_name, tuple) else (axis_name,)
+  for a in axes:
+    if a not in mesh_axes:
+      raise ValueError(f"axis {a!r} is not in the mesh axes {tuple(mesh_axes)}")
+  src, dst = [mesh_axes.index(a) for a in axes], list(range(-len(axes), 0))
+  size = int(np.prod([mesh.shape[a] for a in axes]))
+  devices = np.asarray(mesh.devices)
+  positions = np.arange(devices.size).reshape(devices.shape)
+  return (np.moveaxis(devices, src, dst).reshape(-1, size),
+          np.moveaxis(positions, src, dst).reshape(-1, size))
+
+
 def groups_along_axis(mesh, axis_name) -> list[list[int]]:
   """PE groups of a collective over ``axis_name`` of ``mesh``, each in rank order.
 
@@ -720,18 +744,9 @@ def groups_along_axis(mesh, axis_name) -> list[list[int]]:
       the same PE (two devices of one process under the NVSHMEM runtime,
       which takes one GPU per process).
   """
-  import numpy as np
-
-  names = list(mesh.axis_names)
-  axes = axis_name if isinstance(axis_name, tuple) else (axis_name,)
-  for a in axes:
-    if a not in names:
-      raise ValueError(f"axis {a!r} is not in the mesh axes {tuple(names)}")
-  src = [names.index(a) for a in axes]
-  devices = np.moveaxis(np.asarray(mesh.devices), src, list(range(-len(axes), 0)))
-  size = int(np.prod([mesh.shape[a] for a in axes]))
+  devices, _ = _rows_along_axis(mesh, axis_name)
   groups = []
-  for row in devices.reshape(-1, size):
+  for row in devices:
     pes = [pe_of_device(d) for d in row]
     if len(set(pes)) != len(pes):
       raise ValueError(
@@ -765,18 +780,7 @@ def node_groups_along_axis(mesh, axis_name, ranks_per_node: int) -> list[list[in
     ValueError: an axis is not in the mesh, or a group holds different numbers
       of GPUs on different nodes.
   """
-  import numpy as np
-
-  names_ = list(mesh.axis_names)
-  axes = axis_name if isinstance(axis_name, tuple) else (axis_name,)
-  for a in axes:
-    if a not in names_:
-      raise ValueError(f"axis {a!r} is not in the mesh axes {tuple(names_)}")
-  src = [names_.index(a) for a in axes]
-  size = int(np.prod([mesh.shape[a] for a in axes]))
-  devices = np.moveaxis(np.asarray(mesh.devices), src, list(range(-len(axes), 0))).reshape(-1, size)
-  positions = np.moveaxis(np.arange(devices.size).reshape(np.asarray(mesh.devices).shape), src,
-                          list(range(-len(axes), 0))).reshape(-1, size)
+  devices, positions = _rows_along_axis(mesh, axis_name)
   rpn = int(ranks_per_node)
   out = []
   for row, pos in zip(devices, positions):

@@ -300,10 +300,11 @@ def test_ten_thousand_calls_of_random_sizes(runtime, mesh, R):
   assert not bad.any(), f"elements off per rank over {iters * len(sizes)} calls: {bad}"
 
 
-def test_new_buffers_under_graph_replay(runtime, mesh, R, monkeypatch):
-  """One jit'd step run on new buffers each time: XLA replays and updates its CUDA graphs."""
-  monkeypatch.setenv("JAXOVERLAP_FUSED_CMD_BUFFER", "1")  # the fused ops captured too
-  x0, w0, specs, out_spec, _, _ = _gemm_case("matmul_reduce_scatter", R, jnp.bfloat16, 40)
+def _run_on_new_buffers(mesh, R, calls: int, seed: int, what: str, before_call=None) -> None:
+  """matmul_reduce_scatter then all_reduce in one jit'd step, run ``calls`` times on new
+  buffers (all kept alive, so every call gets new addresses); every value checked.
+  ``before_call(it)`` runs before call ``it``."""
+  _, _, specs, _, _, _ = _gemm_case("matmul_reduce_scatter", R, jnp.bfloat16, seed)
 
   def step(x, w):
     y = jaxoverlap.matmul_reduce_scatter(x, w, "x", backend="cuda", chunks=2)
@@ -312,17 +313,24 @@ def test_new_buffers_under_graph_replay(runtime, mesh, R, monkeypatch):
 
   f = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=specs, out_specs=(P("x"), P())))
   keep = []
-  for it in range(4):
-    x, w, _, _, want, bound = _gemm_case("matmul_reduce_scatter", R, jnp.bfloat16, 41 + it)
+  eps = EPS[np.dtype(jnp.bfloat16)]
+  for it in range(calls):
+    if before_call is not None:
+      before_call(it)
+    x, w, _, _, want, bound = _gemm_case("matmul_reduce_scatter", R, jnp.bfloat16, seed + 1 + it)
     args = (_put(mesh, x, specs[0]), _put(mesh, w, specs[1]))
-    keep.append(args)  # alive: every call gets new addresses
+    keep.append(args)
     y, z = f(*args)
-    _check_shards(y, want, bound, EPS[np.dtype(jnp.bfloat16)], f"graph replay {it} y")
+    _check_shards(y, want, bound, eps, f"{what} {it} y")
     m = want.shape[0] // R
-    sums = 2 * want.reshape(R, m, -1).sum(0)
-    bounds = 2 * bound.reshape(R, m, -1).sum(0)
-    _check_shards(z, sums, bounds, EPS[np.dtype(jnp.bfloat16)], f"graph replay {it} z",
-                  factor=8)
+    _check_shards(z, 2 * want.reshape(R, m, -1).sum(0), 2 * bound.reshape(R, m, -1).sum(0), eps,
+                  f"{what} {it} z", factor=8)
+
+
+def test_new_buffers_under_graph_replay(runtime, mesh, R, monkeypatch):
+  """One jit'd step run on new buffers each time: XLA replays and updates its CUDA graphs."""
+  monkeypatch.setenv("JAXOVERLAP_FUSED_CMD_BUFFER", "1")  # the fused ops captured too
+  _run_on_new_buffers(mesh, R, 4, 40, "graph replay")
   assert jaxoverlap.decisions("matmul_reduce_scatter")[-1].command_buffer
 
 
@@ -337,34 +345,19 @@ def test_profiler(runtime, mesh, R, monkeypatch, tmp_path, handlers, start):
     monkeypatch.delenv("JAXOVERLAP_FUSED_CMD_BUFFER", raising=False)
   jax.clear_caches()  # lowered afresh, with this handler choice
   logdir = str(tmp_path / f"trace-rank{jax.process_index()}")
-  x0, w0, specs, out_spec, _, _ = _gemm_case("matmul_reduce_scatter", R, jnp.bfloat16, 60)
+  traced = []
 
-  def step(x, w):
-    y = jaxoverlap.matmul_reduce_scatter(x, w, "x", backend="cuda", chunks=2)
-    z = jaxoverlap.all_reduce(y * 2, "x", backend="cuda")
-    return y, z
+  def start_trace(it):
+    if not traced and it == (0 if start == "from_the_start" else 3):
+      jax.profiler.start_trace(logdir)
+      traced.append(it)
 
-  f = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=specs, out_specs=(P("x"), P())))
-  traced = start == "from_the_start"
-  if traced:
-    jax.profiler.start_trace(logdir)
-  keep = []
   try:
-    for it in range(6):
-      if it == 3 and not traced:
-        jax.profiler.start_trace(logdir)
-        traced = True
-      x, w, _, _, want, bound = _gemm_case("matmul_reduce_scatter", R, jnp.bfloat16, 61 + it)
-      args = (_put(mesh, x, specs[0]), _put(mesh, w, specs[1]))
-      keep.append(args)  # alive: every call gets new addresses
-      y, z = f(*args)
-      _check_shards(y, want, bound, EPS[np.dtype(jnp.bfloat16)], f"{handlers} call {it} y")
-      m = want.shape[0] // R
-      _check_shards(z, 2 * want.reshape(R, m, -1).sum(0), 2 * bound.reshape(R, m, -1).sum(0),
-                    EPS[np.dtype(jnp.bfloat16)], f"{handlers} call {it} z", factor=8)
+    _run_on_new_buffers(mesh, R, 6, 60, f"{handlers} call", before_call=start_trace)
   finally:
     if traced:
       jax.profiler.stop_trace()
+  assert traced, "the trace never started"
   plan = jaxoverlap.decisions("matmul_reduce_scatter")[-1]
   assert plan.command_buffer == (handlers == "captured"), plan.summary()
 
