@@ -104,7 +104,8 @@ class DecoderConfig:
   Attributes:
     d_model: model width. d_ff: SwiGLU hidden width.
     num_heads, num_kv_heads: query and key/value heads (grouped-query
-      attention when num_kv_heads < num_heads); head_dim = d_model / num_heads.
+      attention when num_kv_heads < num_heads).
+    head_features: features per head; None: d_model / num_heads (``head_dim``).
     num_layers: decoder blocks. vocab: vocabulary size.
     max_len: KV cache length, tokens. dtype: storage and activation type.
     rope_theta: RoPE base. norm_eps: RMSNorm epsilon.
@@ -119,10 +120,11 @@ class DecoderConfig:
   dtype: str = "bfloat16"
   rope_theta: float = 500000.0
   norm_eps: float = 1e-5
+  head_features: int | None = None
 
   @property
   def head_dim(self) -> int:
-    return self.d_model // self.num_heads
+    return self.head_features or self.d_model // self.num_heads
 
   def shape(self) -> dict[str, int]:
     """The model sizes as recorded in the JSON ``shape`` (batch added per record)."""
@@ -181,7 +183,7 @@ class Decoder(nnx.Module):
                            embedding_init=embed_init, rngs=rngs)
     self.layers = nnx.List([
         jnnx.TransformerBlock(cfg.d_model, cfg.num_heads, cfg.d_ff,
-                              num_kv_heads=cfg.num_kv_heads, rope_theta=cfg.rope_theta,
+                              head_features=cfg.head_dim, num_kv_heads=cfg.num_kv_heads, rope_theta=cfg.rope_theta,
                               activation="swiglu", norm="rms", use_bias=False,
                               epsilon=cfg.norm_eps, **common)
         for _ in range(cfg.num_layers)])

@@ -14,7 +14,9 @@
 #       fused ops outside, then inside, XLA's CUDA graphs, twice) | normbench (all-reduce +
 #       residual + RMSNorm: the fused kernel against psum + norm and all_reduce + norm)
 #       | profile | ovprofilegraphs
-#       | decode | procbench (one process driving both GPUs beside two processes); 4/8 GPUs:
+#       | decode | decodefloor (one GPU: the TP=2 rank's decode step against its weights-read
+#       roofline, with and without XLA's CUDA graphs; a profile)
+#       | procbench (one process driving both GPUs beside two processes); 4/8 GPUs:
 #       multigpu_bench | multigpu_fused
 #   (several benchmark verbs in one call: bash scripts/gpu_check.sh bench autobench)
 # Uses the machine's preinstalled packages (nothing is downloaded).
@@ -28,7 +30,7 @@ PY=${PYTHON:-python3}
 WHAT=${1:-}
 VERBS=" build suite bench bench2 autobench quickbench tune ovbench ovbenchfull ovwindowed"
 VERBS="$VERBS ovcalibrate train cmdbufcost profile ovprofilegraphs decode procbench multigpu_bench"
-VERBS="$VERBS multigpu_fused normbench "
+VERBS="$VERBS multigpu_fused normbench decodefloor "
 if [ -z "$WHAT" ] || [[ "$VERBS" != *" $WHAT "* ]]; then
   echo "usage: bash scripts/gpu_check.sh <verb> (verbs:$VERBS)" >&2
   exit 2
@@ -171,6 +173,10 @@ if [ "$WHAT" = train ] && [ "$NGPU" -ge 2 ]; then
   T=${TRAIN_TIMEOUT:-300}
   run train_step "$T" $PY -m jaxoverlap.launch --nproc 2 --timeout_s $((T - 10)) benchmarks/train_step.py \
     --out "$OUT" --presets ${TRAIN_PRESETS:-gpu_small} ${TRAIN_FLAGS:-}
+fi
+if [ "$WHAT" = decodefloor ]; then  # one GPU is enough: no communication
+  run decode_floor 400 $PY benchmarks/decode_floor.py --out "$OUT" --batches ${FLOOR_BATCHES:-1,16} \
+    ${FLOOR_FLAGS:-}
 fi
 if [ "$WHAT" = normbench ] && [ "$NGPU" -ge 2 ]; then  # all-reduce + residual + RMSNorm per call
   run normbench 170 $PY -m jaxoverlap.launch --nproc 2 --timeout_s 160 benchmarks/all_reduce_rms_norm.py \

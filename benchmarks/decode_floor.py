@@ -1,0 +1,366 @@
+"""Where one GPU's decode step goes: the weights-read roofline, the matmuls alone, CUDA graphs.
+
+Problem:
+  In benchmarks/decode.py the tensor-parallel step without any all-reduce
+  (its floor) takes about 2.6x the time it needs to read the weights once
+  from HBM. An all-reduce can only win back its own share of a step, so what
+  bounds the end-to-end gain is this floor. This benchmark takes the floor
+  apart on one GPU: how close the step is to the weights-read roofline,
+  how much of it the weight matmuls alone take, whether XLA's CUDA graphs
+  (command buffers) cover the loop, and how many kernels a token runs.
+
+What runs (one GPU, one process, no communication):
+  The decoder of benchmarks/decode.py at the sizes of ONE rank of TP=--tp
+  (d_ff, heads, kv_heads and vocab divided by tp; head_dim that of the full
+  model), so one step here is the local compute of one GPU of the TP run:
+  decode.py's floor ("floor:no_all_reduce") without its sharded argmax's two
+  tiny cross-rank reductions. Random weights, bf16.
+
+  For each batch size:
+    * step/<variant>: per-token time of decode.make_generate_fn (one jit'd
+      lax.fori_loop of --tokens greedy steps, the KV cache donated), compiled
+      with each variant of XLA's command-buffer options (``VARIANTS``;
+      ``jax.jit(...).lower(...).compile(compiler_options=...)``, the same
+      options a user passes through XLA_FLAGS).
+    * matmuls: the same loop over tokens with only the weight matmuls of each
+      layer (qkv, attention output, MLP up, MLP down) and the LM head, on the
+      model's own weight arrays: what XLA's GEMMs take to read the weights.
+    * roofline: (weight bytes + KV-cache bytes read per token) / the HBM read
+      bandwidth measured in the same run (a float32 sum over a --hbm_gib GiB
+      bf16 array, best of --reps).
+  Timing: harness.time_interleaved (every implementation in turn within each
+  rep, median of --reps), per token = call time / tokens.
+
+  Profile (--profile_tokens > 0): one call of that many tokens, default
+  variant compiled with xla_enable_command_buffers_during_profiling=true (so
+  the graphs stay as in the timed runs), under jax.profiler.trace. From the
+  device rows: kernels per token, GPU busy time per token (the union of the
+  kernel intervals), busy share of the window (1 - busy share = the GPU idle
+  between kernels: launch and dependency gaps), and the kernels that take
+  the most time.
+
+Results: ``<out>/decode_floor-<machine>.json`` (records: op
+"decode_floor_token", impl "step/<variant>", "matmuls" or "roofline",
+time_us per token, with batch and the shard's sizes; the profile per batch
+under "profile") and a Markdown table on stdout.
+
+Example:
+  python benchmarks/decode_floor.py --layers 32 --batches 1,4,16
+  # CPU smoke run (no roofline meaning; checks the script):
+  python benchmarks/decode_floor.py --host_devices 1 --layers 1 --d_model 64 --d_ff 128 \\
+      --heads 4 --kv_heads 2 --vocab 128 --max_len 32 --prompt_len 8 --tokens 4 --reps 2 \\
+      --hbm_gib 0.01 --profile_tokens 0 --out /tmp/decode_floor
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+import tempfile
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax import lax
+
+import decode
+import harness
+import profile_step
+
+BENCHMARK = "decode_floor"
+AXIS = decode.AXIS
+CMDBUF = "xla_gpu_enable_command_buffer"
+# XLA's default command-buffer types (jaxlib 0.11/0.12); the run records the list it found.
+_DEFAULT_TYPES = ("FUSION", "CUBLAS", "CUBLASLT", "CUSTOM_CALL", "CUDNN", "DYNAMIC_SLICE_FUSION",
+                  "CONDITIONAL")
+
+
+def default_command_buffer_types() -> list[str]:
+  """The command-buffer types this jaxlib enables by default (its DebugOptions' defaults)."""
+  try:  # the defaults are only printed by the options proto
+    from jax._src.lib import xla_client
+
+    options = xla_client._xla.CompileOptions()  # noqa: SLF001 (held: the views below borrow it)
+    build = options.executable_build_options
+    text = str(build.debug_options)
+    found = [line.split(":", 1)[1].strip() for line in text.splitlines()
+             if line.strip().startswith(CMDBUF + ":")]
+    return found or list(_DEFAULT_TYPES)
+  except Exception:  # noqa: BLE001 (a private API: fall back to the known list)
+    return list(_DEFAULT_TYPES)
+
+
+def variants(names: list[str]) -> dict[str, dict[str, str]]:
+  """Compile options of each variant name.
+
+  ``xla_default``: none; ``no_graphs``: no command buffers at all;
+  ``graphs_while``: the defaults plus WHILE (the whole fori_loop becomes one
+  graph with a conditional node, no host round trip per token).
+
+  Raises:
+    ValueError: an unknown name.
+  """
+  types = default_command_buffer_types()
+  table = {"xla_default": {}, "no_graphs": {CMDBUF: ""},
+           "graphs_while": {CMDBUF: ",".join(sorted(set(types) | {"WHILE"}))}}
+  unknown = [n for n in names if n not in table]
+  if unknown:
+    raise ValueError(f"unknown variants {unknown}; known: {sorted(table)}")
+  return {n: table[n] for n in names}
+
+
+def shard_config(cfg: decode.DecoderConfig, tp: int) -> decode.DecoderConfig:
+  """The sizes of one rank of TP=``tp``: d_ff, heads, kv_heads and vocab divided by tp.
+
+  Raises:
+    ValueError: a size not divisible by tp.
+  """
+  for name in ("d_ff", "num_heads", "num_kv_heads", "vocab"):
+    if getattr(cfg, name) % tp:
+      raise ValueError(f"{name} {getattr(cfg, name)} is not divisible by tp {tp}")
+  return dataclasses.replace(cfg, d_ff=cfg.d_ff // tp, num_heads=cfg.num_heads // tp,
+                             num_kv_heads=cfg.num_kv_heads // tp, vocab=cfg.vocab // tp,
+                             head_features=cfg.head_dim)
+
+
+def weight_matrices(cfg: decode.DecoderConfig, mesh, params) -> list[jax.Array]:
+  """The model's weight matrices in the order a token reads them (4 per layer, then the head)."""
+  model = nnx.merge(decode._graphdef(cfg, mesh, decode.FLOOR), params,  # noqa: SLF001
+                    decode.make_cache(cfg, mesh, 1))
+  mats = []
+  for layer in model.layers:
+    mats += [layer.attn.qkv.kernel[...], layer.attn.out.kernel[...], layer.mlp.up.kernel[...],
+             layer.mlp.down.kernel[...]]
+  return mats + [model.head.kernel[...]]
+
+
+def make_matmuls_fn(num_tokens: int):
+  """jit'd loop of ``num_tokens`` passes of x @ W over the weight matrices, chained.
+
+  Each product's leading columns (zero-padded where short) feed the next
+  matrix, so no product can be skipped or hoisted out of the loop.
+
+  Returns:
+    ``f(mats, x [b, d]) -> [b, d]``.
+  """
+  def chain(mats, x_bd):
+    def one(_, x):
+      for w in mats:
+        k = w.shape[0]
+        x_in = x[:, :k] if x.shape[1] >= k else jnp.pad(x, ((0, 0), (0, k - x.shape[1])))
+        x = jnp.dot(x_in, w, preferred_element_type=jnp.float32).astype(w.dtype)
+      return x[:, :x_bd.shape[1]] if x.shape[1] >= x_bd.shape[1] else jnp.pad(
+          x, ((0, 0), (0, x_bd.shape[1] - x.shape[1])))
+    return lax.fori_loop(0, num_tokens, one, x_bd)
+
+  return jax.jit(chain)
+
+
+def hbm_read_gbs(gib: float, reps: int) -> float:
+  """HBM read bandwidth, GB/s: a float32 sum over a ``gib`` GiB bf16 array (best of reps)."""
+  n = int(gib * 2**30) // 2
+  x = jnp.ones((n,), jnp.bfloat16)
+  f = jax.jit(lambda a: jnp.sum(a, dtype=jnp.float32))
+  jax.block_until_ready(f(x))
+  best = float("inf")
+  for _ in range(max(reps, 3)):
+    t0 = time.perf_counter()
+    jax.block_until_ready(f(x))
+    best = min(best, time.perf_counter() - t0)
+  del x
+  return 2 * n / best / 1e9
+
+
+def kv_read_bytes(cfg: decode.DecoderConfig, batch: int) -> int:
+  """KV-cache bytes one token's attention reads: every layer's keys and values, all max_len."""
+  item = jnp.dtype(cfg.dtype).itemsize
+  return cfg.num_layers * 2 * batch * cfg.max_len * cfg.num_kv_heads * cfg.head_dim * item
+
+
+def profile_call(call, num_tokens: int, logdir: str) -> dict[str, Any]:
+  """Kernels per token, GPU busy time and the top kernels of one traced call.
+
+  Returns:
+    dict: ``window_us``, ``kernels_per_token``, ``busy_us_per_token`` (union
+    of the device events), ``busy_share`` (busy / window), ``source`` (which
+    trace rows), ``top`` (the longest kernels: name, us per token, count per
+    token); or ``{"error": ...}`` where the trace holds no device events.
+  """
+  jax.block_until_ready(call())  # compiled and warm before tracing
+  with jax.profiler.trace(logdir, create_perfetto_trace=True):
+    with jax.profiler.StepTraceAnnotation(profile_step.STEP_NAME, step_num=0):
+      jax.block_until_ready(call())
+  path = profile_step.find_trace_file(logdir)
+  if path is None:
+    return {"error": f"no perfetto trace under {logdir}"}
+  try:
+    a = profile_step.analyze(profile_step.load_trace(path), max_rows=64)
+  except ValueError as e:
+    return {"error": str(e)}
+  events = a["events"]
+  busy = profile_step._union_us([(e.start, e.end) for e in events])  # noqa: SLF001
+  window = a["summary"]["window_us"]
+  totals: dict[str, list[float]] = {}
+  for e in events:
+    t = totals.setdefault(e.name, [0.0, 0])
+    t[0] += e.end - e.start
+    t[1] += 1
+  top = [{"name": n[:120], "us_per_token": round(v[0] / num_tokens, 2),
+          "per_token": round(v[1] / num_tokens, 2)}
+         for n, v in sorted(totals.items(), key=lambda kv: -kv[1][0])[:12]]
+  return {"source": a["source"], "window_us": round(window, 1),
+          "kernels_per_token": round(len(events) / num_tokens, 1),
+          "busy_us_per_token": round(busy / num_tokens, 1),
+          "window_us_per_token": round(window / num_tokens, 1),
+          "busy_share": round(busy / window, 4) if window else None, "top": top}
+
+
+def run(cfg: decode.DecoderConfig, mesh, *, batches: list[int], variant_names: list[str],
+        prompt_len: int, num_tokens: int, reps: int, warmup: int, seed: int, hbm_gib: float,
+        profile_tokens: int, log=print) -> tuple[list[dict], dict[str, Any]]:
+  """Times the variants, the matmuls and the roofline for each batch (module docstring).
+
+  Returns:
+    (records, extra): the records and ``{"hbm_read_gbs", "weight_bytes",
+    "command_buffer_types", "variants", "profile": {batch: profile_call's dict}}``.
+  """
+  opts = variants(variant_names)
+  params = decode.make_params(cfg, mesh, seed)
+  weight_bytes = sum(int(x.nbytes) for x in jax.tree.leaves(params))
+  mats = weight_matrices(cfg, mesh, params)
+  gbs = hbm_read_gbs(hbm_gib, reps)
+  log(f"weights {weight_bytes / 1e9:.3f} GB, HBM read {gbs:.0f} GB/s "
+      f"(roofline of the weights alone {weight_bytes / gbs / 1e3:.1f} us per token)")
+  prefill = decode.make_prefill_fn(cfg, mesh)
+  matmuls = make_matmuls_fn(num_tokens)
+  records, profiles = [], {}
+  for batch in batches:
+    rng = np.random.default_rng([seed, batch])
+    prompt = rng.integers(0, cfg.vocab, (batch, prompt_len), dtype=np.int32)
+    cache, tok = prefill(params, decode.make_cache(cfg, mesh, batch), decode._global(mesh, prompt))  # noqa: SLF001
+    pos = decode._global(mesh, np.int32(prompt_len))  # noqa: SLF001
+    gen = decode.make_generate_fn(cfg, mesh, decode.FLOOR, num_tokens)
+    lowered = gen.lower(params, cache, tok, pos)
+    state = {"cache": cache}
+
+    def call(fn):
+      state["cache"], toks = fn(params, state["cache"], tok, pos)
+      return toks
+
+    calls = {}
+    for name, o in opts.items():
+      t0 = time.perf_counter()
+      calls[f"step/{name}"] = functools.partial(call, lowered.compile(compiler_options=o))
+      log(f"batch {batch}: compiled step/{name} in {time.perf_counter() - t0:.1f} s")
+    x = jnp.asarray(rng.standard_normal((batch, cfg.d_model)), cfg.dtype)
+    calls["matmuls"] = lambda: matmuls(mats, x)  # noqa: B023
+    times = harness.time_interleaved(calls, reps=reps, warmup=warmup)
+    roof_us = (weight_bytes + kv_read_bytes(cfg, batch)) / gbs / 1e3
+    shape = dict(batch=batch, **cfg.shape(), prompt_len=prompt_len)
+    line = []
+    for impl, ts in times.items():
+      us = harness.median(ts) / num_tokens * 1e6
+      records.append({"op": "decode_floor_token", "impl": impl, "dtype": cfg.dtype,
+                      "shape": shape, "time_us": round(us, 2),
+                      "vs_roofline": round(us / roof_us, 3)})
+      line.append(f"{impl}={us:.1f}")
+    records.append({"op": "decode_floor_token", "impl": "roofline", "dtype": cfg.dtype,
+                    "shape": shape, "time_us": round(roof_us, 2), "vs_roofline": 1.0})
+    log(f"batch {batch:>3}: us/token roofline={roof_us:.1f} " + " ".join(line))
+    if profile_tokens > 0:
+      prof_gen = decode.make_generate_fn(cfg, mesh, decode.FLOOR, profile_tokens)
+      compiled = prof_gen.lower(params, state["cache"], tok, pos).compile(
+          compiler_options={"xla_enable_command_buffers_during_profiling": True})
+      logdir = tempfile.mkdtemp(prefix=f"decode_floor_b{batch}_")
+      profiles[batch] = profile_call(functools.partial(call, compiled), profile_tokens, logdir)
+      p = profiles[batch]
+      log(f"batch {batch:>3}: profile {p.get('error') or ''}"
+          f"{p.get('kernels_per_token', '')} kernels/token, busy "
+          f"{p.get('busy_us_per_token', '')} of {p.get('window_us_per_token', '')} us/token "
+          f"({p.get('source', '')})")
+  extra = {"hbm_read_gbs": round(gbs, 1), "weight_bytes": weight_bytes,
+           "command_buffer_types": default_command_buffer_types(),
+           "variants": {n: o for n, o in opts.items()}, "profile": profiles}
+  return records, extra
+
+
+def markdown_table(records: list[dict]) -> str:
+  """batch | roofline | matmuls | step per variant (us per token, and x roofline)."""
+  impls = [i for i in dict.fromkeys(r["impl"] for r in records) if i != "roofline"]
+  rows = ["| batch | roofline us | " + " | ".join(f"{i} us" for i in impls) + " |",
+          "|---|---|" + "---|" * len(impls)]
+  by = {(r["impl"], r["shape"]["batch"]): r for r in records}
+  for b in sorted({r["shape"]["batch"] for r in records}):
+    cells = [f"{by[(i, b)]['time_us']:.1f} ({by[(i, b)]['vs_roofline']:.2f}x)"
+             if (i, b) in by else "-" for i in impls]
+    rows.append(f"| {b} | {by[('roofline', b)]['time_us']:.1f} | " + " | ".join(cells) + " |")
+  return "\n".join(rows)
+
+
+def define_flags():
+  """Defines the command-line flags (only when run as a script)."""
+  from absl import flags
+
+  flags.DEFINE_integer("tp", 2, "the step is that of one rank of this TP size")
+  flags.DEFINE_list("batches", ["1", "4", "16"], "batch sizes")
+  flags.DEFINE_list("variants", ["xla_default", "no_graphs", "graphs_while"],
+                    "XLA command-buffer variants of the step (see variants())")
+  flags.DEFINE_integer("d_model", 4096, "model width")
+  flags.DEFINE_integer("d_ff", 14336, "MLP hidden width (full model)")
+  flags.DEFINE_integer("heads", 32, "query heads (full model)")
+  flags.DEFINE_integer("kv_heads", 8, "key/value heads (full model)")
+  flags.DEFINE_integer("layers", 32, "decoder layers")
+  flags.DEFINE_integer("vocab", 32000, "vocabulary size (full model)")
+  flags.DEFINE_integer("max_len", 1024, "KV cache length, tokens")
+  flags.DEFINE_integer("prompt_len", 128, "prefilled prompt length, tokens")
+  flags.DEFINE_integer("tokens", 32, "decode steps per timed call")
+  flags.DEFINE_integer("profile_tokens", 8, "decode steps of the profiled call (0: no profile)")
+  flags.DEFINE_float("hbm_gib", 4.0, "size of the bandwidth probe, GiB")
+  harness.define_flags("out", "seed", "host_devices", machine=("1x H200", "machine name"),
+                       dtype=("bfloat16", "weights and activations"),
+                       reps=(10, "timed calls per implementation (median)"),
+                       warmup=(2, "untimed calls per implementation"))
+
+
+def main(argv):
+  del argv
+  from absl import flags
+
+  fl = flags.FLAGS
+  harness.use_host_devices(fl.host_devices)
+  full = decode.DecoderConfig(d_model=fl.d_model, d_ff=fl.d_ff, num_heads=fl.heads,
+                              num_kv_heads=fl.kv_heads, num_layers=fl.layers, vocab=fl.vocab,
+                              max_len=fl.max_len, dtype=fl.dtype)
+  cfg = shard_config(full, fl.tp)
+  mesh = jax.make_mesh((1,), (AXIS,), axis_types=(jax.sharding.AxisType.Auto,),
+                       devices=jax.devices()[:1])
+  print(f"decode_floor: one rank of TP={fl.tp} on {jax.devices()[0].device_kind}: {cfg}",
+        flush=True)
+  records, extra = run(cfg, mesh, batches=[int(b) for b in fl.batches],
+                       variant_names=list(fl.variants), prompt_len=fl.prompt_len,
+                       num_tokens=fl.tokens, reps=fl.reps, warmup=fl.warmup, seed=fl.seed,
+                       hbm_gib=fl.hbm_gib, profile_tokens=fl.profile_tokens)
+  method = (f"one GPU, one rank of TP={fl.tp} (no all-reduce); per token = median over "
+            f"{fl.reps} calls of a jit'd fori_loop of {fl.tokens} greedy steps / {fl.tokens}, "
+            "implementations interleaved; roofline = (weights + KV cache read per token) / HBM "
+            "read bandwidth measured in the same run")
+  path = harness.path(fl.out, BENCHMARK, fl.machine)
+  harness.write_result(path, records, benchmark=BENCHMARK, machine=fl.machine, method=method,
+                       script="benchmarks/decode_floor.py", latency=False,
+                       extra={"weights": "random", "tp": fl.tp, "full_model": full.shape(),
+                              "device_kind": jax.devices()[0].device_kind,
+                              "xla_flags": os.environ.get("XLA_FLAGS", ""), **extra})
+  print(markdown_table(records))
+  print(f"wrote {path}", flush=True)
+  return 0
+
+
+if __name__ == "__main__":
+  from absl import app
+
+  define_flags()
+  app.run(main)
