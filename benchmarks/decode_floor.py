@@ -22,12 +22,13 @@ What runs (one GPU, one process, no communication):
       with each variant of XLA's command-buffer options (``VARIANTS``;
       ``jax.jit(...).lower(...).compile(compiler_options=...)``, the same
       options a user passes through XLA_FLAGS).
-    * matmuls: the same loop over tokens with only the weight matmuls of each
+    * matmuls/<variant>: the same loop over tokens with only the weight matmuls of each
       layer (qkv, attention output, MLP up, MLP down) and the LM head, on the
       model's own weight arrays: what XLA's GEMMs take to read the weights.
     * roofline: (weight bytes + KV-cache bytes read per token) / the HBM read
-      bandwidth measured in the same run (a float32 sum over a --hbm_gib GiB
-      bf16 array, best of --reps).
+      bandwidth measured in the same run (the faster of two float32 sums over
+      a --hbm_gib GiB bf16 array, all elements or rows of 8192; best of
+      --reps).
   Timing: harness.time_interleaved (every implementation in turn within each
   rep, median of --reps), per token = call time / tokens.
 
@@ -74,6 +75,7 @@ import profile_step
 BENCHMARK = "decode_floor"
 AXIS = decode.AXIS
 CMDBUF = "xla_gpu_enable_command_buffer"
+SHORT_US = 5.0  # the profile counts kernels shorter than this apart (launch-sized work)
 # XLA's default command-buffer types (jaxlib 0.11/0.12); the run records the list it found.
 _DEFAULT_TYPES = ("FUSION", "CUBLAS", "CUBLASLT", "CUSTOM_CALL", "CUDNN", "DYNAMIC_SLICE_FUSION",
                   "CONDITIONAL")
@@ -94,19 +96,22 @@ def default_command_buffer_types() -> list[str]:
     return list(_DEFAULT_TYPES)
 
 
-def variants(names: list[str]) -> dict[str, dict[str, str]]:
+def variants(names: list[str]) -> dict[str, dict[str, Any]]:
   """Compile options of each variant name.
 
   ``xla_default``: none; ``no_graphs``: no command buffers at all;
   ``graphs_while``: the defaults plus WHILE (the whole fori_loop becomes one
-  graph with a conditional node, no host round trip per token).
+  graph with a conditional node, no host round trip per token);
+  ``cublas``: XLA's Triton GEMM fusions off (``xla_gpu_enable_triton_gemm``),
+  so the autotuner picks among cuBLAS/cuBLASLt algorithms only.
 
   Raises:
     ValueError: an unknown name.
   """
   types = default_command_buffer_types()
   table = {"xla_default": {}, "no_graphs": {CMDBUF: ""},
-           "graphs_while": {CMDBUF: ",".join(sorted(set(types) | {"WHILE"}))}}
+           "graphs_while": {CMDBUF: ",".join(sorted(set(types) | {"WHILE"}))},
+           "cublas": {"xla_gpu_enable_triton_gemm": False}}
   unknown = [n for n in names if n not in table]
   if unknown:
     raise ValueError(f"unknown variants {unknown}; known: {sorted(table)}")
@@ -160,19 +165,29 @@ def make_matmuls_fn(num_tokens: int):
   return jax.jit(chain)
 
 
-def hbm_read_gbs(gib: float, reps: int) -> float:
-  """HBM read bandwidth, GB/s: a float32 sum over a ``gib`` GiB bf16 array (best of reps)."""
-  n = int(gib * 2**30) // 2
-  x = jnp.ones((n,), jnp.bfloat16)
-  f = jax.jit(lambda a: jnp.sum(a, dtype=jnp.float32))
-  jax.block_until_ready(f(x))
-  best = float("inf")
-  for _ in range(max(reps, 3)):
-    t0 = time.perf_counter()
+def hbm_read_gbs(gib: float, reps: int) -> dict[str, float]:
+  """HBM read bandwidth, GB/s, of two float32 sums over a ``gib`` GiB bf16 array (best of reps).
+
+  Returns:
+    ``{"sum_all": ..., "row_sums": ..., "best": ...}``: the sum of every
+    element, and the sums of rows of 8192 (the reduction a GEMV does).
+  """
+  n = int(gib * 2**30) // 2 // 8192 * 8192
+  x = jnp.ones((n // 8192, 8192), jnp.bfloat16)
+  probes = {"sum_all": jax.jit(lambda a: jnp.sum(a, dtype=jnp.float32)),
+            "row_sums": jax.jit(lambda a: jnp.sum(a, axis=1, dtype=jnp.float32))}
+  out = {}
+  for name, f in probes.items():
     jax.block_until_ready(f(x))
-    best = min(best, time.perf_counter() - t0)
+    best = float("inf")
+    for _ in range(max(reps, 3)):
+      t0 = time.perf_counter()
+      jax.block_until_ready(f(x))
+      best = min(best, time.perf_counter() - t0)
+    out[name] = round(2 * n / best / 1e9, 1)
   del x
-  return 2 * n / best / 1e9
+  out["best"] = max(out.values())
+  return out
 
 
 def kv_read_bytes(cfg: decode.DecoderConfig, batch: int) -> int:
@@ -191,6 +206,7 @@ def profile_call(call, num_tokens: int, logdir: str) -> dict[str, Any]:
     token); or ``{"error": ...}`` where the trace holds no device events.
   """
   jax.block_until_ready(call())  # compiled and warm before tracing
+  os.makedirs(logdir, exist_ok=True)
   with jax.profiler.trace(logdir, create_perfetto_trace=True):
     with jax.profiler.StepTraceAnnotation(profile_step.STEP_NAME, step_num=0):
       jax.block_until_ready(call())
@@ -209,6 +225,7 @@ def profile_call(call, num_tokens: int, logdir: str) -> dict[str, Any]:
     t = totals.setdefault(e.name, [0.0, 0])
     t[0] += e.end - e.start
     t[1] += 1
+  short = [e.end - e.start for e in events if e.end - e.start < SHORT_US]
   top = [{"name": n[:120], "us_per_token": round(v[0] / num_tokens, 2),
           "per_token": round(v[1] / num_tokens, 2)}
          for n, v in sorted(totals.items(), key=lambda kv: -kv[1][0])[:12]]
@@ -216,24 +233,30 @@ def profile_call(call, num_tokens: int, logdir: str) -> dict[str, Any]:
           "kernels_per_token": round(len(events) / num_tokens, 1),
           "busy_us_per_token": round(busy / num_tokens, 1),
           "window_us_per_token": round(window / num_tokens, 1),
-          "busy_share": round(busy / window, 4) if window else None, "top": top}
+          "busy_share": round(busy / window, 4) if window else None,
+          "gap_us_per_token": round((window - busy) / num_tokens, 1),
+          f"kernels_under_{SHORT_US:g}us_per_token": round(len(short) / num_tokens, 1),
+          f"kernels_under_{SHORT_US:g}us_us_per_token": round(sum(short) / num_tokens, 1),
+          "top": top}
 
 
 def run(cfg: decode.DecoderConfig, mesh, *, batches: list[int], variant_names: list[str],
         prompt_len: int, num_tokens: int, reps: int, warmup: int, seed: int, hbm_gib: float,
-        profile_tokens: int, log=print) -> tuple[list[dict], dict[str, Any]]:
+        profile_tokens: int, profile_variants: list[str], logdir: str, log=print) -> tuple[list[dict], dict[str, Any]]:
   """Times the variants, the matmuls and the roofline for each batch (module docstring).
 
   Returns:
     (records, extra): the records and ``{"hbm_read_gbs", "weight_bytes",
-    "command_buffer_types", "variants", "profile": {batch: profile_call's dict}}``.
+    "command_buffer_types", "variants", "profile": {"<variant> b<batch>":
+    profile_call's dict}}``.
   """
   opts = variants(variant_names)
   params = decode.make_params(cfg, mesh, seed)
   weight_bytes = sum(int(x.nbytes) for x in jax.tree.leaves(params))
   mats = weight_matrices(cfg, mesh, params)
-  gbs = hbm_read_gbs(hbm_gib, reps)
-  log(f"weights {weight_bytes / 1e9:.3f} GB, HBM read {gbs:.0f} GB/s "
+  hbm = hbm_read_gbs(hbm_gib, reps)
+  gbs = hbm["best"]
+  log(f"weights {weight_bytes / 1e9:.3f} GB, HBM read {hbm} GB/s "
       f"(roofline of the weights alone {weight_bytes / gbs / 1e3:.1f} us per token)")
   prefill = decode.make_prefill_fn(cfg, mesh)
   matmuls = make_matmuls_fn(num_tokens)
@@ -257,7 +280,9 @@ def run(cfg: decode.DecoderConfig, mesh, *, batches: list[int], variant_names: l
       calls[f"step/{name}"] = functools.partial(call, lowered.compile(compiler_options=o))
       log(f"batch {batch}: compiled step/{name} in {time.perf_counter() - t0:.1f} s")
     x = jnp.asarray(rng.standard_normal((batch, cfg.d_model)), cfg.dtype)
-    calls["matmuls"] = lambda: matmuls(mats, x)  # noqa: B023
+    mm = matmuls.lower(mats, x)
+    for name, o in opts.items():
+      calls[f"matmuls/{name}"] = functools.partial(mm.compile(compiler_options=o), mats, x)
     times = harness.time_interleaved(calls, reps=reps, warmup=warmup)
     roof_us = (weight_bytes + kv_read_bytes(cfg, batch)) / gbs / 1e3
     shape = dict(batch=batch, **cfg.shape(), prompt_len=prompt_len)
@@ -271,18 +296,18 @@ def run(cfg: decode.DecoderConfig, mesh, *, batches: list[int], variant_names: l
     records.append({"op": "decode_floor_token", "impl": "roofline", "dtype": cfg.dtype,
                     "shape": shape, "time_us": round(roof_us, 2), "vs_roofline": 1.0})
     log(f"batch {batch:>3}: us/token roofline={roof_us:.1f} " + " ".join(line))
-    if profile_tokens > 0:
+    for name in profile_variants if profile_tokens > 0 else []:
       prof_gen = decode.make_generate_fn(cfg, mesh, decode.FLOOR, profile_tokens)
       compiled = prof_gen.lower(params, state["cache"], tok, pos).compile(
-          compiler_options={"xla_enable_command_buffers_during_profiling": True})
-      logdir = tempfile.mkdtemp(prefix=f"decode_floor_b{batch}_")
-      profiles[batch] = profile_call(functools.partial(call, compiled), profile_tokens, logdir)
-      p = profiles[batch]
-      log(f"batch {batch:>3}: profile {p.get('error') or ''}"
+          compiler_options={**opts[name], "xla_enable_command_buffers_during_profiling": True})
+      key = f"{name} b{batch}"
+      p = profiles[key] = profile_call(functools.partial(call, compiled), profile_tokens,
+                                       os.path.join(logdir, f"{name}_b{batch}"))
+      log(f"batch {batch:>3}: profile of {name}: {p.get('error') or ''}"
           f"{p.get('kernels_per_token', '')} kernels/token, busy "
           f"{p.get('busy_us_per_token', '')} of {p.get('window_us_per_token', '')} us/token "
           f"({p.get('source', '')})")
-  extra = {"hbm_read_gbs": round(gbs, 1), "weight_bytes": weight_bytes,
+  extra = {"hbm_read_gbs": hbm, "weight_bytes": weight_bytes,
            "command_buffer_types": default_command_buffer_types(),
            "variants": {n: o for n, o in opts.items()}, "profile": profiles}
   return records, extra
@@ -307,8 +332,10 @@ def define_flags():
 
   flags.DEFINE_integer("tp", 2, "the step is that of one rank of this TP size")
   flags.DEFINE_list("batches", ["1", "4", "16"], "batch sizes")
-  flags.DEFINE_list("variants", ["xla_default", "no_graphs", "graphs_while"],
-                    "XLA command-buffer variants of the step (see variants())")
+  flags.DEFINE_list("variants", ["xla_default", "no_graphs", "graphs_while", "cublas"],
+                    "XLA compile-option variants of the step and the matmuls (see variants())")
+  flags.DEFINE_list("profile_variants", ["xla_default", "cublas"], "variants to profile")
+  flags.DEFINE_string("logdir", None, "where the profiles go (default: a temporary folder)")
   flags.DEFINE_integer("d_model", 4096, "model width")
   flags.DEFINE_integer("d_ff", 14336, "MLP hidden width (full model)")
   flags.DEFINE_integer("heads", 32, "query heads (full model)")
@@ -343,7 +370,9 @@ def main(argv):
   records, extra = run(cfg, mesh, batches=[int(b) for b in fl.batches],
                        variant_names=list(fl.variants), prompt_len=fl.prompt_len,
                        num_tokens=fl.tokens, reps=fl.reps, warmup=fl.warmup, seed=fl.seed,
-                       hbm_gib=fl.hbm_gib, profile_tokens=fl.profile_tokens)
+                       hbm_gib=fl.hbm_gib, profile_tokens=fl.profile_tokens,
+                       profile_variants=list(fl.profile_variants),
+                       logdir=fl.logdir or tempfile.mkdtemp(prefix="decode_floor_"))
   method = (f"one GPU, one rank of TP={fl.tp} (no all-reduce); per token = median over "
             f"{fl.reps} calls of a jit'd fori_loop of {fl.tokens} greedy steps / {fl.tokens}, "
             "implementations interleaved; roofline = (weights + KV cache read per token) / HBM "
