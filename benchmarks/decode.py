@@ -140,7 +140,7 @@ def tiny_config(num_ranks: int, dtype: str = "bfloat16") -> DecoderConfig:
                        max_len=16, dtype=dtype)
 
 
-def parallel_config(mesh, impl: str) -> jnnx.ParallelConfig:
+def parallel_config(mesh, impl: str, min_matmul_rows: int = 1) -> jnnx.ParallelConfig:
   """The layers' ``ParallelConfig`` of an implementation: how the row-parallel sums run.
 
   Args:
@@ -150,18 +150,21 @@ def parallel_config(mesh, impl: str) -> jnnx.ParallelConfig:
       suffix ``FUSE_NORM`` (the attention's all-reduce, residual add and the
       MLP's RMSNorm as one ``jaxoverlap.all_reduce_rms_norm``: ``fuse_norm``)
       or ``"floor:no_all_reduce"`` (no sum: wrong results, the same compute).
+    min_matmul_rows: ``ParallelConfig.min_matmul_rows`` (the same for every
+      implementation).
 
   Raises:
     ValueError: an unknown name.
   """
   if impl == FLOOR:
-    return jnnx.ParallelConfig(mesh=mesh, dp_axis=None, tp_axis=AXIS, row_reduction="none")
+    return jnnx.ParallelConfig(mesh=mesh, dp_axis=None, tp_axis=AXIS, row_reduction="none",
+                               min_matmul_rows=min_matmul_rows)
   fuse_norm = impl.endswith(FUSE_NORM)
   kw = harness.impl_kwargs("all_reduce", impl.removesuffix(FUSE_NORM))
   return jnnx.ParallelConfig(
       mesh=mesh, dp_axis=None, tp_axis=AXIS, backend=kw["backend"], row_reduction="all_reduce",
       all_reduce_algorithm=kw["algorithm"], all_reduce_protocol=kw.get("protocol", "auto"),
-      fuse_norm=fuse_norm)
+      fuse_norm=fuse_norm, min_matmul_rows=min_matmul_rows)
 
 
 class Decoder(nnx.Module):
@@ -234,10 +237,10 @@ def sharded_argmax(logits_bv, axis_name: str = AXIS):
 
 
 @functools.cache
-def _graphdef(cfg: DecoderConfig, mesh, impl: str):
+def _graphdef(cfg: DecoderConfig, mesh, impl: str, min_matmul_rows: int = 1):
   """The model's structure under ``impl``'s ParallelConfig (weights: ``make_params``)."""
   def build():
-    model = Decoder(cfg, parallel_config(mesh, impl), rngs=nnx.Rngs(0))
+    model = Decoder(cfg, parallel_config(mesh, impl, min_matmul_rows), rngs=nnx.Rngs(0))
     model.init_cache(1)
     return model
 
@@ -312,7 +315,8 @@ def make_prefill_fn(cfg: DecoderConfig, mesh, impl: str = PSUM):
   return jax.jit(body, donate_argnums=1)
 
 
-def make_generate_fn(cfg: DecoderConfig, mesh, impl: str, num_tokens: int, unroll: int = 1):
+def make_generate_fn(cfg: DecoderConfig, mesh, impl: str, num_tokens: int, unroll: int = 1,
+                     min_matmul_rows: int = 1):
   """jit'd greedy decode of ``num_tokens`` steps in one ``lax.fori_loop`` (timed).
 
   Returns:
@@ -320,7 +324,7 @@ def make_generate_fn(cfg: DecoderConfig, mesh, impl: str, num_tokens: int, unrol
     batch])``: the tokens generated after ``tok`` at positions ``pos .. pos +
     num_tokens - 1``; the cache is donated.
   """
-  graphdef = _graphdef(cfg, mesh, impl)
+  graphdef = _graphdef(cfg, mesh, impl, min_matmul_rows)
 
   def body(params, cache, tok_b, pos):
     def one(i, carry):
@@ -345,10 +349,12 @@ def tolerance(dtype) -> float:
   return float(jnp.finfo(jnp.dtype(dtype)).eps) ** (2.0 / 3.0)
 
 
-def make_check_fn(cfg: DecoderConfig, mesh, impl: str, ref_impl: str = PSUM):
+def make_check_fn(cfg: DecoderConfig, mesh, impl: str, ref_impl: str = PSUM,
+                  min_matmul_rows: int = 1):
   """jit'd comparison of ``impl`` with ``ref_impl`` over teacher-forced steps.
 
-  Both run the same steps from the same cache.
+  Both run the same steps from the same cache; ``impl`` with
+  ``min_matmul_rows`` (the reference never pads).
 
   Returns:
     ``f(params, cache, inputs [n, batch], pos0) -> dict`` of replicated
@@ -358,7 +364,8 @@ def make_check_fn(cfg: DecoderConfig, mesh, impl: str, ref_impl: str = PSUM):
     and of those that are not a tie (the reference logit of the chosen token
     is below the maximum by more than tolerance(dtype) * scale).
   """
-  graphdef, ref_graphdef = _graphdef(cfg, mesh, impl), _graphdef(cfg, mesh, ref_impl)
+  graphdef = _graphdef(cfg, mesh, impl, min_matmul_rows)
+  ref_graphdef = _graphdef(cfg, mesh, ref_impl)
   rtol = tolerance(cfg.dtype)
 
   def body(params, cache, inputs_nb, pos0):
@@ -407,24 +414,25 @@ def _global(mesh, host, spec=P()):
 
 
 def check_impl(cfg: DecoderConfig, mesh, params, cache, inputs_nb, pos0: int,
-               impl: str) -> str | None:
+               impl: str, min_matmul_rows: int = 1) -> str | None:
   """Runs ``make_check_fn`` and returns ``check_result``'s verdict (None: passed)."""
-  fn = make_check_fn(cfg, mesh, impl)
+  fn = make_check_fn(cfg, mesh, impl, min_matmul_rows=min_matmul_rows)
   stats = _replicated(fn(params, cache, _global(mesh, inputs_nb), _global(mesh, np.int32(pos0))))
   return check_result(stats, cfg.dtype)
 
 
-def check_tiny(mesh, impl: str, dtype: str, seed: int) -> str | None:
+def check_tiny(mesh, impl: str, dtype: str, seed: int, min_matmul_rows: int = 1) -> str | None:
   """The check on ``tiny_config``: 8 random forced tokens from an empty cache, batch 2."""
   cfg = tiny_config(mesh.shape[AXIS], dtype)
   params = make_params(cfg, mesh, seed)
   inputs = np.random.default_rng([seed, 1]).integers(0, cfg.vocab, (8, 2), dtype=np.int32)
-  return check_impl(cfg, mesh, params, make_cache(cfg, mesh, 2), inputs, 0, impl)
+  return check_impl(cfg, mesh, params, make_cache(cfg, mesh, 2), inputs, 0, impl,
+                    min_matmul_rows)
 
 
 def run(cfg: DecoderConfig, mesh, *, impls: list[str], batches: list[int], prompt_len: int,
         num_tokens: int, reps: int, warmup: int = 2, check_steps: int = 4, seed: int = 0,
-        unroll: int = 1, topology: tuple[int, int] | None = None,
+        unroll: int = 1, topology: tuple[int, int] | None = None, min_matmul_rows: int = 1,
         log: Callable[[str], None] = print) -> tuple[list[dict], list[dict]]:
   """Checks, then times, every implementation and the floor for each batch size.
 
@@ -438,6 +446,8 @@ def run(cfg: DecoderConfig, mesh, *, impls: list[str], batches: list[int], promp
       (0: only the tiny-model check).
     seed: weights and prompts. unroll: ``lax.fori_loop`` unroll factor.
     topology: (num_nodes, ranks_per_node) for the records (default: one node).
+    min_matmul_rows: ``ParallelConfig.min_matmul_rows`` of every timed
+      implementation and its checks.
     log: where progress and check failures are printed.
 
   Returns:
@@ -459,7 +469,7 @@ def run(cfg: DecoderConfig, mesh, *, impls: list[str], batches: list[int], promp
   rejected = []
   alive = []
   for impl in impls:
-    why = None if impl == PSUM else check_tiny(mesh, impl, cfg.dtype, seed)
+    why = None if impl == PSUM else check_tiny(mesh, impl, cfg.dtype, seed, min_matmul_rows)
     if why:
       log(f"CHECK FAILED: {impl} on the tiny model: {why}; {impl} is not timed")
       rejected.append({"impl": impl, "batch": None, "reason": "tiny model: " + why})
@@ -480,7 +490,7 @@ def run(cfg: DecoderConfig, mesh, *, impls: list[str], batches: list[int], promp
       why = None
       if impl != PSUM and check_steps:
         inputs = rng.integers(0, cfg.vocab, (check_steps, batch), dtype=np.int32)
-        why = check_impl(cfg, mesh, params, cache, inputs, prompt_len, impl)
+        why = check_impl(cfg, mesh, params, cache, inputs, prompt_len, impl, min_matmul_rows)
       if why:
         log(f"CHECK FAILED: {impl} at batch {batch}: {why}; {impl} is not timed")
         rejected.append({"impl": impl, "batch": batch, "reason": why})
@@ -493,7 +503,8 @@ def run(cfg: DecoderConfig, mesh, *, impls: list[str], batches: list[int], promp
       state["cache"], toks = fn(params, state["cache"], tok, pos)
       return toks
 
-    calls = {impl: functools.partial(call, make_generate_fn(cfg, mesh, impl, num_tokens, unroll))
+    calls = {impl: functools.partial(call, make_generate_fn(cfg, mesh, impl, num_tokens, unroll,
+                                                            min_matmul_rows))
              for impl in timed}
     times = harness.time_interleaved(calls, reps=reps, warmup=warmup)
     floor_us = harness.median(times[FLOOR]) / num_tokens * 1e6
@@ -501,7 +512,8 @@ def run(cfg: DecoderConfig, mesh, *, impls: list[str], batches: list[int], promp
     for impl in timed:
       us = harness.median(times[impl]) / num_tokens * 1e6
       rec = {"op": "decode_token", "impl": impl, "dtype": jnp.dtype(cfg.dtype).name,
-             "shape": dict(batch=batch, **cfg.shape(), prompt_len=prompt_len),
+             "shape": dict(batch=batch, **cfg.shape(), prompt_len=prompt_len,
+                           min_matmul_rows=min_matmul_rows),
              "bytes": batch * cfg.d_model * itemsize, "world": num_ranks,
              "ranks_per_node": ranks_per_node, "num_nodes": num_nodes,
              "all_reduces_per_token": 0 if impl == FLOOR else 2 * cfg.num_layers,
@@ -615,6 +627,8 @@ def define_flags():
   flags.DEFINE_integer("tokens", 32, "decode steps per timed call")
   flags.DEFINE_integer("check_steps", 4, "teacher-forced steps of the per-batch check (0: off)")
   flags.DEFINE_integer("unroll", 1, "lax.fori_loop unroll factor of the timed loop")
+  flags.DEFINE_integer("min_matmul_rows", 1, "ParallelConfig.min_matmul_rows of every "
+                       "implementation (4: batch 1-3 read the weights at the batch-4 speed)")
   harness.define_flags("out", "machine", "seed", "host_devices",
                        dtype=(("bfloat16", "weights and activations")),
                        reps=(20, "timed calls per implementation (median)"),
@@ -640,6 +654,7 @@ def main(argv):
       cfg, run_.mesh, impls=impls, batches=[int(b) for b in fl.batches],
       prompt_len=fl.prompt_len, num_tokens=fl.tokens, reps=fl.reps, warmup=fl.warmup,
       check_steps=fl.check_steps, seed=fl.seed, unroll=fl.unroll,
+      min_matmul_rows=fl.min_matmul_rows,
       topology=(run_.num_nodes, run_.ranks_per_node), log=run_.log)
   if run_.rank == 0:
     extra = {"model": "Llama-style decoder from jaxoverlap.nnx: RMSNorm, RoPE, GQA, SwiGLU; "

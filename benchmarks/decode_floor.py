@@ -96,22 +96,27 @@ def default_command_buffer_types() -> list[str]:
     return list(_DEFAULT_TYPES)
 
 
-def variants(names: list[str]) -> dict[str, dict[str, Any]]:
-  """Compile options of each variant name.
+def variants(names: list[str]) -> dict[str, tuple[dict[str, Any], int]]:
+  """Compile options and ``min_matmul_rows`` of each variant name.
 
   ``xla_default``: none; ``no_graphs``: no command buffers at all;
   ``graphs_while``: the defaults plus WHILE (the whole fori_loop becomes one
   graph with a conditional node, no host round trip per token);
   ``cublas``: XLA's Triton GEMM fusions off (``xla_gpu_enable_triton_gemm``),
-  so the autotuner picks among cuBLAS/cuBLASLt algorithms only.
+  so the autotuner picks among cuBLAS/cuBLASLt algorithms only;
+  ``rows4``: XLA's defaults, the layers' GEMMs padded to at least 4 rows
+  (``ParallelConfig.min_matmul_rows=4``).
+
+  Returns:
+    name -> (compile options, min_matmul_rows).
 
   Raises:
     ValueError: an unknown name.
   """
   types = default_command_buffer_types()
-  table = {"xla_default": {}, "no_graphs": {CMDBUF: ""},
-           "graphs_while": {CMDBUF: ",".join(sorted(set(types) | {"WHILE"}))},
-           "cublas": {"xla_gpu_enable_triton_gemm": False}}
+  table = {"xla_default": ({}, 1), "no_graphs": ({CMDBUF: ""}, 1),
+           "graphs_while": ({CMDBUF: ",".join(sorted(set(types) | {"WHILE"}))}, 1),
+           "cublas": ({"xla_gpu_enable_triton_gemm": False}, 1), "rows4": ({}, 4)}
   unknown = [n for n in names if n not in table]
   if unknown:
     raise ValueError(f"unknown variants {unknown}; known: {sorted(table)}")
@@ -143,16 +148,20 @@ def weight_matrices(cfg: decode.DecoderConfig, mesh, params) -> list[jax.Array]:
   return mats + [model.head.kernel[...]]
 
 
-def make_matmuls_fn(num_tokens: int):
+def make_matmuls_fn(num_tokens: int, min_rows: int = 1):
   """jit'd loop of ``num_tokens`` passes of x @ W over the weight matrices, chained.
 
   Each product's leading columns (zero-padded where short) feed the next
-  matrix, so no product can be skipped or hoisted out of the loop.
+  matrix, so no product can be skipped or hoisted out of the loop. x is
+  padded with zero rows to ``min_rows`` (as the layers' ``min_matmul_rows``).
 
   Returns:
     ``f(mats, x [b, d]) -> [b, d]``.
   """
   def chain(mats, x_bd):
+    if x_bd.shape[0] < min_rows:
+      x_bd = jnp.pad(x_bd, ((0, min_rows - x_bd.shape[0]), (0, 0)))
+
     def one(_, x):
       for w in mats:
         k = w.shape[0]
@@ -259,15 +268,16 @@ def run(cfg: decode.DecoderConfig, mesh, *, batches: list[int], variant_names: l
   log(f"weights {weight_bytes / 1e9:.3f} GB, HBM read {hbm} GB/s "
       f"(roofline of the weights alone {weight_bytes / gbs / 1e3:.1f} us per token)")
   prefill = decode.make_prefill_fn(cfg, mesh)
-  matmuls = make_matmuls_fn(num_tokens)
   records, profiles = [], {}
   for batch in batches:
     rng = np.random.default_rng([seed, batch])
     prompt = rng.integers(0, cfg.vocab, (batch, prompt_len), dtype=np.int32)
     cache, tok = prefill(params, decode.make_cache(cfg, mesh, batch), decode._global(mesh, prompt))  # noqa: SLF001
     pos = decode._global(mesh, np.int32(prompt_len))  # noqa: SLF001
-    gen = decode.make_generate_fn(cfg, mesh, decode.FLOOR, num_tokens)
-    lowered = gen.lower(params, cache, tok, pos)
+    lowered = {}
+    for rows in sorted({r for _, r in opts.values()}):
+      gen = decode.make_generate_fn(cfg, mesh, decode.FLOOR, num_tokens, min_matmul_rows=rows)
+      lowered[rows] = gen.lower(params, cache, tok, pos)
     state = {"cache": cache}
 
     def call(fn):
@@ -275,14 +285,14 @@ def run(cfg: decode.DecoderConfig, mesh, *, batches: list[int], variant_names: l
       return toks
 
     calls = {}
-    for name, o in opts.items():
+    for name, (o, rows) in opts.items():
       t0 = time.perf_counter()
-      calls[f"step/{name}"] = functools.partial(call, lowered.compile(compiler_options=o))
+      calls[f"step/{name}"] = functools.partial(call, lowered[rows].compile(compiler_options=o))
       log(f"batch {batch}: compiled step/{name} in {time.perf_counter() - t0:.1f} s")
     x = jnp.asarray(rng.standard_normal((batch, cfg.d_model)), cfg.dtype)
-    mm = matmuls.lower(mats, x)
-    for name, o in opts.items():
-      calls[f"matmuls/{name}"] = functools.partial(mm.compile(compiler_options=o), mats, x)
+    for name, (o, rows) in opts.items():
+      mm = make_matmuls_fn(num_tokens, rows).lower(mats, x).compile(compiler_options=o)
+      calls[f"matmuls/{name}"] = functools.partial(mm, mats, x)
     times = harness.time_interleaved(calls, reps=reps, warmup=warmup)
     roof_us = (weight_bytes + kv_read_bytes(cfg, batch)) / gbs / 1e3
     shape = dict(batch=batch, **cfg.shape(), prompt_len=prompt_len)
@@ -297,9 +307,11 @@ def run(cfg: decode.DecoderConfig, mesh, *, batches: list[int], variant_names: l
                     "shape": shape, "time_us": round(roof_us, 2), "vs_roofline": 1.0})
     log(f"batch {batch:>3}: us/token roofline={roof_us:.1f} " + " ".join(line))
     for name in profile_variants if profile_tokens > 0 else []:
-      prof_gen = decode.make_generate_fn(cfg, mesh, decode.FLOOR, profile_tokens)
+      o, rows = opts[name]
+      prof_gen = decode.make_generate_fn(cfg, mesh, decode.FLOOR, profile_tokens,
+                                         min_matmul_rows=rows)
       compiled = prof_gen.lower(params, state["cache"], tok, pos).compile(
-          compiler_options={**opts[name], "xla_enable_command_buffers_during_profiling": True})
+          compiler_options={**o, "xla_enable_command_buffers_during_profiling": True})
       key = f"{name} b{batch}"
       p = profiles[key] = profile_call(functools.partial(call, compiled), profile_tokens,
                                        os.path.join(logdir, f"{name}_b{batch}"))
@@ -309,7 +321,9 @@ def run(cfg: decode.DecoderConfig, mesh, *, batches: list[int], variant_names: l
           f"({p.get('source', '')})")
   extra = {"hbm_read_gbs": hbm, "weight_bytes": weight_bytes,
            "command_buffer_types": default_command_buffer_types(),
-           "variants": {n: o for n, o in opts.items()}, "profile": profiles}
+           "variants": {n: {"compile_options": o, "min_matmul_rows": r}
+                        for n, (o, r) in opts.items()},
+           "profile": profiles}
   return records, extra
 
 
@@ -332,9 +346,9 @@ def define_flags():
 
   flags.DEFINE_integer("tp", 2, "the step is that of one rank of this TP size")
   flags.DEFINE_list("batches", ["1", "4", "16"], "batch sizes")
-  flags.DEFINE_list("variants", ["xla_default", "no_graphs", "graphs_while", "cublas"],
+  flags.DEFINE_list("variants", ["xla_default", "no_graphs", "graphs_while", "cublas", "rows4"],
                     "XLA compile-option variants of the step and the matmuls (see variants())")
-  flags.DEFINE_list("profile_variants", ["xla_default", "cublas"], "variants to profile")
+  flags.DEFINE_list("profile_variants", ["xla_default", "rows4"], "variants to profile")
   flags.DEFINE_string("logdir", None, "where the profiles go (default: a temporary folder)")
   flags.DEFINE_integer("d_model", 4096, "model width")
   flags.DEFINE_integer("d_ff", 14336, "MLP hidden width (full model)")

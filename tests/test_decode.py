@@ -344,7 +344,8 @@ def test_run_writes_valid_records_and_drops_a_wrong_impl(seed, tmp_path, wrong_i
   for r in result["records"]:
     assert r["op"] == "decode_token" and r["world"] == 2 and r["time_us"] > 0
     assert r["impl"] in (decode.PSUM, ours, decode.FLOOR)
-    assert r["shape"] == dict(batch=r["shape"]["batch"], **cfg.shape(), prompt_len=4)
+    assert r["shape"] == dict(batch=r["shape"]["batch"], **cfg.shape(), prompt_len=4,
+                              min_matmul_rows=1)
     assert r["bytes"] == r["shape"]["batch"] * cfg.d_model * 2
     if r["impl"] == decode.FLOOR:
       assert "all_reduce_share" not in r and r["all_reduces_per_token"] == 0

@@ -561,3 +561,47 @@ def test_fuse_norm_follows_the_configured_algorithm(row_reduction, key, algorith
   jax.jit(lambda s, x: nnx.merge(graphdef, s)(x)).lower(state, x)
   (plan,) = jaxoverlap.decisions("all_reduce_rms_norm")
   assert plan.algorithm == want, plan.summary()
+
+
+# ----------------------------------------------------------------------------
+# min_matmul_rows
+# ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("row_reduction", ["all_reduce", "matmul_all_reduce"])
+@pytest.mark.parametrize("rows", [1, 3])
+def test_min_matmul_rows_pads_short_products_only(rows, row_reduction):
+  """A block of 1 or 3 rows padded to 5: outputs and gradients equal the unsharded block's."""
+  config = ParallelConfig(mesh=_mesh(1, 2), dp_axis=None, backend="xla",
+                          row_reduction=row_reduction, min_matmul_rows=5)
+  build = lambda c: TransformerBlock(D, H, F, config=c, num_kv_heads=KV,  # noqa: E731
+                                     activation="swiglu", norm="rms", rngs=nnx.Rngs(0))
+  _check_against_reference(build, config, (1, rows, D))
+  # The padding is there for short products and absent for long ones.
+  layer = nnx.jit(lambda: ColumnParallelLinear(D, F, config=config, rngs=nnx.Rngs(0)))()
+  graphdef, state = nnx.split(layer)
+  for shape, padded in (((1, rows, D), True), ((1, 5, D), False)):
+    jaxpr = str(jax.make_jaxpr(lambda s, x: nnx.merge(graphdef, s)(x))(
+        state, jnp.zeros(shape, jnp.float32)))
+    assert (" pad[" in jaxpr) == padded, (shape, jaxpr)
+
+
+def test_min_matmul_rows_decode_equals_unsharded():
+  """Single-token decode steps of batch 1 padded to 4 rows equal the unpadded reference."""
+  config = ParallelConfig(mesh=_mesh(1, 2), dp_axis=None, backend="xla",
+                          row_reduction="all_reduce", min_matmul_rows=4)
+  sharded, ref = _decoder_pair(config, num_layers=2)
+  for model in (sharded, ref):
+    for block in model:
+      block.init_cache((1, 6, D))
+  x = jax.random.normal(_key(), (1, 5, D), jnp.float32)
+  for lo, hi in ((0, 2), (2, 3), (3, 4), (4, 5)):
+    got, want = _run(sharded, x[:, lo:hi], True), _run(ref, x[:, lo:hi], True)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), **_tol(jnp.float32),
+                               err_msg=f"{lo}:{hi}")
+
+
+@pytest.mark.parametrize("bad", [0, -1, 2.0, None])
+def test_min_matmul_rows_refuses_bad_values(bad):
+  with pytest.raises(ValueError, match="min_matmul_rows must be an int >= 1"):
+    ParallelConfig(min_matmul_rows=bad)

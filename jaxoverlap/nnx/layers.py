@@ -110,9 +110,19 @@ def _shard_map(fn: Callable, config: ParallelConfig, in_specs, out_specs,
                        check_vma=check_vma)
 
 
-def _matmul(x: jax.Array, w: jax.Array) -> jax.Array:
-  """Local ``x @ w`` with fp32 accumulation, returned in ``x.dtype``."""
-  return jnp.matmul(x, w, preferred_element_type=jnp.float32).astype(x.dtype)
+def _matmul(x: jax.Array, w: jax.Array, min_rows: int = 1) -> jax.Array:
+  """Local ``x @ w`` with fp32 accumulation, returned in ``x.dtype``.
+
+  Fewer than ``min_rows`` rows (the dimensions of ``x`` but the last) are
+  padded with zero rows for the product and cut off after it
+  (``ParallelConfig.min_matmul_rows``).
+  """
+  rows = math.prod(x.shape[:-1])
+  if rows >= min_rows:
+    return jnp.matmul(x, w, preferred_element_type=jnp.float32).astype(x.dtype)
+  x_rk = jnp.pad(x.reshape(rows, x.shape[-1]), ((0, min_rows - rows), (0, 0)))
+  y_rn = jnp.matmul(x_rk, w, preferred_element_type=jnp.float32)[:rows]
+  return y_rn.reshape(*x.shape[:-1], w.shape[-1]).astype(x.dtype)
 
 
 def _check_divisible(what: str, value: int, by: int, by_what: str):
@@ -301,7 +311,7 @@ class ColumnParallelLinear(nnx.Module):
 
     def local(x_bsd, w_df, *bias_f):
       if cfg.mesh is None:
-        y_bsf = _matmul(x_bsd, w_df)
+        y_bsf = _matmul(x_bsd, w_df, cfg.min_matmul_rows)
       elif cfg.sequence_parallel:
         y_bsf = all_gather_matmul(
             x_bsd, w_df, cfg.tp_axis, gather_dimension=1, backend=cfg.backend,
@@ -309,7 +319,7 @@ class ColumnParallelLinear(nnx.Module):
       else:
         x_bsd = _copy_to_tp(x_bsd, cfg.tp_axis, cfg.backend, cfg.all_reduce_algorithm,
                             cfg.all_reduce_protocol)
-        y_bsf = _matmul(x_bsd, w_df)
+        y_bsf = _matmul(x_bsd, w_df, cfg.min_matmul_rows)
       if bias_f:
         y_bsf = y_bsf + bias_f[0]
       return y_bsf
@@ -414,7 +424,7 @@ class RowParallelLinear(nnx.Module):
 
     def local(x_bsf, w_fd, *bias_d):
       if cfg.mesh is None:
-        y_bsd = _matmul(x_bsf, w_fd)
+        y_bsd = _matmul(x_bsf, w_fd, cfg.min_matmul_rows)
       elif cfg.sequence_parallel:
         y_bsd = matmul_reduce_scatter(
             x_bsf, w_fd, cfg.tp_axis, scatter_dimension=1, backend=cfg.backend,
@@ -424,7 +434,7 @@ class RowParallelLinear(nnx.Module):
             x_bsf, w_fd, cfg.tp_axis, backend=cfg.backend, algorithm=cfg.algorithm,
             transport=cfg.transport)
       else:
-        y_bsd = _matmul(x_bsf, w_fd)
+        y_bsd = _matmul(x_bsf, w_fd, cfg.min_matmul_rows)
         if cfg.row_reduction == "all_reduce":
           y_bsd = all_reduce(y_bsd, cfg.tp_axis, backend=cfg.backend,
                              algorithm=cfg.all_reduce_algorithm,
@@ -462,7 +472,8 @@ class RowParallelLinear(nnx.Module):
     in_axis = self.kernel_axes[0]
     in_specs = (cfg.spec("batch", None, in_axis), cfg.spec(*self.kernel_axes))
     out_spec = jax.sharding.PartitionSpec(cfg.tp_axis, *cfg.spec("batch", None, "embed"))
-    p = _shard_map(lambda x, w: _matmul(x, w)[None], cfg, in_specs, out_spec)(x_bsf, w_fd)
+    p = _shard_map(lambda x, w: _matmul(x, w, cfg.min_matmul_rows)[None], cfg, in_specs,
+                   out_spec)(x_bsf, w_fd)
     return p, bias
 
 

@@ -1,0 +1,62 @@
+"""benchmarks/decode_floor.py on CPU: sizes of one TP rank, variants, records and the table."""
+
+import dataclasses
+import os
+import sys
+
+import jax
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+import decode  # noqa: E402
+import decode_floor  # noqa: E402
+
+TINY = decode.DecoderConfig(d_model=64, d_ff=128, num_heads=4, num_kv_heads=2, num_layers=1,
+                            vocab=128, max_len=16)
+
+
+def test_shard_config_divides_the_sharded_sizes_and_keeps_head_dim():
+  cfg = decode_floor.shard_config(decode.DecoderConfig(), 2)
+  assert (cfg.d_ff, cfg.num_heads, cfg.num_kv_heads, cfg.vocab) == (7168, 16, 4, 16000)
+  assert cfg.d_model == 4096 and cfg.head_dim == 128 and cfg.num_layers == 4
+  with pytest.raises(ValueError, match="num_kv_heads 8 is not divisible by tp 16"):
+    decode_floor.shard_config(decode.DecoderConfig(), 16)
+
+
+def test_variants_and_their_errors():
+  v = decode_floor.variants(["xla_default", "no_graphs", "graphs_while", "rows4"])
+  assert v["xla_default"] == ({}, 1) and v["no_graphs"] == ({decode_floor.CMDBUF: ""}, 1)
+  assert "WHILE" in v["graphs_while"][0][decode_floor.CMDBUF].split(",")
+  assert v["rows4"] == ({}, 4)
+  assert "FUSION" in decode_floor.default_command_buffer_types()
+  with pytest.raises(ValueError, match="unknown variants"):
+    decode_floor.variants(["fast"])
+
+
+def test_kv_read_bytes():
+  cfg = dataclasses.replace(TINY, num_layers=3)
+  assert decode_floor.kv_read_bytes(cfg, 2) == 3 * 2 * 2 * 16 * 2 * 16 * 2
+
+
+def test_run_times_every_variant_against_the_roofline(tmp_path):
+  mesh = jax.make_mesh((1,), (decode.AXIS,), axis_types=(jax.sharding.AxisType.Auto,),
+                       devices=jax.devices()[:1])
+  cfg = decode_floor.shard_config(TINY, 2)
+  records, extra = decode_floor.run(
+      cfg, mesh, batches=[1, 2], variant_names=["xla_default", "rows4"], prompt_len=4,
+      num_tokens=2, reps=2, warmup=1, seed=0, hbm_gib=0.001, profile_tokens=2,
+      profile_variants=["rows4"], logdir=str(tmp_path), log=lambda *a: None)
+  impls = {(r["impl"], r["shape"]["batch"]) for r in records}
+  assert impls == {(i, b) for b in (1, 2) for i in (
+      "step/xla_default", "step/rows4", "matmuls/xla_default", "matmuls/rows4", "roofline")}
+  roof = {r["shape"]["batch"]: r["time_us"] for r in records if r["impl"] == "roofline"}
+  for r in records:
+    assert r["time_us"] > 0 and r["vs_roofline"] == pytest.approx(
+        r["time_us"] / roof[r["shape"]["batch"]], rel=1e-2)
+  assert extra["weight_bytes"] > 0 and extra["hbm_read_gbs"]["best"] > 0
+  assert extra["variants"]["rows4"] == {"compile_options": {}, "min_matmul_rows": 4}
+  assert set(extra["profile"]) == {"rows4 b1", "rows4 b2"}
+  for p in extra["profile"].values():  # host threads on CPU; the fields are there
+    assert "error" in p or p["kernels_per_token"] > 0
+  table = decode_floor.markdown_table(records)
+  assert table.count("\n") == 3 and "step/rows4 us" in table
