@@ -207,7 +207,8 @@ if [ "$WHAT" = ovprofilegraphs ] && [ "$NGPU" -ge 2 ]; then  # profiler or addre
     --trace_from_start
 fi
 if [ "$WHAT" = decode ] && [ "$NGPU" -ge 2 ]; then
-  run decode 150 $PY -m jaxoverlap.launch --nproc 2 --timeout_s 140 benchmarks/decode.py \
+  T=${DECODE_TIMEOUT:-150}
+  run decode "$T" $PY -m jaxoverlap.launch --nproc 2 --timeout_s $((T - 10)) benchmarks/decode.py \
     --out "$OUT" ${DECODE_FLAGS:---batches 1,4,16,64 --reps 10}
 fi
 exit $status
