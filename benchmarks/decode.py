@@ -74,6 +74,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 from typing import Any, Callable
 
 import jax
@@ -659,7 +660,8 @@ def main(argv):
   if run_.rank == 0:
     extra = {"model": "Llama-style decoder from jaxoverlap.nnx: RMSNorm, RoPE, GQA, SwiGLU; "
                       "TP Megatron layout", "world": run_.world, "platform": run_.platform,
-             "auto_choices": harness.auto_choices()}
+             "auto_choices": harness.auto_choices(),
+             "xla_flags": os.environ.get("XLA_FLAGS", "")}
     method = METHOD.format(reps=fl.reps, tokens=fl.tokens, prompt_len=fl.prompt_len)
     path, png = write_results(fl.out, fl.machine, records, rejected, method=method, extra=extra)
     print(markdown_table(records, ours if ours in impls else None))

@@ -112,12 +112,13 @@ class ParallelConfig:
       Needs a row reduction: ``row_reduction="none"`` is refused.
     min_matmul_rows: the layers' local GEMMs (not the fused ops) pad their
       rows, all dimensions of ``x`` but the last, with zeros to at least this
-      many and drop the padding from the product. XLA (jax 0.11-0.12 on
-      H200) compiles a product of one row as a vector kernel that reads the
-      weights at about 2.4 TB/s, where four rows reach the HBM roofline: one
-      TP=2 rank's 32-layer decode step at batch 1 takes 3.87 ms, at batch 4
-      2.74 ms (docs/decode.md). 4 makes batch-1 decode read its weights at
-      the batch-4 speed; 1 (the default) never pads.
+      many and drop the padding from the product; values and gradients are
+      those of the unpadded product. XLA (jax 0.11.2 on H200) compiles a
+      product of one row into kernels that read the weights at about 2.4
+      TB/s, where four rows read them at the HBM roofline: one TP=2 rank's
+      32-layer decode step at batch 1 takes 3.88 ms per token unpadded and
+      2.66 ms with 4 (docs/decode.md). 1 (the default) never pads; 4 is the
+      measured setting for decode at batch 1.
     logical_axis_rules: pairs ``(logical name, mesh axis or None)``. None (the
       default) derives them from ``dp_axis``, ``tp_axis`` and
       ``sequence_parallel`` as in the module docstring. Given rules replace
