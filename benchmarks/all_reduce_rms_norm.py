@@ -12,7 +12,10 @@ row-parallel layer: rows = batch x new tokens), side by side in one process grou
 
 * ``xla:psum+norm``: ``h = residual + lax.psum(p)``, ``y = rms_norm(h) * weight`` in JAX;
 * ``jaxoverlap:all_reduce+norm``: the same with ``jaxoverlap.all_reduce`` (auto) for the sum;
-* ``jaxoverlap:all_reduce_rms_norm``: ``jaxoverlap.all_reduce_rms_norm``, one kernel.
+* ``jaxoverlap:all_reduce_rms_norm``: ``jaxoverlap.all_reduce_rms_norm``, one kernel
+  (``algorithm="one_shot"`` on backend "cuda");
+* ``jaxoverlap:all_reduce_rms_norm/auto``: the same op with ``algorithm="auto"``: the fused
+  kernel or the all-reduce then the norm, as ``jaxoverlap.tuning.policy.fuse_norm`` says.
 
 Method: the chain method of ``jaxoverlap.tuning.timing``: a chain of --chain dependent calls in
 one jit (each call's y is the next call's p), minus the same chain without them, divided by the
@@ -36,7 +39,8 @@ OP = "all_reduce_rms_norm"
 PSUM_NORM = "xla:psum+norm"
 OURS_NORM = "jaxoverlap:all_reduce+norm"
 FUSED = "jaxoverlap:all_reduce_rms_norm"
-IMPLS = (PSUM_NORM, OURS_NORM, FUSED)
+AUTO = "jaxoverlap:all_reduce_rms_norm/auto"
+IMPLS = (PSUM_NORM, OURS_NORM, FUSED, AUTO)
 EPS = 1e-6
 
 
@@ -68,9 +72,12 @@ def make_op(impl: str, residual, weight, backend: str):
     def op(p):
       h = residual + jaxoverlap.all_reduce(p, AXIS, backend=backend)
       return h, norm(h)
-  elif impl == FUSED:
+  elif impl in (FUSED, AUTO):
+    algorithm = "one_shot" if impl == FUSED and backend == "cuda" else "auto"
+
     def op(p):
-      return jaxoverlap.all_reduce_rms_norm(p, residual, weight, AXIS, eps=EPS, backend=backend)
+      return jaxoverlap.all_reduce_rms_norm(p, residual, weight, AXIS, eps=EPS, backend=backend,
+                                            algorithm=algorithm)
   else:
     raise ValueError(f"unknown impl {impl!r}; expected one of {IMPLS}")
   return op
@@ -150,15 +157,16 @@ def _print_table(records) -> None:
   by = {}
   for r in records:
     by.setdefault(tuple(r["shape"]), {})[r["impl"]] = r["time_us"]
-  print("| rows x hidden | psum + norm us | all_reduce + norm us | fused us | fused vs psum+norm "
-        "| fused vs all_reduce+norm |")
-  print("|---|---|---|---|---|---|")
+  print("| rows x hidden | psum + norm us | all_reduce + norm us | fused us | auto us "
+        "| fused vs psum+norm | fused vs all_reduce+norm |")
+  print("|---|---|---|---|---|---|---|")
+  nan = float("nan")
   for (rows, hidden), t in by.items():
     f = t.get(FUSED)
     ratio = lambda k: f"{t[k] / f:.2f}x" if f and k in t else "-"  # noqa: E731
-    print(f"| {rows} x {hidden} | {t.get(PSUM_NORM, float('nan')):.1f} | "
-          f"{t.get(OURS_NORM, float('nan')):.1f} | {f if f is not None else float('nan'):.1f} | "
-          f"{ratio(PSUM_NORM)} | {ratio(OURS_NORM)} |")
+    print(f"| {rows} x {hidden} | {t.get(PSUM_NORM, nan):.1f} | {t.get(OURS_NORM, nan):.1f} | "
+          f"{f if f is not None else nan:.1f} | {t.get(AUTO, nan):.1f} | {ratio(PSUM_NORM)} | "
+          f"{ratio(OURS_NORM)} |")
 
 
 if __name__ == "__main__":

@@ -316,11 +316,22 @@ def _norm_abstract_eval(p, residual, weight, *, request, num_ranks, eps):
 
 def _norm_lowering(ctx, p, residual, weight, *, request, num_ranks, eps):
   plan = dispatch.plan_lowering(ctx, request, num_ranks)
+  if plan.algorithm == names.UNFUSED and plan.all_reduce.backend == names.XLA:
+    plan = plan.all_reduce  # the policy handed the all-reduce to XLA: the pure expression
   if plan.backend == names.XLA:
     return _lower_xla(
         lambda p, r, w: _xla.all_reduce_rms_norm(p, r, w, request.axis_name, eps,
                                                  plan.algorithm, _mesh_axes(ctx)),
         ctx, p, residual, weight, multiple_results=True)
+  if plan.algorithm == names.UNFUSED:
+    # The CUDA all-reduce of p, then the residual add and the norm in XLA.
+    p_aval = ctx.avals_in[0]
+    s_aval = _with_vma(p_aval, p_aval.shape, _vma(p_aval) - _axes(request.axis_name))
+    (s,) = _cuda.all_reduce(ctx.replace(avals_in=[p_aval], avals_out=[s_aval]), p,
+                            plan.all_reduce)
+    return _lower_xla(lambda s, r, w: _xla.rms_norm_tail(s, r, w, eps),
+                      ctx.replace(avals_in=[s_aval, *ctx.avals_in[1:]]), s, residual, weight,
+                      multiple_results=True)
   return _cuda.all_reduce_rms_norm(ctx, p, residual, weight, plan, eps)
 
 

@@ -196,7 +196,7 @@ def _norm_bwd(cfg, saved, cts):
     ds = _xla.cast_to_vma(dh, frozenset(p_vma) - set(_axes(axis_name)))
     dp = _xla.cast_to_vma(_xla.to_varying(ds, axis_name), p_vma)
   else:  # every value counts as per-rank and psum transposes to psum
-    alg = cfg.request.algorithm
+    alg = cfg.request.algorithm  # an XLA algorithm stays; one_shot and unfused become auto
     if names.backend_of_algorithm(names.ALL_REDUCE, alg) != names.XLA:
       alg = names.AUTO
     sub = Request(names.ALL_REDUCE, axis_name, backend=cfg.request.backend, algorithm=alg)
@@ -253,14 +253,19 @@ def all_reduce_rms_norm(p, residual, weight, axis_name, *, eps=1e-6, backend="au
     weight: ``[hidden]``, p's dtype: the RMSNorm scale.
     axis_name: the mesh axis to reduce over (str), or a tuple of axes.
     eps: added to the mean square before the reciprocal square root (> 0).
-    backend: ``"auto"``, ``"xla"`` or ``"cuda"``. "auto" runs the fused
-      kernel where it can run (GPUs, ``jaxoverlap.initialize()`` called, the
-      group within one node, the message within one launch of the one-shot
-      LL all-reduce, a row a whole number of 8-byte lines) and the pure-JAX
-      expression elsewhere; ``jaxoverlap.decisions()`` says why.
+    backend: ``"auto"``, ``"xla"`` or ``"cuda"``. "auto" runs the CUDA
+      kernels where they can run (GPUs, ``jaxoverlap.initialize()`` called,
+      the group within one node) and the pure-JAX expression elsewhere;
+      ``jaxoverlap.decisions()`` says why.
     algorithm: ``"auto"``; backend "xla": ``"collective"`` (``lax.psum``) or
       ``"ppermute"`` (the ring of ``all_reduce``), then the norm in JAX;
-      backend "cuda": ``"one_shot"`` (the fused kernel).
+      backend "cuda": ``"one_shot"`` (the fused kernel: the message within
+      one launch of the one-shot LL all-reduce, a row a whole number of
+      8-byte lines) or ``"unfused"`` (``all_reduce`` with its own automatic
+      choice, then the residual add and the norm in XLA). "auto" on backend
+      "cuda" fuses from 4 rows of at most 8 KiB, where the fused kernel was
+      measured faster (``jaxoverlap.tuning.policy.fuse_norm``), and runs
+      "unfused" otherwise.
 
   Returns:
     ``(h, y)``, both of p's shape and dtype: ``h = residual + psum(p)`` (the
@@ -274,22 +279,24 @@ def all_reduce_rms_norm(p, residual, weight, axis_name, *, eps=1e-6, backend="au
       of p's shape, ``weight`` not ``[hidden]``, a scalar p or an empty last
       dimension; eps not positive and finite; an axis name that is not a
       manual axis of the enclosing ``shard_map``; an unknown or contradictory
-      backend or algorithm; at lowering, ``backend="cuda"`` for a call the
-      kernel does not take (a group across nodes, a message above one launch,
-      a row that is not a whole number of 8-byte lines).
+      backend or algorithm; at lowering, ``backend="cuda"`` for a group across
+      nodes, or ``algorithm="one_shot"`` for a call the fused kernel does not
+      take (a message above one launch, a row that is not a whole number of
+      8-byte lines).
     TypeError: eps not a real number; a forward-mode tangent (the op is a
       ``jax.custom_vjp``).
     RuntimeError: at lowering, ``backend="cuda"`` while the CUDA kernels
       cannot run in this process; the message says why.
 
   Algorithm:
-    Backend "cuda": one kernel. Every rank pushes its p to every peer of its
+    Backend "cuda", "one_shot": one kernel. Every rank pushes its p to every peer of its
     node as LL8 lines (8 bytes of data, each 4-byte word with the call's epoch
     as flag; the one-shot LL all-reduce of ``all_reduce``), and each block
     owns whole rows: it sums the ranks in rank order in float32, adds the
     residual, writes h, reduces the row's sum of squares across the block in
     float32 and writes y. The completion protocol (pair epochs, two slot
-    parities) is the all-reduce's. Backward (both backends): the VJP of the
+    parities) is the all-reduce's. "unfused": ``all_reduce``'s kernel, then
+    the add and the norm as XLA fusions. Backward (both backends): the VJP of the
     pure expression; the cotangent of h (its own plus the norm's) goes to the
     residual and, as the transpose of ``psum``, to every rank's p.
 

@@ -134,8 +134,8 @@ class Plan:
       "highest"), else None.
     command_buffer: the fused kernels lower to their command-buffer handlers.
     geometry: the fused kernels' shape attributes, else None.
-    all_reduce: for matmul_all_reduce's "unfused" algorithm, the plan of its
-      all-reduce.
+    all_reduce: for the "unfused" algorithm of matmul_all_reduce and
+      all_reduce_rms_norm, the plan of its all-reduce.
     inter_node: all_reduce "hierarchical" across processes of the in-process
       runtime: "xla", XLA's all-reduce joins the nodes between the kernels'
       intra-node reduce-scatter and all-gather; else None.
@@ -496,7 +496,11 @@ def norm_capacity(itemsize: int, ll_slot_bytes: int) -> int:
 
 
 def _norm_plan(r, shapes, dtype, group, local_size, num_nodes, facts, cuda) -> Plan:
-  """all_reduce_rms_norm on backend "cuda": the one-shot LL kernel with the norm fused."""
+  """all_reduce_rms_norm on backend "cuda": the fused kernel, or the CUDA all_reduce then the norm.
+
+  "auto" runs the fused kernel where it takes the call and the rule of
+  ``jaxoverlap.tuning.policy.fuse_norm`` says it is faster; else "unfused".
+  """
   op, limits = r.op, facts.limits
   if num_nodes > 1:
     raise _Fallback(f"the group over {r.axis_name!r} (PEs {list(group)}) spans {num_nodes} "
@@ -505,23 +509,45 @@ def _norm_plan(r, shapes, dtype, group, local_size, num_nodes, facts, cuda) -> P
   if local_size > limits["max_group_size"]:
     raise _Fallback(f"the group has {local_size} ranks; the kernels take at most "
                     f"{limits['max_group_size']}")
-  hidden = shapes[0][-1]
-  if (hidden * dtype.itemsize) % 8:
-    raise _Fallback(f"a row of hidden={hidden} {dtype.name} elements is not a whole number of "
-                    "8-byte LL lines (the kernel's blocks own whole rows)")
-  n = math.prod(shapes[0])
-  capacity = norm_capacity(dtype.itemsize, facts.ll_slot_bytes)
-  if n > capacity:
-    raise _Fallback(f"the message ({cuda['nbytes']} bytes per rank) exceeds one launch of the "
-                    f"one-shot LL all-reduce ({capacity * dtype.itemsize} bytes: the LL slot of "
-                    f"{facts.ll_slot_bytes} bytes per sender)")
   if r.transport not in (names.AUTO, facts.transport):
     raise ValueError(f"{op}: transport={r.transport!r} was requested, but this runtime's "
                      f"transport is {facts.transport!r}")
-  why = (("backend", "requested" if r.backend == names.CUDA
-          else "auto: the CUDA kernels run here"),
+  hidden = shapes[0][-1]
+  rows = math.prod(shapes[0][:-1])
+  n = rows * hidden
+  capacity = norm_capacity(dtype.itemsize, facts.ll_slot_bytes)
+  cannot = None  # why the fused kernel cannot take this call
+  if (hidden * dtype.itemsize) % 8:
+    cannot = (f"a row of hidden={hidden} {dtype.name} elements is not a whole number of "
+              "8-byte LL lines (the kernel's blocks own whole rows)")
+  elif n > capacity:
+    cannot = (f"the message ({cuda['nbytes']} bytes per rank) exceeds one launch of the "
+              f"one-shot LL all-reduce ({capacity * dtype.itemsize} bytes: the LL slot of "
+              f"{facts.ll_slot_bytes} bytes per sender)")
+  backend_why = ("backend", "requested" if r.backend == names.CUDA
+                 else "auto: the CUDA kernels run here")
+  if r.algorithm == names.ONE_SHOT:
+    if cannot:
+      raise _Fallback(cannot)
+    unfused = None
+  elif r.algorithm == names.UNFUSED:
+    unfused = "requested"
+  elif cannot:
+    unfused = f"the fused kernel cannot take this call: {cannot}"
+  elif not _policy.fuse_norm(rows, hidden * dtype.itemsize):
+    unfused = (f"rule: {rows} rows of {hidden * dtype.itemsize} bytes; the fused kernel is "
+               f"faster from {_policy.NORM_FUSED_MIN_ROWS} rows of at most "
+               f"{_policy.NORM_FUSED_MAX_ROW_BYTES} bytes (jaxoverlap.tuning.policy.fuse_norm, "
+               "measured on 2x H200)")
+  else:
+    unfused = None
+  if unfused is not None:
+    sub = _unfused_all_reduce(r, _Aval(tuple(shapes[0]), dtype), cuda, facts, cuda["num_ranks"])
+    return Plan(**dict(cuda, groups=sub.groups), algorithm=names.UNFUSED,
+                why=(backend_why, ("algorithm", unfused)), all_reduce=sub)
+  why = (backend_why,
          ("algorithm", "requested" if r.algorithm == names.ONE_SHOT
-          else "the only algorithm of the fused kernel"),
+          else "rule: the fused kernel is faster here (jaxoverlap.tuning.policy.fuse_norm)"),
          ("protocol", "the fused kernel's protocol (LL: no flag round trip for small messages)"),
          ("transport", "the runtime's transport"))
   return Plan(**cuda, algorithm=names.ONE_SHOT, protocol=names.LL, transport=facts.transport,
@@ -677,7 +703,7 @@ class _Aval:
 
 
 def _unfused_all_reduce(r, out_aval, cuda, facts, num_ranks) -> Plan:
-  """The all-reduce plan of matmul_all_reduce's unfused algorithm (GEMM output)."""
+  """The all-reduce plan of an "unfused" algorithm (of the GEMM's output, or of p)."""
   sub = Request(names.ALL_REDUCE, r.axis_name, backend=names.CUDA)
   nbytes = _nbytes(out_aval.shape, out_aval.dtype.itemsize)
   base = dict(op=names.ALL_REDUCE, axis_name=r.axis_name, shapes=(out_aval.shape,),

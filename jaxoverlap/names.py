@@ -26,7 +26,9 @@ Algorithm:
   matmul_all_reduce     collective, ppermute     fused, unfused (the GEMM, then
                                                  the CUDA all_reduce)
   all_reduce_rms_norm   collective, ppermute     one_shot (LL, the norm in the
-                                                 all-reduce's epilogue)
+                                                 all-reduce's epilogue), unfused
+                                                 (the CUDA all_reduce, then the
+                                                 norm in XLA)
   ===================== ======================== ==================================
 
 Example:
@@ -77,7 +79,8 @@ ONE_SHOT = "one_shot"          # all_reduce: every rank reads every peer's buffe
 TWO_SHOT = "two_shot"          # all_reduce: reduce-scatter, then all-gather, within a node
 HIERARCHICAL = "hierarchical"  # all_reduce: NVRAR (intra-node RS, recursive doubling, AG)
 FUSED = "fused"                # GEMM ops: CommFuse's peer-to-peer decomposition, one custom call
-UNFUSED = "unfused"            # matmul_all_reduce: the GEMM, then the CUDA all_reduce
+UNFUSED = "unfused"            # matmul_all_reduce: the GEMM, then the CUDA all_reduce;
+                               # all_reduce_rms_norm: the CUDA all_reduce, then the norm
 
 _ALGORITHMS = {
     XLA: {op: (COLLECTIVE, PPERMUTE) for op in OPS},
@@ -86,7 +89,7 @@ _ALGORITHMS = {
         ALL_GATHER_MATMUL: (FUSED,),
         MATMUL_REDUCE_SCATTER: (FUSED,),
         MATMUL_ALL_REDUCE: (FUSED, UNFUSED),
-        ALL_REDUCE_RMS_NORM: (ONE_SHOT,),
+        ALL_REDUCE_RMS_NORM: (ONE_SHOT, UNFUSED),
     },
 }
 

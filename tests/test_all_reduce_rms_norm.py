@@ -22,6 +22,7 @@ import jaxoverlap
 from _helpers import make_mesh, randn
 from jaxoverlap import _ffi, dispatch, names, reference, runtime
 from jaxoverlap.dispatch import Request
+from jaxoverlap.tuning import policy
 
 DTYPES = {"f32": jnp.float32, "bf16": jnp.bfloat16, "f16": jnp.float16}
 EPS = 1e-6
@@ -317,27 +318,68 @@ def test_plan_one_node_is_the_fused_kernel(one_process_per_device):
   assert plan((1, 8192), backend="cuda", algorithm="one_shot").reason("algorithm") == "requested"
 
 
-@pytest.mark.parametrize("shape,dtype,fkw,why", [
-    ((4, 4096), jnp.bfloat16, {"ranks_per_node": 2}, "spans 2 nodes"),
-    ((4, 1001), jnp.bfloat16, {}, "hidden=1001 bfloat16 elements is not a whole number"),
-    ((4, 3), jnp.float32, {}, "hidden=3 float32"),
-    ((1024, 8192), jnp.bfloat16, {}, "exceeds one launch of the one-shot LL all-reduce "
-                                     "(1048576 bytes"),
-])
-def test_plan_falls_back_with_the_reason_or_raises(one_process_per_device, shape, dtype, fkw,
-                                                   why):
-  p = plan(shape, dtype, **fkw)
+def test_plan_across_nodes_falls_back_or_raises(one_process_per_device):
+  p = plan((4, 4096), ranks_per_node=2)
   assert (p.backend, p.algorithm) == ("xla", "collective")
-  assert why in p.reason("backend"), p.reason("backend")
-  with pytest.raises(ValueError, match=re.escape(why)):
-    plan(shape, dtype, backend="cuda", **fkw)
+  assert "spans 2 nodes" in p.reason("backend"), p.reason("backend")
+  with pytest.raises(ValueError, match="spans 2 nodes"):
+    plan((4, 4096), backend="cuda", ranks_per_node=2)
+
+
+@pytest.mark.parametrize("shape,dtype,why", [
+    ((4, 1001), jnp.bfloat16, "hidden=1001 bfloat16 elements is not a whole number"),
+    ((4, 3), jnp.float32, "hidden=3 float32"),
+    ((1024, 8192), jnp.bfloat16, "exceeds one launch of the one-shot LL all-reduce "
+                                 "(1048576 bytes"),
+])
+def test_what_the_fused_kernel_cannot_take_runs_unfused(one_process_per_device, shape, dtype,
+                                                        why):
+  """auto: the CUDA all-reduce, then the norm; one_shot (which asks for CUDA): an error."""
+  p = plan(shape, dtype)
+  assert (p.backend, p.algorithm) == ("cuda", "unfused")
+  assert why in p.reason("algorithm"), p.reason("algorithm")
+  sub = p.all_reduce
+  assert (sub.op, sub.shapes, sub.dtype) == ("all_reduce", (shape,), jnp.dtype(dtype).name)
+  assert p.groups == sub.groups == ((0, 1, 2, 3),)
+  for backend in ("auto", "cuda"):
+    with pytest.raises(ValueError, match=re.escape(why)):
+      plan(shape, dtype, backend=backend, algorithm="one_shot")
+
+
+@pytest.mark.parametrize("shape,dtype,fused", [
+    ((1, 4096), jnp.bfloat16, False),   # one row: measured 0.72x
+    ((3, 4096), jnp.bfloat16, False),   # fewer than NORM_FUSED_MIN_ROWS
+    ((4, 4096), jnp.bfloat16, True),    # 4 rows of 8 KiB: measured 1.44x
+    ((64, 4096), jnp.bfloat16, True),
+    ((4, 8192), jnp.bfloat16, False),   # rows of 16 KiB: measured 0.55x
+    ((4, 2048), jnp.float32, True),     # 8 KiB rows in float32
+    ((2, 3, 1024), jnp.float16, True),  # 6 rows over two leading dimensions
+])
+def test_auto_follows_the_measured_rule(one_process_per_device, shape, dtype, fused):
+  p = plan(shape, dtype)
+  rows, row_bytes = int(np.prod(shape[:-1])), shape[-1] * jnp.dtype(dtype).itemsize
+  assert policy.fuse_norm(rows, row_bytes) == fused
+  if fused:
+    assert (p.backend, p.algorithm, p.protocol) == ("cuda", "one_shot", "ll")
+    assert p.reason("algorithm").startswith("rule: the fused kernel is faster here")
+    assert p.all_reduce is None
+  else:
+    assert (p.backend, p.algorithm) == ("cuda", "unfused") and p.protocol is None
+    assert p.reason("algorithm").startswith(f"rule: {rows} rows of {row_bytes} bytes")
+    assert (p.all_reduce.backend, p.all_reduce.algorithm) == ("cuda", "one_shot")
+  # Either algorithm when named.
+  assert plan(shape, dtype, algorithm="one_shot").algorithm == "one_shot"
+  named = plan(shape, dtype, algorithm="unfused")
+  assert (named.algorithm, named.reason("algorithm")) == ("unfused", "requested")
 
 
 def test_plan_capacity_edge(one_process_per_device):
   cap = dispatch.norm_capacity(2, 2 * MIB)
   assert cap == (2 * MIB // 16) * 4
-  assert plan((cap // 4096, 4096)).backend == "cuda"
-  assert plan((cap // 4096 + 1, 4096)).backend == "xla"
+  assert plan((cap // 4096, 4096)).algorithm == "one_shot"
+  assert plan((cap // 4096 + 1, 4096)).algorithm == "unfused"
+  with pytest.raises(ValueError, match="exceeds one launch"):
+    plan((cap // 4096 + 1, 4096), algorithm="one_shot")
 
 
 def test_plan_in_process_runtime_across_processes_falls_back(one_process_per_device):
@@ -368,3 +410,18 @@ def test_lowers_to_the_fused_custom_call(one_process_per_device, monkeypatch):
   assert "group_size = 4 : i64" in call and "groups = dense<[0, 1, 2, 3]>" in call
   assert "eps = 9.99999974E-6 : f32" in call, call
   assert jaxoverlap.decisions(names.ALL_REDUCE_RMS_NORM)[-1].backend == "cuda"
+
+
+@needs_extension
+def test_unfused_lowers_to_the_all_reduce_then_xla(one_process_per_device, monkeypatch):
+  """One row: the plain all-reduce custom call, then the add and the norm as XLA ops."""
+  monkeypatch.setattr(runtime, "facts", lambda: facts())
+  mesh = make_mesh((4,), ("tp",))
+  f = jax.shard_map(lambda p, r, w: jaxoverlap.all_reduce_rms_norm(p, r, w, "tp", eps=1e-5),
+                    mesh=mesh, in_specs=(P("tp"), P(), P()), out_specs=P(), check_vma=False)
+  x = jnp.zeros((4, 4096), jnp.bfloat16)
+  text = jax.jit(f).lower(x, x[:1], x[0]).as_text()
+  assert "custom_call @jaxoverlap_all_reduce(" in text
+  assert "jaxoverlap_all_reduce_rms_norm" not in text
+  assert "rsqrt" in text  # the norm, in XLA
+  assert jaxoverlap.decisions(names.ALL_REDUCE_RMS_NORM)[-1].algorithm == "unfused"

@@ -50,6 +50,9 @@ __all__ = [
     "DEFAULT_FUSED_TRANSPORT",
     "fused_chunks",
     "fuse_all_reduce",
+    "NORM_FUSED_MIN_ROWS",
+    "NORM_FUSED_MAX_ROW_BYTES",
+    "fuse_norm",
     "LINK_BYTES_PER_S",
     "GEMM_FLOPS_PER_S",
 ]
@@ -410,3 +413,24 @@ def fuse_all_reduce(out_bytes: int) -> bool:
     out_bytes: bytes of the output per rank.
   """
   return out_bytes >= FUSED_ALL_REDUCE_MIN_BYTES
+
+
+# all_reduce_rms_norm: the fused kernel gives each row to one block of 512
+# threads. Against the CUDA all_reduce then the norm in XLA, on 2x H200, bf16
+# (benchmarks/results/all_reduce_rms_norm-2x_H200_NV18.json, one run, 20 reps):
+# faster at 4, 16 and 64 rows of 4096 (8 KiB rows: 1.23-1.44x), slower at one
+# row (0.72x at 4096, 0.93x at 8192: one SM pushes and polls the whole message)
+# and at rows of 8192 (16 KiB: 0.55-0.91x, four lines per thread in sequence).
+# 2 and 3 rows were not measured; they go with the one-row case.
+NORM_FUSED_MIN_ROWS = 4
+NORM_FUSED_MAX_ROW_BYTES = 8 << 10
+
+
+def fuse_norm(rows: int, row_bytes: int) -> bool:
+  """True when ``all_reduce_rms_norm``'s fused kernel beats the all-reduce then the norm.
+
+  Args:
+    rows: rows of the message (all dimensions but the last).
+    row_bytes: bytes of one row.
+  """
+  return rows >= NORM_FUSED_MIN_ROWS and row_bytes <= NORM_FUSED_MAX_ROW_BYTES

@@ -337,11 +337,13 @@ class Ops:
       return jaxoverlap.all_reduce(x, axis, backend="xla")
     return jaxoverlap.all_reduce(x, axis, backend="cuda", algorithm=algorithm, protocol=protocol)
 
-  def all_reduce_rms_norm(self, p, residual, weight, axis, eps=1e-6):
+  def all_reduce_rms_norm(self, p, residual, weight, axis, eps=1e-6, algorithm="auto"):
     import jaxoverlap
 
-    return jaxoverlap.all_reduce_rms_norm(p, residual, weight, axis, eps=eps,
-                                          backend="xla" if self.dry_run else "cuda")
+    if self.dry_run:
+      return jaxoverlap.all_reduce_rms_norm(p, residual, weight, axis, eps=eps, backend="xla")
+    return jaxoverlap.all_reduce_rms_norm(p, residual, weight, axis, eps=eps, backend="cuda",
+                                          algorithm=algorithm)
 
   def _fused_kw(self, algorithm, transport, chunks):
     if self.dry_run:

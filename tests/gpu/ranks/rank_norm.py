@@ -4,15 +4,19 @@ Run by tests/gpu/test_gpu_norm.py (every rank runs this module; see conftest.py
 for the fixtures and the SPMD rules). What is checked:
 
 * sweep: float32/bfloat16/float16 x rows 1, 5, 64 x hidden 128, 1000, 4096,
-  8192: every element of this rank's h and y against a float64 NumPy
-  reference computed from every rank's inputs (each process regenerates all
-  ranks' inputs from seeds); h and y compared bit for bit across ranks.
-  Shapes above one launch of the kernel (float32 64 x 8192 with the 2 MiB LL
-  slot) run with "auto" and must plan XLA (skipped without NCCL).
-  ``quick``: bfloat16, a few shapes.
-* plan: the sweep's calls ran the fused kernel (``jaxoverlap.decisions()``);
-  backend "cuda" refuses a row that is not whole LL lines and a message above
-  one launch with a ValueError naming the cause; "auto" runs them on XLA.
+  8192, the fused kernel (algorithm "one_shot"): every element of this rank's
+  h and y against a float64 NumPy reference computed from every rank's
+  inputs (each process regenerates all ranks' inputs from seeds); h and y
+  compared bit for bit across ranks. Shapes above one launch of the kernel
+  (float32 64 x 8192 with the 2 MiB LL slot) run with "auto" and must plan
+  "unfused" (skipped without NCCL). ``quick``: bfloat16, a few shapes.
+* unfused and auto: the same checks for algorithm "unfused" (the CUDA
+  all_reduce, then the norm in XLA) and for "auto", whose plan must follow
+  ``jaxoverlap.tuning.policy.fuse_norm``; "auto" also for a row that is not
+  whole LL lines (unfused on CUDA).
+* plan: the calls ran what was asked (``jaxoverlap.decisions()``);
+  "one_shot" refuses a row that is not whole LL lines and a message above
+  one launch with a ValueError naming the cause; "auto" runs them unfused.
 * stress (2 ranks): 1,000 iterations of one jit'd ``fori_loop`` alternating
   the fused op and the plain one-shot all-reduce (which share the slots and
   the pair epochs), inputs changing every iteration, float32: h equals
@@ -35,6 +39,7 @@ from jax.sharding import PartitionSpec as P
 
 import jaxoverlap
 from jaxoverlap import dispatch, reference
+from jaxoverlap.tuning import policy
 
 pytestmark = pytest.mark.usefixtures("runtime")
 
@@ -74,15 +79,16 @@ class Norm:
     return (pa, jax.make_array_from_process_local_data(rep, r, r.shape),
             jax.make_array_from_process_local_data(rep, w, w.shape))
 
-  def fn(self, eps=EPS, backend=None):
-    """The jit'd op; backend None: "cuda" ("xla" in a dry run)."""
-    key = (eps, backend)
+  def fn(self, eps=EPS, backend=None, algorithm="one_shot"):
+    """The jit'd op; backend None: "cuda" with ``algorithm`` ("xla" in a dry run)."""
+    key = (eps, backend, algorithm)
     if key not in self._fns:
       if backend is None:
-        op = lambda p, r, w: self.ops.all_reduce_rms_norm(p, r, w, "x", eps=eps)
+        op = lambda p, r, w: self.ops.all_reduce_rms_norm(p, r, w, "x", eps=eps,
+                                                          algorithm=algorithm)
       else:
         op = lambda p, r, w: jaxoverlap.all_reduce_rms_norm(p, r, w, "x", eps=eps,
-                                                            backend=backend)
+                                                            backend=backend, algorithm=algorithm)
       f = jax.shard_map(op, mesh=self.mesh, in_specs=(P("x"), P(), P()), out_specs=(P(), P()))
       self._fns[key] = jax.jit(f)
     return self._fns[key]
@@ -130,13 +136,26 @@ def _capacity(topology, dtype) -> int | None:
                                                              int(ll_slot))
 
 
-def _run(norm, kv, topology, nccl, shapes, dtype, seed) -> list[str]:
-  """Runs every shape; those above one launch run with "auto" (XLA, needs NCCL) or are skipped."""
+def _want(algorithm, fits, rows, row_bytes) -> tuple[str, str]:
+  """The (backend, algorithm) a call must plan."""
+  if algorithm == "one_shot":
+    return "cuda", "one_shot"
+  if algorithm == "auto" and fits and (row_bytes % 8 == 0) and policy.fuse_norm(rows, row_bytes):
+    return ("cuda", "one_shot")
+  return ("cuda", "unfused")
+
+
+def _run(norm, kv, topology, nccl, shapes, dtype, seed, algorithm="one_shot") -> list[str]:
+  """Runs every shape with ``algorithm``.
+
+  With "one_shot", those above one launch run with "auto" (unfused; skipped
+  without NCCL, which the all-reduce's own automatic choice may need there).
+  """
   failures = []
   capacity = _capacity(topology, dtype)
   for i, (rows, hidden) in enumerate(shapes):
     fits = capacity is None or rows * hidden <= capacity
-    if not fits and not nccl:
+    if algorithm == "one_shot" and not fits and not nccl:
       continue  # "auto" hands it to lax.psum, and NCCL cannot run here
     ps = [_inputs((seed, i), q, (rows, hidden), dtype) for q in range(norm.nproc)]
     r = _inputs((seed, i), -1, (rows, hidden), dtype)
@@ -144,12 +163,13 @@ def _run(norm, kv, topology, nccl, shapes, dtype, seed) -> list[str]:
     jaxoverlap.clear_decisions()
     jax.clear_caches()  # every shape lowers here, so its plan is this call's (an earlier test
     # may have compiled the same shape)
-    h, y = norm.fn(backend=None if fits else "auto")(*norm.arrays(ps[norm.rank], r, w))
+    alg = "auto" if algorithm == "one_shot" and not fits else algorithm  # "auto": unfused
+    h, y = norm.fn(algorithm=alg)(*norm.arrays(ps[norm.rank], r, w))
     h, y = norm.local(h), norm.local(y)
-    what = f"{np.dtype(dtype).name} [{rows}, {hidden}]"
+    what = f"{np.dtype(dtype).name} [{rows}, {hidden}] {alg}"
     if not norm.ops.dry_run:
       plans = jaxoverlap.decisions("all_reduce_rms_norm")
-      want = ("cuda", "one_shot") if fits else ("xla", "collective")
+      want = _want(alg, fits, rows, hidden * np.dtype(dtype).itemsize)
       if not plans or (plans[-1].backend, plans[-1].algorithm) != want:
         failures.append(f"{what}: planned {plans[-1].summary() if plans else None}, want {want}")
     failures += _check(h, y, ps, r, w, dtype, what)
@@ -179,6 +199,21 @@ def test_sweep_quick(norm, kv, topology, nccl):
   assert not failures, _report(failures)
 
 
+# Both sides of the rule (rows 1-4, rows of 8 and 16 KiB), a row of 1000 bf16
+# (not whole LL lines: "auto" runs unfused on CUDA) and shapes of the sweep.
+UNFUSED_SHAPES = ((1, 4096), (3, 4096), (4, 4096), (4, 8192), (16, 2048), (5, 1001), (64, 128))
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("algorithm", ["unfused", "auto"])
+def test_unfused_and_auto(algorithm, norm, kv, topology, nccl):
+  failures = _run(norm, kv, topology, nccl, UNFUSED_SHAPES, jnp.bfloat16, seed=90,
+                  algorithm=algorithm)
+  failures += _run(norm, kv, topology, nccl, ((2, 4096), (4, 1000)), np.float32, seed=91,
+                   algorithm=algorithm)
+  assert not failures, _report(failures)
+
+
 @pytest.mark.quick
 def test_eps_reaches_the_kernel(norm, kv):
   # Tiny rows: with eps = 1 the scale is ~1, with eps = 1e-6 ~1/rms.
@@ -197,24 +232,28 @@ def test_plan_refusals_and_fallbacks(norm, ops, mesh, topology):
   ops.require_cuda("the plan of the fused kernel")
   ll_slot = int(topology.info["ll_slot_bytes"])
 
-  def lower(backend, rows, hidden, dtype=jnp.bfloat16):
+  def lower(backend, rows, hidden, dtype=jnp.bfloat16, algorithm="auto"):
     f = jax.shard_map(lambda p, r, w: jaxoverlap.all_reduce_rms_norm(p, r, w, "x",
-                                                                     backend=backend),
+                                                                     backend=backend,
+                                                                     algorithm=algorithm),
                       mesh=mesh, in_specs=(P("x"), P(), P()), out_specs=(P(), P()))
     s = jax.ShapeDtypeStruct
     return jax.jit(f).lower(s((rows * norm.nproc, hidden), dtype), s((rows, hidden), dtype),
                             s((hidden,), dtype))
 
   with pytest.raises(ValueError, match="is not a whole number of 8-byte LL lines"):
-    lower("cuda", 4, 1001)
+    lower("cuda", 4, 1001, algorithm="one_shot")
+  with pytest.raises(ValueError, match="is not a whole number of 8-byte LL lines"):
+    lower("auto", 4, 1001, algorithm="one_shot")  # naming a CUDA algorithm asks for CUDA
   jaxoverlap.clear_decisions()
-  lower("auto", 4, 1001)
+  lower("auto", 4, 1001)  # algorithm "auto": the CUDA all-reduce, then the norm
   (plan,) = jaxoverlap.decisions("all_reduce_rms_norm")
-  assert plan.backend == "xla" and "8-byte LL lines" in plan.reason("backend")
+  assert (plan.backend, plan.algorithm) == ("cuda", "unfused"), plan
+  assert "8-byte LL lines" in plan.reason("algorithm")
   # A message above one launch: rows of 8192 bf16 (16 KiB, 32 KiB of LL lines).
   rows = ll_slot // (32 << 10) + 1
   with pytest.raises(ValueError, match="exceeds one launch of the one-shot LL all-reduce"):
-    lower("cuda", rows, 8192)
+    lower("cuda", rows, 8192, algorithm="one_shot")
   jaxoverlap.clear_decisions()
   lower("auto", 4, 4096)
   (plan,) = jaxoverlap.decisions("all_reduce_rms_norm")
@@ -239,7 +278,7 @@ def test_stress_interleaved_with_all_reduce(norm, mesh, ops, nproc, rank):
       scale = (i + 1).astype(jnp.float32) * 0.5
       for p, r, w in zip(args[0::3], args[1::3], args[2::3]):
         p = p * scale
-        h, y = jaxoverlap.all_reduce_rms_norm(p, r, w, "x", backend="cuda")
+        h, y = jaxoverlap.all_reduce_rms_norm(p, r, w, "x", backend="cuda", algorithm="one_shot")
         s = jaxoverlap.all_reduce(p, "x", backend="cuda", algorithm="one_shot", protocol="ll")
         h_ref = r + s
         h32 = h_ref.astype(jnp.float32)
