@@ -34,6 +34,13 @@ maps each to the public op's keywords):
                  [M, K] @ [K, N/P]; rs and ar [M, K/P] @ [K/P, N];
   xla:collective the collective alone (T_comm): ag all_gather of x; rs
                  psum_scatter, ar psum, of an [M, N] array per rank;
+  pallas:all_gather_lhs_matmul/<config>  (ag) JAX's Pallas Mosaic GPU collective
+                 matmul (jax.experimental.pallas.ops.gpu.collective_matmul_mgpu.
+                 all_gather_lhs_matmul: the all-gather of x and the GEMM in one
+                 kernel, bf16/f16), with the tile configuration <config> of
+                 ``PALLAS_CONFIGS``; run by default where one process drives every
+                 GPU (the kernel needs that, or XLA's NVSHMEM, which this
+                 benchmark does not set up), the only case it applies to here;
   xla:windowed_einsum  plain jax.jit of X @ W with NamedSharding inputs and
                  output (XLA's SPMD partitioner, no shard_map) under
                  --xla_gpu_multi_streamed_windowed_einsum=true
@@ -90,6 +97,20 @@ OPS = {"ag": "all_gather_matmul", "rs": "matmul_reduce_scatter", "ar": "matmul_a
 AXIS = "x"
 TRANSPORTS = ("copy_engine", "nvshmem")
 BASELINES = (FLOOR, COMM)  # not the op: no correctness check, no exposed/hidden fields
+
+# JAX's Pallas collective matmul, with tile configurations from the kernel's own tuning space
+# (collective_matmul_mgpu._run_example); each is timed as an impl of its own.
+PALLAS = "pallas:all_gather_lhs_matmul"
+PALLAS_CONFIGS = {
+    "m128n128": dict(tile_m=128, tile_n=128, tile_k=64, max_concurrent_steps=4,
+                     grid_minor_dim="M", grid_tile_width=8, wg_dimension="N"),
+    "m128n128wgm": dict(tile_m=128, tile_n=128, tile_k=64, max_concurrent_steps=4,
+                        grid_minor_dim="N", grid_tile_width=8, wg_dimension="M"),
+    "m256n128": dict(tile_m=256, tile_n=128, tile_k=64, max_concurrent_steps=4,
+                     grid_minor_dim="M", grid_tile_width=16, wg_dimension="N"),
+    "m128n64": dict(tile_m=128, tile_n=64, tile_k=64, max_concurrent_steps=4,
+                    grid_minor_dim="N", grid_tile_width=4, wg_dimension="N"),
+}
 
 WINDOWED_XLA_FLAGS = ("--xla_gpu_multi_streamed_windowed_einsum=true",
                       "--xla_gpu_threshold_for_windowed_einsum_mib=0")
@@ -166,6 +187,32 @@ def local_shapes(op: str, mkn: tuple[int, int, int], world: int) -> dict[str, tu
   return {"x": (m, k // p), "w": (k // p, n), "y": y, "gemm": (m, n), "comm": (m, n)}
 
 
+def pallas_impls() -> list[str]:
+  """The Pallas collective matmul's impl names, one per tile configuration."""
+  return [f"{PALLAS}/{name}" for name in PALLAS_CONFIGS]
+
+
+def is_pallas(impl: str) -> bool:
+  return impl.startswith(PALLAS + "/")
+
+
+def pallas_config(impl: str):
+  """The ``TuningConfig`` of a Pallas impl name.
+
+  Raises:
+    ValueError: an unknown configuration name.
+  """
+  from jax.experimental.pallas.ops.gpu import collective_matmul_mgpu as cm
+
+  name = impl.removeprefix(PALLAS + "/")
+  if name not in PALLAS_CONFIGS:
+    raise ValueError(f"unknown Pallas configuration {name!r}; known: {sorted(PALLAS_CONFIGS)}")
+  fields = dict(PALLAS_CONFIGS[name])
+  for key in ("grid_minor_dim", "wg_dimension"):
+    fields[key] = cm.MatmulDimension[fields[key]]
+  return cm.TuningConfig(**fields)
+
+
 def chunks_of(impl: str) -> int | None:
   """The chunk count an impl requests (``jaxoverlap:<transport>/c<k>``), else None.
 
@@ -173,12 +220,13 @@ def chunks_of(impl: str) -> int | None:
     ValueError: a name that is neither a baseline nor an impl of the ops
       (``harness.impl_kwargs``).
   """
-  if impl in (FLOOR, COMM, WINDOWED):
+  if impl in (FLOOR, COMM, WINDOWED) or is_pallas(impl):
     return None
   return harness.impl_kwargs(OPS["ar"], impl).get("chunks")  # ar: every op's names
 
 
-def impls_for(op: str, *, chunks=(), windowed: bool = False, requested=()) -> list[str]:
+def impls_for(op: str, *, chunks=(), windowed: bool = False, requested=(),
+              pallas: bool = False) -> list[str]:
   """The impls run for ``op``, in run order (floor and collective first, naive before ours).
 
   Args:
@@ -187,8 +235,10 @@ def impls_for(op: str, *, chunks=(), windowed: bool = False, requested=()) -> li
     windowed: the --windowed_einsum run: local_gemm, collective, windowed_einsum
       (and naive when requested).
     requested: --impls; empty: all of the mode's defaults. Names of the other
-      mode, or jaxoverlap:gemm_all_reduce for ag/rs, are left out; chunked
-      variants may be named directly.
+      mode, jaxoverlap:gemm_all_reduce for ag/rs and the Pallas impls for rs/ar
+      are left out; chunked variants may be named directly.
+    pallas: the Pallas collective matmul applies (one process drives every
+      GPU): its impls join ag's defaults.
 
   Raises:
     ValueError: an unknown name in ``requested``.
@@ -199,11 +249,16 @@ def impls_for(op: str, *, chunks=(), windowed: bool = False, requested=()) -> li
   else:
     ours = ["jaxoverlap:copy_engine"] + [f"jaxoverlap:copy_engine/c{k}" for k in chunks]
     ours += ["jaxoverlap:nvshmem"] + ([GEMM_AR] if op == "ar" else [])
-    default = [FLOOR, COMM, NAIVE, PPERMUTE] + ours
-    allowed = default
+    theirs = pallas_impls() if op == "ag" else []
+    default = [FLOOR, COMM, NAIVE, PPERMUTE] + ours + (theirs if pallas else [])
+    allowed = [FLOOR, COMM, NAIVE, PPERMUTE] + ours + theirs
   if not requested:
     return default
-  extra = [i for i in requested if i not in allowed and chunks_of(i) is not None]
+  for i in requested:
+    if is_pallas(i) and i.removeprefix(PALLAS + "/") not in PALLAS_CONFIGS:
+      raise ValueError(f"unknown Pallas configuration in {i!r}; known: {sorted(PALLAS_CONFIGS)}")
+  extra = [i for i in requested
+           if i not in allowed and not is_pallas(i) and chunks_of(i) is not None]
   return [i for i in allowed if i in requested] + [i for i in extra if i not in allowed]
 
 
@@ -409,6 +464,14 @@ class _Case:
         return (lambda y: lax.psum_scatter(y, AXIS, scatter_dimension=0, tiled=True)), "yc", (
             ), P(AXIS, None)
       return (lambda y: lax.psum(y, AXIS)), "yc", (), P()
+    if is_pallas(impl):
+      if op != "ag":
+        raise ValueError(f"{impl} is an all-gather matmul; the op is {OPS[op]}")
+      from jax.experimental.pallas.ops.gpu import collective_matmul_mgpu as cm
+
+      config = pallas_config(impl)
+      return (lambda x, w: cm.all_gather_lhs_matmul(x, w, AXIS, config=config, dtype=x.dtype)
+              ), "x", ("w",), self.out_spec
     fn, kw = getattr(jaxoverlap, OPS[op]), harness.impl_kwargs(OPS[op], impl)
     return (lambda x, w: fn(x, w, AXIS, **kw)), "x", ("w",), self.out_spec
 
@@ -442,8 +505,11 @@ class _Case:
       return tuple(ys), c
 
     in_specs = tuple(self.specs[a] for a in (carrier,) + rest) + (P(),)
+    # The Pallas kernel's output carries no varying-axes type (its own example
+    # runs it under check_vma=False).
     sm = jax.shard_map(body, mesh=self.mesh, in_specs=in_specs,
-                       out_specs=(out_specs, self.specs[carrier]))
+                       out_specs=(out_specs, self.specs[carrier]),
+                       check_vma=not (impl and is_pallas(impl)))
     return jax.jit(sm, donate_argnums=0), carrier, rest
 
   def _windowed_fn(self):
@@ -596,7 +662,8 @@ def main(argv):
     shapes = parse_shapes(QUICK_SHAPES if fl.quick else fl.shapes)
     chunks = [int(c) for c in fl.chunks]
     for op in OPS:
-      impls_for(op, chunks=chunks, windowed=fl.windowed_einsum, requested=fl.impls)
+      impls_for(op, chunks=chunks, windowed=fl.windowed_einsum, requested=fl.impls,
+                pallas=True)
   except ValueError as e:
     raise app.UsageError(str(e)) from e
   if fl.chain < 1 or fl.reps < 1 or fl.warmup < 0:
@@ -628,9 +695,15 @@ def main(argv):
     run.log(f"platform {run.platform}: the jaxoverlap:* impls (CUDA only) are not run")
   elif run.runtime.get("transport") == "peer":
     run.log("one process drives every GPU (transport 'peer'): jaxoverlap:nvshmem is not run")
+  pallas = run.platform == "gpu" and run.processes == 1
+  if not pallas:
+    run.log(f"{PALLAS} needs GPUs driven by one process: not run")
   records, rejected = [], []
   for op, mkn in shapes:
-    impls = impls_for(op, chunks=chunks, windowed=fl.windowed_einsum, requested=fl.impls)
+    impls = impls_for(op, chunks=chunks, windowed=fl.windowed_einsum, requested=fl.impls,
+                      pallas=pallas)
+    if not pallas:
+      impls = [i for i in impls if not is_pallas(i)]
     if run.platform != "gpu":
       impls = [i for i in impls if not i.startswith("jaxoverlap:")]
     elif run.runtime.get("transport") == "peer" and "jaxoverlap:nvshmem" in impls:

@@ -16,7 +16,8 @@
 #       | profile | ovprofilegraphs
 #       | decode | decodefloor (one GPU: the TP=2 rank's decode step against its weights-read
 #       roofline, with and without XLA's CUDA graphs; a profile)
-#       | procbench (one process driving both GPUs beside two processes); 4/8 GPUs:
+#       | procbench (one process driving both GPUs beside two processes)
+#       | pallasbench (AG+GEMM: ours against JAX's Pallas collective matmul, one process); 4/8 GPUs:
 #       multigpu_bench | multigpu_fused
 #   (several benchmark verbs in one call: bash scripts/gpu_check.sh bench autobench)
 # Uses the machine's preinstalled packages (nothing is downloaded).
@@ -30,7 +31,7 @@ PY=${PYTHON:-python3}
 WHAT=${1:-}
 VERBS=" build suite bench bench2 autobench quickbench tune ovbench ovbenchfull ovwindowed"
 VERBS="$VERBS ovcalibrate train cmdbufcost profile ovprofilegraphs decode procbench multigpu_bench"
-VERBS="$VERBS multigpu_fused normbench decodefloor "
+VERBS="$VERBS multigpu_fused normbench decodefloor pallasbench "
 if [ -z "$WHAT" ] || [[ "$VERBS" != *" $WHAT "* ]]; then
   echo "usage: bash scripts/gpu_check.sh <verb> (verbs:$VERBS)" >&2
   exit 2
@@ -97,6 +98,14 @@ if [ "$WHAT" = procbench ] && [ "$NGPU" -ge 2 ]; then
   run procbench_fused_1process 240 $PY benchmarks/overlap.py --out "$OUT/processes1" --quick
   run procbench_fused_2processes 240 $PY -m jaxoverlap.launch --nproc 2 --timeout_s 230 \
     benchmarks/overlap.py --out "$OUT/processes2" --quick
+fi
+
+if [ "$WHAT" = pallasbench ] && [ "$NGPU" -ge 2 ]; then
+  # One process drives both GPUs (the Pallas kernel's condition); its tile configurations
+  # beside the fused op and the local GEMM (benchmarks/overlap.py, PALLAS_CONFIGS).
+  run pallasbench 300 $PY benchmarks/overlap.py --out "$OUT/pallas" \
+    --shapes "${PALLAS_SHAPES:-ag:16384,4096,4096;ag:4096,8192,28672}" \
+    --impls "xla:local_gemm,xla:collective,jaxoverlap:copy_engine,$($PY -c 'import sys; sys.path.insert(0, "benchmarks"); import overlap; print(",".join(overlap.pallas_impls()))')"
 fi
 
 if [ "$WHAT" = tune ] && [ "$NGPU" -ge 2 ]; then

@@ -436,3 +436,37 @@ def test_plot_png(tmp_path):
   assert plot_overlap.load(str(tmp_path), "2x_H200_NV18")[1] is None
   with pytest.raises(FileNotFoundError):
     plot_overlap.load(str(tmp_path), "other")
+
+
+def test_pallas_impls_join_ag_only_and_parse():
+  """The Pallas collective matmul: ag's defaults where it applies, named configs only."""
+  pallas = ovl.pallas_impls()
+  assert pallas and all(ovl.is_pallas(i) and i.startswith(ovl.PALLAS + "/") for i in pallas)
+  assert ovl.impls_for("ag", pallas=True)[-len(pallas):] == pallas
+  assert not any(ovl.is_pallas(i) for i in ovl.impls_for("ag"))
+  assert not any(ovl.is_pallas(i) for i in ovl.impls_for("rs", pallas=True))
+  assert ovl.impls_for("ag", requested=[pallas[0], "xla:local_gemm"]) == ["xla:local_gemm",
+                                                                          pallas[0]]
+  assert ovl.impls_for("ar", requested=[pallas[0], "xla:local_gemm"]) == ["xla:local_gemm"]
+  assert ovl.chunks_of(pallas[0]) is None
+  with pytest.raises(ValueError, match="unknown Pallas configuration"):
+    ovl.impls_for("ag", requested=[ovl.PALLAS + "/m1n1"])
+  for impl in pallas:  # every configuration is a valid TuningConfig of this jax
+    cfg = ovl.pallas_config(impl)
+    assert cfg.tile_k == 64 and cfg.max_concurrent_steps == 4
+  with pytest.raises(ValueError, match="unknown Pallas configuration"):
+    ovl.pallas_config(ovl.PALLAS + "/m1n1")
+
+
+def test_pallas_on_cpu_is_an_error_not_a_crash():
+  """Off GPUs the Pallas kernel cannot run: run_case records it under rejected."""
+  import jax
+
+  mesh = jax.make_mesh((2,), (ovl.AXIS,), axis_types=(jax.sharding.AxisType.Auto,),
+                       devices=jax.devices()[:2])
+  impl = ovl.pallas_impls()[0]
+  records, rejected, failed = ovl.run_case("ag", (256, 64, 128), ["xla:local_gemm", impl],
+                                           mesh=mesh, dtype="bfloat16", chain=2, reps=1,
+                                           warmup=0, log=lambda *a: None)
+  assert failed == {impl: "ERROR"} and rejected[0]["impl"] == impl
+  assert [r["impl"] for r in records] == ["xla:local_gemm"]
