@@ -99,15 +99,14 @@ TRANSPORTS = ("copy_engine", "nvshmem")
 BASELINES = (FLOOR, COMM)  # not the op: no correctness check, no exposed/hidden fields
 
 # JAX's Pallas collective matmul, with tile configurations from the kernel's own tuning space
-# (collective_matmul_mgpu._run_example); each is timed as an impl of its own.
+# (collective_matmul_mgpu._run_example); each is timed as an impl of its own. tile_m=256 with
+# tile_n=128 needs 288 KiB of shared memory, above the H200's 227 KiB (jax 0.11.2).
 PALLAS = "pallas:all_gather_lhs_matmul"
 PALLAS_CONFIGS = {
     "m128n128": dict(tile_m=128, tile_n=128, tile_k=64, max_concurrent_steps=4,
                      grid_minor_dim="M", grid_tile_width=8, wg_dimension="N"),
     "m128n128wgm": dict(tile_m=128, tile_n=128, tile_k=64, max_concurrent_steps=4,
                         grid_minor_dim="N", grid_tile_width=8, wg_dimension="M"),
-    "m256n128": dict(tile_m=256, tile_n=128, tile_k=64, max_concurrent_steps=4,
-                     grid_minor_dim="M", grid_tile_width=16, wg_dimension="N"),
     "m128n64": dict(tile_m=128, tile_n=64, tile_k=64, max_concurrent_steps=4,
                     grid_minor_dim="N", grid_tile_width=4, wg_dimension="N"),
 }
