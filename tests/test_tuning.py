@@ -354,3 +354,18 @@ def test_tuner_check_rejects_wrong_kernel(bench, monkeypatch, variant, ok):
 def test_parse_bytes():
   assert [tune.parse_bytes(s) for s in ("4K", "256M", "1G", "100")] == [
       4096, 256 << 20, 1 << 30, 100]
+
+
+def test_policy_above_a_large_table_scales_its_largest_size():
+  """From LARGE_BYTES up, the largest measured size decides, every time scaled by the bytes."""
+  big = tuning.policy.LARGE_BYTES
+  table = {"xla:psum": {8192: 14.0, big: 280.0},
+           "jaxoverlap:two_shot": {8192: 20.0, big: 300.0},
+           "jaxoverlap:one_shot_ll": {8192: 6.0, big: 700.0}}
+  policy = tuning.Policy(_records(table), P, path="t.json")
+  c = policy.choose(4 * big, 2, 2, 1)
+  assert (c.algorithm, c.time_us) == ("psum", pytest.approx(4 * 280.0))
+  assert "above 67108864 bytes, the largest measured" in c.source
+  faster = dict(table, **{"jaxoverlap:two_shot": {8192: 20.0, big: 250.0}})
+  c = tuning.Policy(_records(faster), P).choose(3 * big, 2, 2, 1)
+  assert (c.algorithm, c.time_us) == ("two_shot", pytest.approx(750.0))

@@ -47,6 +47,7 @@ __all__ = [
     "ONE_SHOT_LL_MAX_BYTES",
     "HIERARCHICAL_LL_MAX_SHARD_BYTES",
     "FUSED_ALL_REDUCE_MIN_BYTES",
+    "LARGE_BYTES",
     "DEFAULT_FUSED_TRANSPORT",
     "fused_chunks",
     "fuse_all_reduce",
@@ -224,24 +225,31 @@ class Policy:
             sizes.setdefault(b, []).extend(ts)
       times[impl] = {b: statistics.median(ts) for b, ts in sizes.items()}
     grid = sorted(times[(PSUM, None)])
-    if nbytes > grid[-1]:
+    above = nbytes > grid[-1]
+    if above and grid[-1] < LARGE_BYTES:
       return f"{nbytes} bytes is above the largest size measured ({grid[-1]} bytes)"
     lo = max([b for b in grid if b <= nbytes], default=grid[0])
-    hi = min(b for b in grid if b >= nbytes)
+    hi = grid[-1] if above else min(b for b in grid if b >= nbytes)
     best = None
     for (alg, proto), t in times.items():
       # An impl competes only if measured at both ends of psum's bracket: one
       # rejected (or not run) at a size never wins next to it.
       if not self._allowed(alg, proto, num_nodes) or lo not in t or hi not in t:
         continue
-      us = t[lo] if lo == hi or nbytes <= lo else math.exp(
-          math.log(t[lo]) + math.log(nbytes / lo) / math.log(hi / lo)
-          * (math.log(t[hi]) - math.log(t[lo])))
+      if above:  # bandwidth-bound there: every impl's time grows with the bytes
+        us = t[hi] * nbytes / hi
+      elif lo == hi or nbytes <= lo:
+        us = t[lo]
+      else:
+        us = math.exp(math.log(t[lo]) + math.log(nbytes / lo) / math.log(hi / lo)
+                      * (math.log(t[hi]) - math.log(t[lo])))
       key = (us, alg != PSUM)  # psum wins ties
       if best is None or key < best[0]:
         best = (key, alg, proto)
     (us, _), alg, proto = best
-    if nbytes == lo == hi:
+    if above:
+      bracket = f"above {hi} bytes, the largest measured: its times scaled by the bytes"
+    elif nbytes == lo == hi:
       bracket = f"at {nbytes} bytes"
     elif nbytes < lo:
       bracket = f"below {lo} bytes, the smallest measured"
@@ -355,6 +363,12 @@ class Policy:
 # (medians 1% apart; single runs from 10% faster to 15% slower), and won by
 # 10-29% at every measured size from 32 MiB.
 FUSED_ALL_REDUCE_MIN_BYTES = 32 << 20
+
+# Above the largest size of a table, the table's largest size still decides (each time scaled
+# by the bytes) when that size is at least this large: there every algorithm is bandwidth-bound,
+# so their order holds (2x H200: psum won at 64 and 256 MiB and would lose to the cost model's
+# two-shot pick above). Smaller tables leave larger messages to the cost model.
+LARGE_BYTES = 64 << 20
 
 # The fused ops' transport where the caller names none: the copy engines take
 # no SMs from the concurrent GEMM; NVSHMEM block puts from a kernel were slower
