@@ -2,8 +2,8 @@
 
 Problem:
   In benchmarks/decode.py the tensor-parallel step without any all-reduce
-  (its floor) takes about 2.6x the time it needs to read the weights once
-  from HBM. An all-reduce can only win back its own share of a step, so what
+  (its floor) takes about twice the time it needs to read the weights once
+  from HBM (at batch 1, 32 layers, TP=2, before docs/decode.md's fix). An all-reduce can only win back its own share of a step, so what
   bounds the end-to-end gain is this floor. This benchmark takes the floor
   apart on one GPU: how close the step is to the weights-read roofline,
   how much of it the weight matmuls alone take, whether XLA's CUDA graphs
@@ -18,10 +18,11 @@ What runs (one GPU, one process, no communication):
 
   For each batch size:
     * step/<variant>: per-token time of decode.make_generate_fn (one jit'd
-      lax.fori_loop of --tokens greedy steps, the KV cache donated), compiled
-      with each variant of XLA's command-buffer options (``VARIANTS``;
-      ``jax.jit(...).lower(...).compile(compiler_options=...)``, the same
-      options a user passes through XLA_FLAGS).
+      lax.fori_loop of --tokens greedy steps, the KV cache donated) for each
+      variant of ``variants()``: XLA's compile options
+      (``jax.jit(...).lower(...).compile(compiler_options=...)``, the same
+      options a user passes through XLA_FLAGS), or the layers'
+      ``min_matmul_rows``.
     * matmuls/<variant>: the same loop over tokens with only the weight matmuls of each
       layer (qkv, attention output, MLP up, MLP down) and the LM head, on the
       model's own weight arrays: what XLA's GEMMs take to read the weights.
@@ -41,7 +42,7 @@ What runs (one GPU, one process, no communication):
   the most time.
 
 Results: ``<out>/decode_floor-<machine>.json`` (records: op
-"decode_floor_token", impl "step/<variant>", "matmuls" or "roofline",
+"decode_floor_token", impl "step/<variant>", "matmuls/<variant>" or "roofline",
 time_us per token, with batch and the shard's sizes; the profile per batch
 under "profile") and a Markdown table on stdout.
 
@@ -361,7 +362,8 @@ def define_flags():
   flags.DEFINE_integer("tokens", 32, "decode steps per timed call")
   flags.DEFINE_integer("profile_tokens", 8, "decode steps of the profiled call (0: no profile)")
   flags.DEFINE_float("hbm_gib", 4.0, "size of the bandwidth probe, GiB")
-  harness.define_flags("out", "seed", "host_devices", machine=("1x H200", "machine name"),
+  harness.define_flags("out", "seed", "host_devices",
+                       machine=(None, "machine name (default: '1x <device kind>')"),
                        dtype=("bfloat16", "weights and activations"),
                        reps=(10, "timed calls per implementation (median)"),
                        warmup=(2, "untimed calls per implementation"))
@@ -391,11 +393,13 @@ def main(argv):
             f"{fl.reps} calls of a jit'd fori_loop of {fl.tokens} greedy steps / {fl.tokens}, "
             "implementations interleaved; roofline = (weights + KV cache read per token) / HBM "
             "read bandwidth measured in the same run")
-  path = harness.path(fl.out, BENCHMARK, fl.machine)
-  harness.write_result(path, records, benchmark=BENCHMARK, machine=fl.machine, method=method,
+  kind = jax.devices()[0].device_kind
+  machine = fl.machine or f"1x {kind.removeprefix('NVIDIA ')}"
+  path = harness.path(fl.out, BENCHMARK, machine)
+  harness.write_result(path, records, benchmark=BENCHMARK, machine=machine, method=method,
                        script="benchmarks/decode_floor.py", latency=False,
                        extra={"weights": "random", "tp": fl.tp, "full_model": full.shape(),
-                              "device_kind": jax.devices()[0].device_kind,
+                              "device_kind": kind,
                               "xla_flags": os.environ.get("XLA_FLAGS", ""), **extra})
   print(markdown_table(records))
   print(f"wrote {path}", flush=True)

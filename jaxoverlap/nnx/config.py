@@ -103,17 +103,23 @@ class ParallelConfig:
         all-reduces: the floor a benchmark measures the all-reduces against.
     fuse_norm: ``TransformerBlock`` only (``norm="rms"``, no SP): the
       attention's row-parallel reduction, the residual add and the MLP's
-      RMSNorm run as one ``all_reduce_rms_norm`` (one kernel on backend
-      "cuda"; the pattern after each row-parallel layer in decode) instead of
+      RMSNorm run as one ``all_reduce_rms_norm`` (on backend "cuda" one kernel
+      where it fuses; the pattern after each row-parallel layer in decode) instead of
       the row-parallel layer's own reduction, the add and the norm. Its
       ``algorithm`` is ``all_reduce_algorithm`` (row_reduction "all_reduce")
       or ``algorithm`` (row_reduction "matmul_all_reduce") where the fused op
-      has that name ("collective", "ppermute", "one_shot"), else "auto".
-      Needs a row reduction: ``row_reduction="none"`` is refused.
-    min_matmul_rows: the layers' local GEMMs (not the fused ops) pad their
-      rows, all dimensions of ``x`` but the last, with zeros to at least this
-      many and drop the padding from the product; values and gradients are
-      those of the unpadded product. XLA (jax 0.11.2 on H200) compiles a
+      has that name ("collective", "ppermute", "one_shot"), else "auto"; on
+      backend "cuda", "auto" fuses from 4 rows and runs fewer (decode at batch
+      1-3) as the all-reduce then the norm (``all_reduce_rms_norm``), and
+      "one_shot" forces the fused kernel. Needs a row reduction:
+      ``row_reduction="none"`` is refused.
+    min_matmul_rows: the layers' local GEMMs pad their rows, all dimensions
+      of ``x`` but the last, with zeros to at least this many and drop the
+      padding from the product; values and gradients are those of the
+      unpadded product. The local GEMMs are ``ColumnParallelLinear``'s without
+      SP and ``RowParallelLinear``'s with ``row_reduction`` "all_reduce" or
+      "none"; the fused ops (``matmul_all_reduce``, the SP ops) are not
+      padded. XLA (jax 0.11.2 on H200) compiles a
       product of one row into kernels that read the weights at about 2.4
       TB/s, where four rows read them at the HBM roofline: one TP=2 rank's
       32-layer decode step at batch 1 takes 3.88 ms per token unpadded and
