@@ -187,7 +187,8 @@ class Decoder(nnx.Module):
                            embedding_init=embed_init, rngs=rngs)
     self.layers = nnx.List([
         jnnx.TransformerBlock(cfg.d_model, cfg.num_heads, cfg.d_ff,
-                              head_features=cfg.head_dim, num_kv_heads=cfg.num_kv_heads, rope_theta=cfg.rope_theta,
+                              head_features=cfg.head_dim, num_kv_heads=cfg.num_kv_heads,
+                              rope_theta=cfg.rope_theta,
                               activation="swiglu", norm="rms", use_bias=False,
                               epsilon=cfg.norm_eps, **common)
         for _ in range(cfg.num_layers)])

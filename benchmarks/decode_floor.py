@@ -2,12 +2,13 @@
 
 Problem:
   In benchmarks/decode.py the tensor-parallel step without any all-reduce
-  (its floor) takes about twice the time it needs to read the weights once
-  from HBM (at batch 1, 32 layers, TP=2, before docs/decode.md's fix). An all-reduce can only win back its own share of a step, so what
-  bounds the end-to-end gain is this floor. This benchmark takes the floor
-  apart on one GPU: how close the step is to the weights-read roofline,
-  how much of it the weight matmuls alone take, whether XLA's CUDA graphs
-  (command buffers) cover the loop, and how many kernels a token runs.
+  (its floor) took about twice the time it needs to read the weights once
+  from HBM (batch 1, 32 layers, TP=2, before docs/decode.md's fix). An
+  all-reduce can only win back its own share of a step, so what bounds the
+  end-to-end gain is this floor. This benchmark takes the floor apart on one
+  GPU: how close the step is to the weights-read roofline, how much of it
+  the weight matmuls alone take, whether XLA's CUDA graphs (command buffers)
+  cover the loop, and how many kernels a token runs.
 
 What runs (one GPU, one process, no communication):
   The decoder of benchmarks/decode.py at the sizes of ONE rank of TP=--tp
@@ -252,7 +253,8 @@ def profile_call(call, num_tokens: int, logdir: str) -> dict[str, Any]:
 
 def run(cfg: decode.DecoderConfig, mesh, *, batches: list[int], variant_names: list[str],
         prompt_len: int, num_tokens: int, reps: int, warmup: int, seed: int, hbm_gib: float,
-        profile_tokens: int, profile_variants: list[str], logdir: str, log=print) -> tuple[list[dict], dict[str, Any]]:
+        profile_tokens: int, profile_variants: list[str], logdir: str,
+        log=print) -> tuple[list[dict], dict[str, Any]]:
   """Times the variants, the matmuls and the roofline for each batch (module docstring).
 
   Returns:
@@ -273,7 +275,8 @@ def run(cfg: decode.DecoderConfig, mesh, *, batches: list[int], variant_names: l
   for batch in batches:
     rng = np.random.default_rng([seed, batch])
     prompt = rng.integers(0, cfg.vocab, (batch, prompt_len), dtype=np.int32)
-    cache, tok = prefill(params, decode.make_cache(cfg, mesh, batch), decode._global(mesh, prompt))  # noqa: SLF001
+    cache, tok = prefill(params, decode.make_cache(cfg, mesh, batch),
+                         decode._global(mesh, prompt))  # noqa: SLF001
     pos = decode._global(mesh, np.int32(prompt_len))  # noqa: SLF001
     lowered = {}
     for rows in sorted({r for _, r in opts.values()}):

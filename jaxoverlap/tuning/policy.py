@@ -431,10 +431,12 @@ def fuse_all_reduce(out_bytes: int) -> bool:
 
 # all_reduce_rms_norm: the fused kernel gives each row to one block of 512
 # threads. Against the CUDA all_reduce then the norm in XLA, on 2x H200, bf16
-# (benchmarks/results/all_reduce_rms_norm-2x_H200_NV18.json, one run, 20 reps):
-# faster at 4, 16 and 64 rows of 4096 (8 KiB rows: 1.23-1.44x), slower at one
-# row (0.72x at 4096, 0.93x at 8192: one SM pushes and polls the whole message)
-# and at rows of 8192 (16 KiB: 0.55-0.91x, four lines per thread in sequence).
+# (benchmarks/results/all_reduce_rms_norm-2x_H200_NV18.json and -run2.json,
+# 20 reps each): faster at 4-64 rows of 4096 (8 KiB rows) in both runs; at one
+# row of 4096 and at rows of 8192 (16 KiB: one SM pushes and polls a whole
+# row, four lines per thread in sequence) slower on average over the two runs
+# (12.1 against 11.1 us; 14.6 against 13.0 us), with single cells either way:
+# the run-to-run spread is as large as the differences (docs/kernels.md).
 # 2 and 3 rows were not measured; they go with the one-row case.
 NORM_FUSED_MIN_ROWS = 4
 NORM_FUSED_MAX_ROW_BYTES = 8 << 10

@@ -156,7 +156,7 @@ def _run(norm, kv, topology, nccl, shapes, dtype, seed, algorithm="one_shot") ->
   for i, (rows, hidden) in enumerate(shapes):
     fits = capacity is None or rows * hidden <= capacity
     if algorithm == "one_shot" and not fits and not nccl:
-      continue  # "auto" hands it to lax.psum, and NCCL cannot run here
+      continue  # its all-reduce's own choice may be lax.psum, and NCCL cannot run here
     ps = [_inputs((seed, i), q, (rows, hidden), dtype) for q in range(norm.nproc)]
     r = _inputs((seed, i), -1, (rows, hidden), dtype)
     w = _inputs((seed, i), -2, (hidden,), dtype, outlier=1.0)
