@@ -130,6 +130,38 @@ def markdown(rows: list[dict[str, Any]], best_only: bool = True) -> str:
   return "\n".join(out)
 
 
+def plot(rows: list[dict[str, Any]], path: str, title: str) -> None:
+  """Measured (solid) against floor (dashed) per kernel, and psum, over the message sizes (PNG)."""
+  import matplotlib
+
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  fig, ax = plt.subplots(figsize=(7.5, 4.8))
+  colors = {}
+  for impl in sorted({r["impl"] for r in rows}):
+    pts = sorted((r["bytes"], r["time_us"], r["floor"]) for r in rows if r["impl"] == impl)
+    label = impl.removeprefix("jaxoverlap:")
+    line, = ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", ms=3, label=label)
+    colors[impl] = line.get_color()
+    ax.plot([p[0] for p in pts], [p[2] for p in pts], ls="--", lw=1, color=line.get_color(),
+            label=f"{label} floor")
+  psum = sorted({(r["bytes"], r["psum_us"]) for r in rows if r["psum_us"] is not None})
+  ax.plot([p[0] for p in psum], [p[1] for p in psum], color="black", lw=2, label="psum")
+  ax.set_xscale("log", base=2)
+  ax.set_yscale("log")
+  sizes = sorted({r["bytes"] for r in rows})
+  ax.set_xticks(sizes, [_size(b) for b in sizes], rotation=45, fontsize=7)
+  ax.set_xlabel("message per rank")
+  ax.set_ylabel("us per call")
+  ax.set_title(title, fontsize=9)
+  ax.grid(True, which="both", alpha=0.3)
+  ax.legend(fontsize=7, ncol=2)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+
+
 def main(argv):
   del argv
   from absl import flags
@@ -150,6 +182,10 @@ def main(argv):
       extra={"source": fl.results, "source_command": result.get("command"),
              "links": dataclasses.asdict(links), "rows": rows})
   print(f"wrote {path}")
+  if fl.png:
+    plot(rows, fl.png, f"all-reduce against its floors, {result['machine']}, 2 GPUs "
+         "(floor = launch + signal + max(wire, hbm))")
+    print(f"wrote {fl.png}")
   return 0
 
 
@@ -163,4 +199,5 @@ if __name__ == "__main__":
   flags.DEFINE_float("hbm_gbps", HBM_GBPS, "HBM bandwidth, GB/s")
   flags.DEFINE_string("out", "benchmarks/results", "where the JSON goes")
   flags.DEFINE_string("suffix", "", "added to the JSON's name (one file per results file)")
+  flags.DEFINE_string("png", None, "also draw measured against floor per kernel here")
   app.run(main)

@@ -66,3 +66,10 @@ def test_floors_table_marks_the_best_and_uses_the_smallest_launch():
   assert table.count("\n") == 3 and "| 1 MiB | two_shot | 11.0 |" in table
   with pytest.raises(ValueError, match="no floor:launch record"):
     fl.floors_table(_result(with_launch=False))
+
+
+def test_plot_writes_a_png(tmp_path):
+  rows = fl.floors_table(_result(), LINKS)
+  path = tmp_path / "floors.png"
+  fl.plot(rows, str(path), "test")
+  assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
