@@ -606,6 +606,28 @@ METHOD = ("per-token latency: median over {reps} calls of one jit'd lax.fori_loo
 # ------------------------------------------------------------------ main
 
 
+def define_model_flags(layers: int) -> None:
+  """The model-size and decode-length flags (sizes of the full model; ``config_from_flags``)."""
+  from absl import flags
+
+  flags.DEFINE_integer("d_model", 4096, "model width")
+  flags.DEFINE_integer("d_ff", 14336, "MLP hidden width")
+  flags.DEFINE_integer("heads", 32, "query heads")
+  flags.DEFINE_integer("kv_heads", 8, "key/value heads")
+  flags.DEFINE_integer("layers", layers, "decoder layers")
+  flags.DEFINE_integer("vocab", 32000, "vocabulary size")
+  flags.DEFINE_integer("max_len", 1024, "KV cache length, tokens")
+  flags.DEFINE_integer("prompt_len", 128, "prefilled prompt length, tokens")
+  flags.DEFINE_integer("tokens", 32, "decode steps per timed call")
+
+
+def config_from_flags(fl) -> DecoderConfig:
+  """The DecoderConfig of ``define_model_flags``'s flags (and ``--dtype``)."""
+  return DecoderConfig(d_model=fl.d_model, d_ff=fl.d_ff, num_heads=fl.heads,
+                       num_kv_heads=fl.kv_heads, num_layers=fl.layers, vocab=fl.vocab,
+                       max_len=fl.max_len, dtype=fl.dtype)
+
+
 def define_flags():
   """Defines the command-line flags (only when run as a script, so importing is free)."""
   from absl import flags
@@ -618,19 +640,11 @@ def define_flags():
   flags.DEFINE_list("batches", ["1", "2", "4", "8", "16", "32", "64"], "batch sizes")
   flags.DEFINE_bool("fuse_norm", False, "also time the jaxoverlap implementation with the "
                     "all-reduce + residual + RMSNorm fusion (ParallelConfig.fuse_norm)")
-  flags.DEFINE_integer("d_model", 4096, "model width")
-  flags.DEFINE_integer("d_ff", 14336, "MLP hidden width")
-  flags.DEFINE_integer("heads", 32, "query heads")
-  flags.DEFINE_integer("kv_heads", 8, "key/value heads")
-  flags.DEFINE_integer("layers", 4, "decoder layers")
-  flags.DEFINE_integer("vocab", 32000, "vocabulary size")
-  flags.DEFINE_integer("max_len", 1024, "KV cache length, tokens")
-  flags.DEFINE_integer("prompt_len", 128, "prefilled prompt length, tokens")
-  flags.DEFINE_integer("tokens", 32, "decode steps per timed call")
+  define_model_flags(layers=4)
   flags.DEFINE_integer("check_steps", 4, "teacher-forced steps of the per-batch check (0: off)")
   flags.DEFINE_integer("unroll", 1, "lax.fori_loop unroll factor of the timed loop")
   flags.DEFINE_integer("min_matmul_rows", 1, "ParallelConfig.min_matmul_rows of every "
-                       "implementation (4: batch 1-3 read the weights at the batch-4 speed)")
+                       "implementation (4: batch 1 reads the weights at the batch-4 speed)")
   harness.define_flags("out", "machine", "seed", "host_devices",
                        dtype=(("bfloat16", "weights and activations")),
                        reps=(20, "timed calls per implementation (median)"),
@@ -644,9 +658,7 @@ def main(argv):
   fl = flags.FLAGS
   harness.use_host_devices(fl.host_devices)
   run_ = harness.start(AXIS)
-  cfg = DecoderConfig(d_model=fl.d_model, d_ff=fl.d_ff, num_heads=fl.heads,
-                      num_kv_heads=fl.kv_heads, num_layers=fl.layers, vocab=fl.vocab,
-                      max_len=fl.max_len, dtype=fl.dtype)
+  cfg = config_from_flags(fl)
   ours = f"jaxoverlap:{fl.backend}:{fl.algorithm}"
   impls = {"both": [PSUM, ours], "psum": [PSUM], "jaxoverlap": [ours]}[fl.impl]
   if fl.fuse_norm and fl.impl != "psum":

@@ -354,15 +354,7 @@ def define_flags():
                     "XLA compile-option variants of the step and the matmuls (see variants())")
   flags.DEFINE_list("profile_variants", ["xla_default", "rows4"], "variants to profile")
   flags.DEFINE_string("logdir", None, "where the profiles go (default: a temporary folder)")
-  flags.DEFINE_integer("d_model", 4096, "model width")
-  flags.DEFINE_integer("d_ff", 14336, "MLP hidden width (full model)")
-  flags.DEFINE_integer("heads", 32, "query heads (full model)")
-  flags.DEFINE_integer("kv_heads", 8, "key/value heads (full model)")
-  flags.DEFINE_integer("layers", 32, "decoder layers")
-  flags.DEFINE_integer("vocab", 32000, "vocabulary size (full model)")
-  flags.DEFINE_integer("max_len", 1024, "KV cache length, tokens")
-  flags.DEFINE_integer("prompt_len", 128, "prefilled prompt length, tokens")
-  flags.DEFINE_integer("tokens", 32, "decode steps per timed call")
+  decode.define_model_flags(layers=32)  # the full model's sizes; shard_config divides them
   flags.DEFINE_integer("profile_tokens", 8, "decode steps of the profiled call (0: no profile)")
   flags.DEFINE_float("hbm_gib", 4.0, "size of the bandwidth probe, GiB")
   harness.define_flags("out", "seed", "host_devices",
@@ -378,9 +370,7 @@ def main(argv):
 
   fl = flags.FLAGS
   harness.use_host_devices(fl.host_devices)
-  full = decode.DecoderConfig(d_model=fl.d_model, d_ff=fl.d_ff, num_heads=fl.heads,
-                              num_kv_heads=fl.kv_heads, num_layers=fl.layers, vocab=fl.vocab,
-                              max_len=fl.max_len, dtype=fl.dtype)
+  full = decode.config_from_flags(fl)
   cfg = shard_config(full, fl.tp)
   mesh = jax.make_mesh((1,), (AXIS,), axis_types=(jax.sharding.AxisType.Auto,),
                        devices=jax.devices()[:1])

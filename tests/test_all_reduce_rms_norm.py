@@ -398,14 +398,19 @@ needs_extension = pytest.mark.skipif(_ffi.unavailable_reason() is not None,
                                      reason="the CUDA extension is not built")
 
 
-@needs_extension
-def test_lowers_to_the_fused_custom_call(one_process_per_device, monkeypatch):
+def _lowered_text(monkeypatch, rows: int, hidden: int) -> str:
+  """StableHLO of the op at 4 ranks (this rank's p: [rows, hidden] bf16) under fake GPU facts."""
   monkeypatch.setattr(runtime, "facts", lambda: facts())
   mesh = make_mesh((4,), ("tp",))
   f = jax.shard_map(lambda p, r, w: jaxoverlap.all_reduce_rms_norm(p, r, w, "tp", eps=1e-5),
                     mesh=mesh, in_specs=(P("tp"), P(), P()), out_specs=P(), check_vma=False)
-  x = jnp.zeros((16, 512), jnp.bfloat16)
-  text = jax.jit(f).lower(x, x[:4], x[0]).as_text()
+  x = jnp.zeros((4 * rows, hidden), jnp.bfloat16)
+  return jax.jit(f).lower(x, x[:rows], x[0]).as_text()
+
+
+@needs_extension
+def test_lowers_to_the_fused_custom_call(one_process_per_device, monkeypatch):
+  text = _lowered_text(monkeypatch, 4, 512)
   call = re.search(r"custom_call @jaxoverlap_all_reduce_rms_norm\(.*", text).group(0)
   assert "group_size = 4 : i64" in call and "groups = dense<[0, 1, 2, 3]>" in call
   assert "eps = 9.99999974E-6 : f32" in call, call
@@ -415,12 +420,7 @@ def test_lowers_to_the_fused_custom_call(one_process_per_device, monkeypatch):
 @needs_extension
 def test_unfused_lowers_to_the_all_reduce_then_xla(one_process_per_device, monkeypatch):
   """One row: the plain all-reduce custom call, then the add and the norm as XLA ops."""
-  monkeypatch.setattr(runtime, "facts", lambda: facts())
-  mesh = make_mesh((4,), ("tp",))
-  f = jax.shard_map(lambda p, r, w: jaxoverlap.all_reduce_rms_norm(p, r, w, "tp", eps=1e-5),
-                    mesh=mesh, in_specs=(P("tp"), P(), P()), out_specs=P(), check_vma=False)
-  x = jnp.zeros((4, 4096), jnp.bfloat16)
-  text = jax.jit(f).lower(x, x[:1], x[0]).as_text()
+  text = _lowered_text(monkeypatch, 1, 4096)
   assert "custom_call @jaxoverlap_all_reduce(" in text
   assert "jaxoverlap_all_reduce_rms_norm" not in text
   assert "rsqrt" in text  # the norm, in XLA
