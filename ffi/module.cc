@@ -47,7 +47,8 @@ NB_MODULE(_jaxoverlap_cuda, m) {
       .value("hierarchical", all_reduce::Algorithm::kHierarchical);
   nb::enum_<all_reduce::Protocol>(m, "Protocol")
       .value("ll", all_reduce::Protocol::kLL)
-      .value("simple", all_reduce::Protocol::kSimple);
+      .value("simple", all_reduce::Protocol::kSimple)
+      .value("lamport", all_reduce::Protocol::kLamport);
   nb::enum_<overlap::Transport>(m, "Transport")
       .value("copy_engine", overlap::Transport::kCopyEngine)
       .value("nvshmem", overlap::Transport::kNvshmem);

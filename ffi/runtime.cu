@@ -106,6 +106,7 @@ void StopWatchdog() {
 // The heap layout (runtime.h), the same on every PE.
 struct Layout {
   size_t flag_bytes = 0, ll_slot_bytes = 0, ll_bytes = 0, slot_bytes = 0;
+  size_t lamport_slot_bytes = 0, lamport_bytes = 0;
   size_t oflag_bytes = 0, oack_bytes = 0, overlap_slot_bytes = 0;
 };
 
@@ -133,7 +134,12 @@ ffi::Error MakeLayout(int num_pes, int ranks_per_node, size_t heap_bytes, size_t
   l.ll_slot_bytes = heap_bytes / (4 * per_pe_slots) / (64 * 1024) * (64 * 1024);
   l.ll_slot_bytes = std::min(kMaxLlSlotBytes, std::max(kMinLlSlotBytes, l.ll_slot_bytes));
   l.ll_bytes = per_pe_slots * l.ll_slot_bytes;
-  const size_t fixed = l.flag_bytes + l.ll_bytes + 2 * l.ll_slot_bytes;
+  const size_t lamport_slots = static_cast<size_t>(kNumParities) * kNumLamportPhases * ranks_per_node;
+  l.lamport_slot_bytes = heap_bytes / (8 * lamport_slots) / (64 * 1024) * (64 * 1024);
+  l.lamport_slot_bytes =
+      std::min(kMaxLamportSlotBytes, std::max(kMinLamportSlotBytes, l.lamport_slot_bytes));
+  l.lamport_bytes = lamport_slots * l.lamport_slot_bytes;
+  const size_t fixed = l.flag_bytes + l.ll_bytes + l.lamport_bytes + 2 * l.ll_slot_bytes;
   // acc (2 x S) and the payload slots (per_pe_slots x S) share the rest.
   const size_t min_slot = 64 * 1024;
   if (heap_bytes < fixed + (per_pe_slots + 2) * min_slot) {
@@ -170,14 +176,19 @@ ffi::Error SetUpDevice(RuntimeState& st, Mode mode, int device, char* heap, cons
                        size_t overlap_bytes, uint64_t timeout_ns) {
   DebugStep("device buffers");
   // Flags and LL8 cells start at zero; epochs start at 1, so nothing stale matches.
+  // Lamport slots start empty (every word kLamportEmpty, all_reduce.cu).
   JAXOVERLAP_CUDA_RETURN_IF_ERROR(cudaMemset(heap, 0, l.flag_bytes + l.ll_bytes));
+  JAXOVERLAP_CUDA_RETURN_IF_ERROR(
+      cudaMemset(heap + l.flag_bytes + l.ll_bytes, 0xff, l.lamport_bytes));
   char* overlap = heap + heap_bytes;
   JAXOVERLAP_CUDA_RETURN_IF_ERROR(cudaMemset(overlap, 0, l.oflag_bytes + l.oack_bytes));
   st.mode = mode;
   st.heap = heap;
   st.flags = reinterpret_cast<uint64_t*>(heap);
   st.ll = heap + l.flag_bytes;
-  char* scratch = st.ll + l.ll_bytes;
+  st.lamport = st.ll + l.ll_bytes;
+  st.lamport_slot_bytes = l.lamport_slot_bytes;
+  char* scratch = st.lamport + l.lamport_bytes;
   st.stage[0] = scratch;
   st.stage[1] = scratch + l.ll_slot_bytes;
   st.acc[0] = scratch + 2 * l.ll_slot_bytes;

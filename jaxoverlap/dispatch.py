@@ -469,6 +469,10 @@ def _all_reduce_plan(r, dtype, local_size, num_nodes, facts, cuda) -> Plan:
     algorithm, protocol = choice.algorithm, choice.protocol
     why.append(("algorithm", choice.source))
   if r.protocol != names.AUTO:
+    if r.protocol not in names.protocols(algorithm):
+      raise ValueError(f"all_reduce: protocol={r.protocol!r} was requested, but the policy chose "
+                       f"algorithm {algorithm!r}, which has only {names.protocols(algorithm)} "
+                       f"({why[-1][1]}); name an algorithm too")
     protocol = r.protocol
     why.append(("protocol", "requested"))
   elif protocol is not None:

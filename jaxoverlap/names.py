@@ -48,7 +48,7 @@ __all__ = [
     "OPS", "FUSED_OPS",
     "XLA", "CUDA", "BACKENDS",
     "COLLECTIVE", "PPERMUTE", "ONE_SHOT", "TWO_SHOT", "HIERARCHICAL", "FUSED", "UNFUSED",
-    "LL", "SIMPLE", "PROTOCOLS",
+    "LL", "SIMPLE", "LAMPORT", "PROTOCOLS",
     "NVSHMEM", "PEER", "COPY_ENGINE", "RUNTIME_TRANSPORTS",
     "algorithms", "protocols", "transports", "backend_of_algorithm", "renamed_value",
 ]
@@ -94,11 +94,15 @@ _ALGORITHMS = {
 }
 
 # Protocols of the CUDA all-reduce: "ll" sends 8-byte cells of 4 B data and a
-# 4 B epoch flag (no separate signal); "simple" sends the data, then a flag.
+# 4 B epoch flag (no separate signal); "simple" sends the data, then a flag;
+# "lamport" (one_shot only) sends the data alone into slots that read as an
+# empty pattern until it arrives, and the receiver empties them again.
 LL = "ll"
 SIMPLE = "simple"
-PROTOCOLS = (LL, SIMPLE)
-_PROTOCOLS = {ONE_SHOT: (LL, SIMPLE), TWO_SHOT: (LL, SIMPLE), HIERARCHICAL: (LL, SIMPLE)}
+LAMPORT = "lamport"
+PROTOCOLS = (LL, SIMPLE, LAMPORT)
+_PROTOCOLS = {ONE_SHOT: (LL, SIMPLE, LAMPORT), TWO_SHOT: (LL, SIMPLE),
+              HIERARCHICAL: (LL, SIMPLE)}
 
 # Transports of the CUDA kernels. "nvshmem": the NVSHMEM runtime, one PE per
 # process (all_reduce: direct NVLink stores to load/store-reachable peers and

@@ -293,7 +293,7 @@ def test_cuda_algorithm_with_xla_backend():
 
 @pytest.mark.parametrize("kw,msg", [
     (dict(protocol="ll128"), "all_reduce: protocol='ll128' is unknown; valid: 'auto', "
-                             "('ll', 'simple') (backend 'cuda')"),
+                             "('ll', 'simple', 'lamport') (backend 'cuda')"),
     (dict(backend="xla", protocol="ll"), "all_reduce: protocol='ll' applies to backend 'cuda' only"),
     (dict(algorithm="ppermute", protocol="simple"), "all_reduce: protocol='simple' applies to "
                                                     "backend 'cuda' only"),

@@ -6,10 +6,10 @@ import math
 import numpy as np
 import pytest
 
-from jaxoverlap import tune, tuning
+from jaxoverlap import names, tune, tuning
 
 P = tuning.DEFAULT_PARAMS
-KERNELS = [(a, p) for a in tuning.ALGORITHMS for p in tuning.PROTOCOLS]
+KERNELS = [(a, p) for a in tuning.ALGORITHMS for p in names.protocols(a)]
 
 
 def _valid(alg, num_nodes):
@@ -47,7 +47,7 @@ def test_cost_model_monotone_in_size(rpn, nodes):
 
 def test_one_shot_beats_two_shot_small_loses_large_8_gpus():
   def best(alg, nbytes):
-    return min(tuning.predict_us(alg, p, nbytes, 2, 8, 1, P) for p in tuning.PROTOCOLS)
+    return min(tuning.predict_us(alg, p, nbytes, 2, 8, 1, P) for p in names.protocols(alg))
 
   assert best("one_shot", 8 << 10) < best("two_shot", 8 << 10)
   assert best("one_shot", 64 << 20) > best("two_shot", 64 << 20)
@@ -83,7 +83,7 @@ def test_model_matches_baseline_measurements_within_2x():
               ("two_shot", 8 << 10): 6.5, ("two_shot", 4 << 20): 20.1,
               ("two_shot", 64 << 20): 212, ("psum", 8 << 10): 13.7, ("psum", 64 << 20): 301}
   for (alg, nbytes), us in measured.items():
-    protos = (None,) if alg == "psum" else tuning.PROTOCOLS
+    protos = (None,) if alg == "psum" else names.protocols(alg)
     model = min(tuning.predict_us(alg, p, nbytes, 2, 2, 1, P) for p in protos)
     assert us / 2 < model < us * 2, (alg, nbytes, model, us)
 
@@ -285,9 +285,11 @@ def test_tuner_loop_with_fake_measure(tmp_path):
       "xla:psum", "jaxoverlap:hierarchical_ll", "jaxoverlap:hierarchical_simple"]
   impls = tune.default_impls(1)
   assert impls == ["xla:psum", "jaxoverlap:one_shot_ll", "jaxoverlap:one_shot_simple",
-                   "jaxoverlap:two_shot_ll", "jaxoverlap:two_shot_simple"]
+                   "jaxoverlap:one_shot_lamport", "jaxoverlap:two_shot_ll",
+                   "jaxoverlap:two_shot_simple"]
   fake = {"xla:psum": 15.0, "jaxoverlap:one_shot_ll": 5.0, "jaxoverlap:one_shot_simple": 7.0,
-          "jaxoverlap:two_shot_ll": 7.5, "jaxoverlap:two_shot_simple": 8.0}
+          "jaxoverlap:one_shot_lamport": 7.2, "jaxoverlap:two_shot_ll": 7.5,
+          "jaxoverlap:two_shot_simple": 8.0}
   measured = []
 
   def measure(impl, nbytes):

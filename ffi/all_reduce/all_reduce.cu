@@ -23,6 +23,17 @@
 // acknowledgement message, no reset, and the same device work on every call
 // (so the handler is CUDA-graph safe).
 //
+// The Lamport protocol (one-shot) needs no flag and no epoch in the payload:
+// its slots hold kLamportEmpty in every 32-bit word between calls, the sender
+// stores plain 16-byte vectors, and the receiver polls each vector until none
+// of its words is empty, then writes the empty pattern back. The idea is
+// Lamport's (a value that cannot be data marks "not yet written"), as used by
+// the one-shot all-reduce of TensorRT-LLM; the code is written here. A word of
+// data equal to the pattern is a NaN in every dtype (one fp32 NaN, or two
+// bf16/fp16 NaNs) and is sent as another NaN, so sums are unchanged. The same
+// two-parity argument covers reuse: the receiver empties a slot within the
+// call that reads it, before its next kernel starts.
+//
 // Every block owns the same sub-range of the data in every phase, so blocks
 // never wait for each other; the last block to finish advances the epochs.
 #include <cuda_bf16.h>
@@ -52,6 +63,12 @@ constexpr int kMaxBump = kMaxGroupSize + 8;  // local peers + log2(kMaxNodes) pa
 // (docs/kernels.md, "all_reduce v3").
 constexpr size_t kSimpleBytesPerBlock = 16 * 1024;
 constexpr size_t kLLBytesPerBlock = 4 * 1024;
+// One 16-byte vector per thread and pass.
+constexpr size_t kLamportBytesPerBlock = 16 * kThreads;
+// The word a Lamport slot holds where no payload has arrived (runtime.cu fills
+// the slots with 0xff bytes), and the NaN sent in its place.
+constexpr uint32_t kLamportEmpty = 0xffffffffu;
+constexpr uint32_t kLamportNaN = 0x7fffffffu;
 
 // Phases index the receive slots; see runtime.h.
 constexpr int kPhaseReduceScatter = 0;
@@ -62,12 +79,15 @@ struct HeapView {
   PeerMap peers;  // where peers' copies of this heap live (transport.cuh)
   uint64_t* flags;
   char* ll;
+  char* lamport;
   char* data;
   float* acc[2];
   uint4* stage[2];
   size_t slot_bytes;
   size_t ll_slot_bytes;
+  size_t lamport_slot_bytes;
   int num_pes;
+  int ranks_per_node;  // Lamport slots are indexed by the sender's index on its node
 };
 
 struct Params {
@@ -108,6 +128,14 @@ __device__ __forceinline__ uint4* LlAt(const HeapView& h, uint64_t epoch, int ph
   const size_t parity = epoch & 1;
   return reinterpret_cast<uint4*>(h.ll +
                                   ((parity * kNumPhases + phase) * h.num_pes + sender) * h.ll_slot_bytes);
+}
+
+__device__ __forceinline__ uint4* LamportAt(const HeapView& h, uint64_t epoch, int phase,
+                                            int sender) {
+  const size_t parity = epoch & 1;
+  const size_t index = (parity * kNumLamportPhases + phase) * h.ranks_per_node +
+                       sender % h.ranks_per_node;
+  return reinterpret_cast<uint4*>(h.lamport + index * h.lamport_slot_bytes);
 }
 
 template <typename P>
@@ -158,6 +186,51 @@ __device__ __forceinline__ uint2 LoadLL(const uint4* src, uint32_t flag, const P
       }
     }
   }
+}
+
+// A vector to send under the Lamport protocol: a word equal to the empty
+// pattern (a NaN in every dtype) becomes another NaN.
+__device__ __forceinline__ uint4 LamportPayload(uint4 v) {
+  v.x = v.x == kLamportEmpty ? kLamportNaN : v.x;
+  v.y = v.y == kLamportEmpty ? kLamportNaN : v.y;
+  v.z = v.z == kLamportEmpty ? kLamportNaN : v.z;
+  v.w = v.w == kLamportEmpty ? kLamportNaN : v.w;
+  return v;
+}
+
+// Polls one vector of a Lamport slot until every word has arrived (32-bit
+// stores are single-copy atomic, so a word that is not empty is the payload);
+// traps after the timeout.
+__device__ __forceinline__ uint4 LoadLamport(const uint4* src, const Params& p, int peer_pe,
+                                             uint64_t epoch, int step) {
+  uint4 v;
+  uint64_t start = 0;
+  for (int spins = 0;; ++spins) {
+    asm volatile("ld.volatile.global.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "l"(src)
+                 : "memory");
+    if (v.x != kLamportEmpty && v.y != kLamportEmpty && v.z != kLamportEmpty &&
+        v.w != kLamportEmpty) {
+      return v;
+    }
+    if ((spins & 1023) == 0) {
+      const uint64_t now = GlobalTimerNs();
+      if (start == 0) {
+        start = now;
+      } else if (now - start > p.timeout_ns) {
+        // "seen" is the epoch before: this call's payload never arrived.
+        ReportTimeoutAndTrap(p.error, OpId::kAllReduce, p.topo.rank, peer_pe, step, epoch,
+                             epoch - 1);
+      }
+    }
+  }
+}
+
+__device__ __forceinline__ void StoreVolatile(uint4* dst, uint4 v) {
+  asm volatile("st.volatile.global.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(dst), "r"(v.x),
+               "r"(v.y), "r"(v.z), "r"(v.w)
+               : "memory");
 }
 
 // Word <-> fp32 conversion: one 32-bit word holds 1 float or 2 halves.
@@ -214,22 +287,25 @@ struct Vec16 {
   }
 };
 
-// 8 bytes of T starting at element `first` (< n); elements past n read as 0.
-template <typename T>
-__device__ __forceinline__ uint2 LoadLine(const T* x, size_t first, size_t n) {
-  constexpr size_t kElems = 8 / sizeof(T);
-  if (first + kElems <= n) return *reinterpret_cast<const uint2*>(x + first);
-  T tmp[kElems];
+// The vector V (8 or 16 bytes) of T starting at element `first` (< n);
+// elements past n read as 0.
+template <typename V, typename T>
+__device__ __forceinline__ V LoadPadded(const T* x, size_t first, size_t n) {
+  constexpr size_t kElems = sizeof(V) / sizeof(T);
+  if (first + kElems <= n) return *reinterpret_cast<const V*>(x + first);
+  V v;
+  T* tmp = reinterpret_cast<T*>(&v);
 #pragma unroll
   for (size_t i = 0; i < kElems; ++i) tmp[i] = first + i < n ? x[first + i] : T(0.0f);
-  return *reinterpret_cast<const uint2*>(tmp);
+  return v;
 }
 
-template <typename T>
-__device__ __forceinline__ void StoreLine(T* y, size_t first, size_t n, uint2 v) {
-  constexpr size_t kElems = 8 / sizeof(T);
+// Stores the elements of `v` that fall before n, from element `first` on.
+template <typename V, typename T>
+__device__ __forceinline__ void StorePadded(T* y, size_t first, size_t n, V v) {
+  constexpr size_t kElems = sizeof(V) / sizeof(T);
   if (first + kElems <= n) {
-    *reinterpret_cast<uint2*>(y + first) = v;
+    *reinterpret_cast<V*>(y + first) = v;
     return;
   }
   const T* tmp = reinterpret_cast<const T*>(&v);
@@ -284,7 +360,7 @@ __global__ void __launch_bounds__(kThreads) OneShotLLKernel(Params p) {
   // All sends first, so that the NVLink latency is paid once per thread,
   // not once per line.
   for (size_t l = lb + threadIdx.x; l < le; l += blockDim.x) {
-    const uint2 mine = LoadLine(in, l * kLineElems, p.n);
+    const uint2 mine = LoadPadded<uint2>(in, l * kLineElems, p.n);
 #pragma unroll
     for (int r = 0; r < kMaxGroupSize; ++r) {
       if (r < t.local_size && r != t.local_rank) {
@@ -293,7 +369,7 @@ __global__ void __launch_bounds__(kThreads) OneShotLLKernel(Params p) {
     }
   }
   for (size_t l = lb + threadIdx.x; l < le; l += blockDim.x) {
-    const uint2 mine = LoadLine(in, l * kLineElems, p.n);
+    const uint2 mine = LoadPadded<uint2>(in, l * kLineElems, p.n);
     float acc[kLineElems];
 #pragma unroll
     for (int i = 0; i < kLineElems; ++i) acc[i] = 0.0f;
@@ -311,7 +387,7 @@ __global__ void __launch_bounds__(kThreads) OneShotLLKernel(Params p) {
       for (int i = 0; i < kLineElems; ++i) acc[i] += f[i];
     }
     const uint2 res = make_uint2(Words<T>::FromFloat(acc), Words<T>::FromFloat(acc + Words<T>::kPerWord));
-    StoreLine(out, l * kLineElems, p.n, res);
+    StorePadded(out, l * kLineElems, p.n, res);
   }
   Finish(p, /*quiet=*/false);
 }
@@ -397,6 +473,61 @@ __global__ void __launch_bounds__(kThreads) OneShotSimpleKernel(Params p) {
   Finish(p, /*quiet=*/false);
 }
 
+// One-shot, Lamport protocol: every thread stores 16-byte vectors of its
+// input into every peer's slot (plain NVLink stores: no fence, no flag), then
+// polls its own slots for the peers' vectors, sums all ranks in rank order in
+// fp32, and empties each slot vector it read.
+template <typename T>
+__global__ void __launch_bounds__(kThreads) OneShotLamportKernel(Params p) {
+  constexpr size_t kVec = Vec16<T>::kElems;
+  const Topology& t = p.topo;
+  const HeapView& h = p.heap;
+  const T* in = static_cast<const T*>(p.in);
+  T* out = static_cast<T*>(p.out);
+  const size_t vecs = (p.n + kVec - 1) / kVec;
+  const size_t per_block = p.per_block / kVec;  // vectors
+  const size_t vb = min(vecs, blockIdx.x * per_block);
+  const size_t ve = min(vecs, vb + per_block);
+
+  uint64_t epoch[kMaxGroupSize];
+  uint4* remote[kMaxGroupSize];
+  uint4* local[kMaxGroupSize];
+#pragma unroll
+  for (int r = 0; r < kMaxGroupSize; ++r) {
+    if (r < t.local_size && r != t.local_rank) {
+      const int pe = t.local_pes[r];
+      epoch[r] = EpochWith(p, pe);
+      remote[r] = PeerPtr(h, LamportAt(h, epoch[r], /*phase=*/0, p.my_pe), pe);
+      local[r] = LamportAt(h, epoch[r], /*phase=*/0, pe);
+    }
+  }
+  for (size_t v = vb + threadIdx.x; v < ve; v += blockDim.x) {
+    const uint4 x = LamportPayload(LoadPadded<uint4>(in, v * kVec, p.n));
+#pragma unroll
+    for (int r = 0; r < kMaxGroupSize; ++r) {
+      if (r < t.local_size && r != t.local_rank) StoreVolatile(remote[r] + v, x);
+    }
+  }
+  const uint4 empty = make_uint4(kLamportEmpty, kLamportEmpty, kLamportEmpty, kLamportEmpty);
+  for (size_t v = vb + threadIdx.x; v < ve; v += blockDim.x) {
+    float acc[kVec];
+#pragma unroll
+    for (int i = 0; i < kVec; ++i) acc[i] = 0.0f;
+#pragma unroll
+    for (int r = 0; r < kMaxGroupSize; ++r) {
+      if (r >= t.local_size) break;
+      if (r == t.local_rank) {
+        Vec16<T>::Add(LoadPadded<uint4>(in, v * kVec, p.n), acc);
+      } else {
+        Vec16<T>::Add(LoadLamport(local[r] + v, p, t.local_pes[r], epoch[r], /*step=*/0), acc);
+        local[r][v] = empty;
+      }
+    }
+    StorePadded(out, v * kVec, p.n, Vec16<T>::Pack(acc));
+  }
+  Finish(p, /*quiet=*/false);
+}
+
 // ---------------------------------------------------------------- two-shot LL
 
 // Two-shot within one node, LL8 protocol: the reduce-scatter and the
@@ -439,7 +570,7 @@ __global__ void __launch_bounds__(kThreads) TwoShotLLKernel(Params p) {
     uint4* dst = PeerPtr(h, LlAt(h, epoch[q], kPhaseReduceScatter, p.my_pe), t.local_pes[q]);
     const uint32_t flag = static_cast<uint32_t>(epoch[q]);
     for (size_t l = lb + threadIdx.x; l < le; l += blockDim.x) {
-      StoreLL(dst + l, LoadLine(src, l * kLineElems, len), flag);
+      StoreLL(dst + l, LoadPadded<uint2>(src, l * kLineElems, len), flag);
     }
   }
   // Sum my shard in rank order; the result goes to my output and, as LL8
@@ -457,7 +588,7 @@ __global__ void __launch_bounds__(kThreads) TwoShotLLKernel(Params p) {
       }
     }
     for (size_t l = lb + threadIdx.x; l < le; l += blockDim.x) {
-      const uint2 mine = LoadLine(in + my_off, l * kLineElems, len);
+      const uint2 mine = LoadPadded<uint2>(in + my_off, l * kLineElems, len);
       float acc[kLineElems];
 #pragma unroll
       for (int i = 0; i < kLineElems; ++i) acc[i] = 0.0f;
@@ -481,7 +612,7 @@ __global__ void __launch_bounds__(kThreads) TwoShotLLKernel(Params p) {
       for (int r = 0; r < kMaxGroupSize; ++r) {
         if (r < G && r != t.local_rank) StoreLL(remote[r] + l, res, static_cast<uint32_t>(epoch[r]));
       }
-      StoreLine(out + my_off, l * kLineElems, len, res);
+      StorePadded(out + my_off, l * kLineElems, len, res);
     }
   }
   // All-gather: the peers' reduced shards from my slots.
@@ -494,7 +625,7 @@ __global__ void __launch_bounds__(kThreads) TwoShotLLKernel(Params p) {
     const uint4* cells = LlAt(h, epoch[q], kPhaseAllGather, t.local_pes[q]);
     T* dst = out + static_cast<size_t>(q) * p.shard;
     for (size_t l = lb + threadIdx.x; l < le; l += blockDim.x) {
-      StoreLine(dst, l * kLineElems, len,
+      StorePadded(dst, l * kLineElems, len,
                 LoadLL(cells + l, static_cast<uint32_t>(epoch[q]), p, t.local_pes[q], /*step=*/99));
     }
   }
@@ -955,7 +1086,9 @@ LaunchConfig MakeLaunchConfig(Algorithm algorithm, Protocol protocol, size_t n, 
   const size_t vec = 16 / elem;
   LaunchConfig c;
   if (algorithm == Algorithm::kOneShot) {
-    const size_t per_block_bytes = protocol == Protocol::kLL ? kLLBytesPerBlock : kSimpleBytesPerBlock;
+    const size_t per_block_bytes = protocol == Protocol::kLL        ? kLLBytesPerBlock
+                                   : protocol == Protocol::kLamport ? kLamportBytesPerBlock
+                                                                    : kSimpleBytesPerBlock;
     c.blocks = static_cast<int>(std::clamp<size_t>(CeilDiv(n * elem, per_block_bytes), 1, kMaxBlocks));
     c.per_block = RoundUp(CeilDiv(n, c.blocks), vec);
     return c;
@@ -974,7 +1107,9 @@ size_t ChunkCapacity(Algorithm algorithm, Protocol protocol, size_t elem, int lo
   const size_t unit = static_cast<size_t>(local_size) * (16 / elem);
   size_t cap;
   if (algorithm == Algorithm::kOneShot) {
-    cap = protocol == Protocol::kLL ? (s.ll_slot_bytes / 16) * (8 / elem) : s.slot_bytes / elem;
+    cap = protocol == Protocol::kLL        ? (s.ll_slot_bytes / 16) * (8 / elem)
+          : protocol == Protocol::kLamport ? s.lamport_slot_bytes / elem
+                                           : s.slot_bytes / elem;
   } else {
     // Shard in T (RS/AG slots), in fp32 (acc, inter-node slots), in LL8 lines.
     size_t shard = std::min(s.slot_bytes / elem, s.acc_bytes / sizeof(float));
@@ -999,6 +1134,7 @@ const char* ProtocolName(Protocol p) {
   switch (p) {
     case Protocol::kLL: return "ll";
     case Protocol::kSimple: return "simple";
+    case Protocol::kLamport: return "lamport";
   }
   return nullptr;
 }
@@ -1009,6 +1145,8 @@ cudaError_t Launch(Algorithm algorithm, Protocol protocol, const LaunchConfig& c
   if (algorithm == Algorithm::kOneShot) {
     if (protocol == Protocol::kLL) {
       OneShotLLKernel<T><<<c.blocks, kThreads, 0, stream>>>(p);
+    } else if (protocol == Protocol::kLamport) {
+      OneShotLamportKernel<T><<<c.blocks, kThreads, 0, stream>>>(p);
     } else {
       OneShotSimpleKernel<T><<<c.blocks, kThreads, 0, stream>>>(p);
     }
@@ -1027,6 +1165,7 @@ ffi::Error PreloadKernelsOf() {
   cudaFuncAttributes a;
   JAXOVERLAP_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&a, OneShotLLKernel<T>));
   JAXOVERLAP_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&a, OneShotSimpleKernel<T>));
+  JAXOVERLAP_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&a, OneShotLamportKernel<T>));
   JAXOVERLAP_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&a, TwoShotLLKernel<T>));
   JAXOVERLAP_CUDA_RETURN_IF_ERROR(
       cudaFuncGetAttributes(&a, ReduceScatterAllGatherKernel<T, true>));
@@ -1046,6 +1185,9 @@ Params MakeParams(const RuntimeState& s, const Topology& topo) {
   p.heap.peers = s.peers;
   p.heap.flags = s.flags;
   p.heap.ll = s.ll;
+  p.heap.lamport = s.lamport;
+  p.heap.lamport_slot_bytes = s.lamport_slot_bytes;
+  p.heap.ranks_per_node = s.ranks_per_node;
   p.heap.data = s.data;
   p.heap.acc[0] = reinterpret_cast<float*>(s.acc[0]);
   p.heap.acc[1] = reinterpret_cast<float*>(s.acc[1]);
@@ -1183,6 +1325,10 @@ ffi::Error AllReduce(const RuntimeState& s, cudaStream_t stream, Algorithm algor
         "all_reduce: algorithm " + std::to_string(static_cast<int>(algorithm)) + " or protocol " +
         std::to_string(static_cast<int>(protocol)) +
         " is not an enumerator of all_reduce.h (the extension and the Python package disagree)");
+  }
+  if (protocol == Protocol::kLamport && algorithm != Algorithm::kOneShot) {
+    return ffi::Error::InvalidArgument(std::string("all_reduce: protocol lamport is one_shot's; ") +
+                                       AlgorithmName(algorithm) + " takes ll or simple");
   }
   if ((algorithm == Algorithm::kOneShot || algorithm == Algorithm::kTwoShot) && topo.num_nodes > 1) {
     return ffi::Error::InvalidArgument(

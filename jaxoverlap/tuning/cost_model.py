@@ -355,10 +355,12 @@ def _step_us(link: LinkParams, nbytes: float, protocol: str) -> float:
 
   LL8 sends 4 B of flag with every 4 B of data (2x the wire bytes) and needs
   no signal; simple sends the data once, then a signal that costs one more
-  latency.
+  latency; lamport sends the data once and needs no signal.
   """
   if protocol == "ll":
     return link.alpha_us + link.transfer_us(2 * nbytes)
+  if protocol == "lamport":
+    return link.alpha_us + link.transfer_us(nbytes)
   return 2 * link.alpha_us + link.transfer_us(nbytes)
 
 
@@ -390,12 +392,13 @@ def predict_us(
     nccl.beta; across nodes the fastest of NCCL's ring and tree and of its
     protocols (``nccl_best``).
 
-  A step (``_step_us``) costs alpha + 2 bytes/beta with protocol "ll" and
-  2 alpha + bytes/beta with "simple".
+  A step (``_step_us``) costs alpha + 2 bytes/beta with protocol "ll",
+  2 alpha + bytes/beta with "simple" and alpha + bytes/beta with "lamport"
+  (which also writes every received byte back as the empty pattern).
 
   Args:
     algorithm: "one_shot", "two_shot", "hierarchical" or "psum".
-    protocol: "ll" or "simple"; None for psum.
+    protocol: "ll", "simple" or "lamport" (one_shot only); None for psum.
     nbytes: message size per rank, bytes.
     itemsize: bytes per element (2 for bf16/f16, 4 for f32).
     ranks_per_node: G, GPUs per node in the group.
@@ -432,6 +435,9 @@ def predict_us(
                      f"got {algorithm!r}")
   if protocol not in PROTOCOLS:
     raise ValueError(f"predict_us: protocol must be one of {PROTOCOLS}, got {protocol!r}")
+  if protocol not in names.protocols(algorithm):
+    raise ValueError(f"predict_us: {algorithm} has no protocol {protocol!r}; valid: "
+                     f"{names.protocols(algorithm)}")
   if algorithm in _SINGLE_NODE and n > 1:
     raise ValueError(f"predict_us: {algorithm} runs within one node; got num_nodes={n}")
   if algorithm == "hierarchical" and n == 1:
@@ -445,8 +451,9 @@ def predict_us(
 
   peers = g - 1
   if algorithm == "one_shot":
+    emptied = peers * m if protocol == names.LAMPORT else 0.0  # the slots written back empty
     return (p.launch_us + (_step_us(p.nvlink, peers * m, protocol) if peers else 0.0)
-            + hbm((peers * wire + 1) * m + m))
+            + hbm((peers * wire + 1) * m + m + emptied))
 
   # two_shot and hierarchical share the intra-node reduce-scatter and all-gather.
   shard = m / g

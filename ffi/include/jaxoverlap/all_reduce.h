@@ -19,7 +19,7 @@ namespace ffi = xla::ffi;
 // attributes; jaxoverlap.dispatch always chooses a protocol (there is no "auto"
 // here).
 enum class Algorithm : int32_t { kOneShot = 1, kTwoShot = 2, kHierarchical = 3 };
-enum class Protocol : int32_t { kLL = 1, kSimple = 2 };
+enum class Protocol : int32_t { kLL = 1, kSimple = 2, kLamport = 3 };
 // What one call runs: the whole all-reduce, or one of the two intra-node steps
 // of the hierarchical all-reduce whose inter-node step is XLA's collective
 // (the in-process runtime across processes, jaxoverlap/_cuda.py).

@@ -13,6 +13,9 @@
 // Heap layout (all symmetric; every PE computes the same offsets):
 //   flags    [kNumParities][kNumPhases][num_pes][kMaxBlocks] uint64  "simple" completion flags
 //   ll       [kNumParities][kNumPhases][num_pes][ll_slot_bytes]     LL8 cells (4 B data + 4 B flag)
+//   lamport  [kNumParities][kNumLamportPhases][ranks_per_node][lamport_slot_bytes]
+//            Lamport payloads, by the sender's index on its node; every byte
+//            reads kLamportEmpty (0xff) between calls (all_reduce.cu)
 //   scratch  stage[2][ll_slot_bytes] (LL8 packing), acc[2][slot_bytes] (fp32 partial sums)
 //   data     [kNumParities][kNumPhases][num_pes][slot_bytes]        "simple" payloads
 // and, after those `heap_bytes`, the fused ops' region of `overlap_bytes`:
@@ -52,6 +55,11 @@ inline constexpr int kNumOverlapPhases = 2; // reduce-scatter, all-gather (fused
 // LL8 cells per (parity, phase, sender): heap / (4 * slots), within these bounds.
 inline constexpr size_t kMinLlSlotBytes = 256 * 1024;
 inline constexpr size_t kMaxLlSlotBytes = 2 * 1024 * 1024;
+// Lamport payloads per (parity, phase, sender on the node): heap / (8 * slots),
+// within these bounds. Phases: one-shot and reduce-scatter, all-gather.
+inline constexpr int kNumLamportPhases = 2;
+inline constexpr size_t kMinLamportSlotBytes = 64 * 1024;
+inline constexpr size_t kMaxLamportSlotBytes = 16 * 1024 * 1024;
 
 // The op a kernel belongs to, for device error reports.
 enum class OpId : int32_t {
@@ -111,6 +119,8 @@ struct RuntimeState {
   char* heap = nullptr;              // symmetric, nvshmem_malloc'ed once
   uint64_t* flags = nullptr;         // symmetric, inside heap
   char* ll = nullptr;                // symmetric, inside heap
+  char* lamport = nullptr;           // symmetric, inside heap
+  size_t lamport_slot_bytes = 0;
   char* data = nullptr;              // symmetric, inside heap
   char* acc[2] = {nullptr, nullptr};    // this PE's fp32 accumulators (inside heap)
   char* stage[2] = {nullptr, nullptr};  // this PE's LL8 packing buffers (inside heap)

@@ -19,6 +19,9 @@ conftest.py for the fixtures and the SPMD rules). What is checked:
   float64 gradient.
 * axes: all-reduces over both axes of a 2-D mesh and over both at once.
 * late: rank 1 starts its call 3 s after the others; the result is right.
+* lamport_empty_pattern: inputs holding the Lamport protocol's empty word
+  (0xffffffff: an fp32 NaN, or two bf16 NaNs) give NaN there and the sum
+  elsewhere, and the calls after them are right (the slots were emptied).
 """
 
 from __future__ import annotations
@@ -34,8 +37,8 @@ from jax.sharding import PartitionSpec as P
 
 pytestmark = pytest.mark.usefixtures("runtime")
 
-WITHIN_NODE = (("one_shot", "ll"), ("one_shot", "simple"), ("two_shot", "ll"),
-               ("two_shot", "simple"))
+WITHIN_NODE = (("one_shot", "ll"), ("one_shot", "simple"), ("one_shot", "lamport"),
+               ("two_shot", "ll"), ("two_shot", "simple"))
 ACROSS_NODES = (("hierarchical", "ll"), ("hierarchical", "simple"))
 AUTO = ("auto", "auto")
 
@@ -320,3 +323,40 @@ def test_late_rank(ar, topology, nccl, nproc, rank):
   want = np.sum(np.asarray(xs, np.float64), axis=0)
   assert np.allclose(got, want, rtol=1e-6, atol=1e-5), (
       f"{_name(alg)} with rank 1 late: max |err| {np.max(np.abs(got - want)):.3g}")
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_lamport_empty_pattern(dtype, ar, kv, topology, nproc, rank):
+  """Data words equal to the empty pattern neither hang the receiver nor stay in the slots."""
+  if topology.num_nodes != 1 or nproc < 2:
+    pytest.skip("one_shot runs within one node, of at least 2 ranks")
+  dt = DTYPES[dtype]
+  n = 3 * 4096 + 5  # several blocks and a partial vector
+  words = n * np.dtype(dt).itemsize // 4
+  fn = ar.fn(("one_shot", "lamport"))
+  failures = []
+  for call in range(3):
+    xs = [_inputs((13, call), r, n, dt) for r in range(nproc)]
+    nan_at = np.zeros(n, bool)
+    if call == 0:  # every rank sends empty words, at its own places
+      for r in range(nproc):
+        w = np.random.default_rng([13, r]).choice(words, size=17, replace=False)
+        xs[r].view(np.uint32)[w] = 0xFFFFFFFF
+        per_word = 4 // np.dtype(dt).itemsize
+        for k in range(per_word):
+          nan_at[w * per_word + k] = True
+    want = np.sum([x.astype(np.float64) for x in xs], axis=0)
+    got = ar.local(fn(ar.global_array(xs[rank], n))).astype(np.float64)
+    if not np.array_equal(np.isnan(got), nan_at):
+      failures.append(f"call {call}: NaN at {np.flatnonzero(np.isnan(got))[:8]}, "
+                      f"want {np.flatnonzero(nan_at)[:8]}")
+    ok = ~nan_at
+    err = np.abs(got[ok] - want[ok]) / (np.abs(want[ok]) + 1.0)
+    tol = TOL.get(np.dtype(dt), TOL_DEFAULT)
+    if not (err <= tol).all():
+      failures.append(f"call {call}: {int((~(err <= tol)).sum())} elements off")
+    same, digests = kv.same_on_all_ranks(np.nan_to_num(got, nan=0.0))  # NaN payloads may differ
+    if not same:
+      failures.append(f"call {call}: results differ across ranks ({digests})")
+  assert not failures, _report(failures)

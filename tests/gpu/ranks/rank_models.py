@@ -113,6 +113,7 @@ def test_runtime_transport(runtime):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
 @pytest.mark.parametrize("algorithm,protocol", [("one_shot", "ll"), ("one_shot", "simple"),
+                                                ("one_shot", "lamport"),
                                                 ("two_shot", "ll"), ("two_shot", "simple"),
                                                 ("auto", "auto")])
 def test_all_reduce(runtime, mesh, R, dtype, algorithm, protocol):
