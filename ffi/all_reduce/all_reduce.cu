@@ -44,6 +44,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <string>
 
 #include "jaxoverlap/all_reduce.h"
@@ -225,12 +226,6 @@ __device__ __forceinline__ uint4 LoadLamport(const uint4* src, const Params& p, 
       }
     }
   }
-}
-
-__device__ __forceinline__ void StoreVolatile(uint4* dst, uint4 v) {
-  asm volatile("st.volatile.global.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(dst), "r"(v.x),
-               "r"(v.y), "r"(v.z), "r"(v.w)
-               : "memory");
 }
 
 // Word <-> fp32 conversion: one 32-bit word holds 1 float or 2 halves.
@@ -505,7 +500,7 @@ __global__ void __launch_bounds__(kThreads) OneShotLamportKernel(Params p) {
     const uint4 x = LamportPayload(LoadPadded<uint4>(in, v * kVec, p.n));
 #pragma unroll
     for (int r = 0; r < kMaxGroupSize; ++r) {
-      if (r < t.local_size && r != t.local_rank) StoreVolatile(remote[r] + v, x);
+      if (r < t.local_size && r != t.local_rank) remote[r][v] = x;
     }
   }
   const uint4 empty = make_uint4(kLamportEmpty, kLamportEmpty, kLamportEmpty, kLamportEmpty);
@@ -1086,10 +1081,15 @@ LaunchConfig MakeLaunchConfig(Algorithm algorithm, Protocol protocol, size_t n, 
   const size_t vec = 16 / elem;
   LaunchConfig c;
   if (algorithm == Algorithm::kOneShot) {
+    static const size_t lamport_bytes = std::getenv("JAXOVERLAP_LAMPORT_BLOCK_BYTES")
+        ? std::strtoull(std::getenv("JAXOVERLAP_LAMPORT_BLOCK_BYTES"), nullptr, 10) : kLamportBytesPerBlock;
+    static const size_t lamport_blocks = std::getenv("JAXOVERLAP_LAMPORT_MAX_BLOCKS")
+        ? std::strtoull(std::getenv("JAXOVERLAP_LAMPORT_MAX_BLOCKS"), nullptr, 10) : kMaxBlocks;
     const size_t per_block_bytes = protocol == Protocol::kLL        ? kLLBytesPerBlock
-                                   : protocol == Protocol::kLamport ? kLamportBytesPerBlock
+                                   : protocol == Protocol::kLamport ? lamport_bytes
                                                                     : kSimpleBytesPerBlock;
-    c.blocks = static_cast<int>(std::clamp<size_t>(CeilDiv(n * elem, per_block_bytes), 1, kMaxBlocks));
+    const size_t max_blocks = protocol == Protocol::kLamport ? lamport_blocks : kMaxBlocks;
+    c.blocks = static_cast<int>(std::clamp<size_t>(CeilDiv(n * elem, per_block_bytes), 1, max_blocks));
     c.per_block = RoundUp(CeilDiv(n, c.blocks), vec);
     return c;
   }
