@@ -7,7 +7,9 @@ Run one process per GPU through the launcher:
 
 Method: the chain method of jaxoverlap.tuning.timing: for each size, a chain of
 --chain dependent ops in one jit (10 above 8 MiB), minus the same chain
-without them, divided by the chain length; the median of --reps timed runs
+without them, divided by the chain length. The implementations of a size are
+timed interleaved (``time_chains_us``: per round, the empty chain, then each
+implementation's chain once); each figure is the median over --reps rounds
 after warm-up. Every implementation is first checked against a float32
 lax.psum of the same input, on every element of every rank
 (``harness.close``); one that fails is listed under "rejected" and not timed
@@ -79,12 +81,9 @@ def main(argv):
     return dict(mesh=run.mesh, axis_name=AXIS, length=fl.chain if nbytes <= (8 << 20) else 10,
                 reps=fl.reps)
 
-  def measure(impl: str, nbytes: int) -> float:
-    entry = inputs(nbytes)
-    if "empty_s" not in entry:
-      entry["empty_s"] = tuning.chain_time_s(None, entry["x"], **chain(nbytes))
-    return tuning.time_chain_us(harness.all_reduce_fn(impl, AXIS), entry["x"],
-                                empty_s=entry["empty_s"], **chain(nbytes))
+  def measure_row(impls: list[str], nbytes: int) -> dict[str, float]:
+    ops = {impl: harness.all_reduce_fn(impl, AXIS) for impl in impls}
+    return tuning.time_chains_us(ops, inputs(nbytes)["x"], **chain(nbytes))
 
   def check(impl: str, nbytes: int) -> str | None:
     if impl == harness.LAUNCH_FLOOR:
@@ -102,8 +101,8 @@ def main(argv):
                             f"rtol {harness.RTOL})")
 
   records, rejected = tuning.run_tuning(
-      measure, check, impls, [harness.parse_bytes(s) for s in fl.sizes], dtype=dtype.name,
-      ranks_per_node=run.ranks_per_node, world=run.world, log=run.log)
+      None, check, impls, [harness.parse_bytes(s) for s in fl.sizes], dtype=dtype.name,
+      ranks_per_node=run.ranks_per_node, world=run.world, log=run.log, measure_row=measure_row)
   for r in records:
     r.update(num_nodes=run.num_nodes, inter_node_transport=run.runtime.get("inter_node_transport"),
              processes=run.processes, transport=run.runtime.get("transport"))
@@ -115,9 +114,10 @@ def main(argv):
     harness.write_result(
         path, records, benchmark="all_reduce", machine=fl.machine,
         script="benchmarks/all_reduce.py", rejected=rejected,
-        method=(f"median of {fl.reps} runs of a chain of ops in one jit ({fl.chain} ops up to "
-                "8 MiB, 10 above), minus the same chain without them, divided by the chain "
-                "length; every impl first checked against a float32 lax.psum"),
+        method=(f"median of {fl.reps} rounds, each timing the empty chain and then every impl's "
+                f"chain of ops in one jit ({fl.chain} ops up to 8 MiB, 10 above) once, "
+                "interleaved: (chain - the round's empty chain) / chain length; every impl "
+                "first checked against a float32 lax.psum"),
         extra={"params": {}, "auto_choices": harness.auto_choices()})  # params: as tuning tables
     run.log(f"wrote {path}")
   return 1 if rejected else 0

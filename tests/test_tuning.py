@@ -371,3 +371,39 @@ def test_policy_above_a_large_table_scales_its_largest_size():
   faster = dict(table, **{"jaxoverlap:two_shot": {8192: 20.0, big: 250.0}})
   c = tuning.Policy(_records(faster), P).choose(3 * big, 2, 2, 1)
   assert (c.algorithm, c.time_us) == ("two_shot", pytest.approx(750.0))
+
+
+def test_run_tuning_times_a_row_together():
+  rows = []
+
+  def measure_row(impls, nbytes):
+    rows.append((tuple(impls), nbytes))
+    return {impl: 10.0 + i for i, impl in enumerate(impls)}
+
+  impls = ["xla:psum", "jaxoverlap:one_shot_ll", "jaxoverlap:one_shot_lamport"]
+  records, rejected = tuning.run_tuning(
+      None, lambda impl, b: "wrong" if impl.endswith("_ll") and b == 4096 else None, impls,
+      [4096, 8192], dtype="float32", ranks_per_node=2, world=2, measure_row=measure_row)
+  assert rows == [(("xla:psum", "jaxoverlap:one_shot_lamport"), 4096), (tuple(impls), 8192)]
+  assert rejected == [{"impl": "jaxoverlap:one_shot_ll", "bytes": 4096, "reason": "wrong"}]
+  assert [(r["impl"], r["bytes"], r["time_us"]) for r in records] == [
+      ("xla:psum", 4096, 10.0), ("jaxoverlap:one_shot_lamport", 4096, 11.0),
+      ("xla:psum", 8192, 10.0), ("jaxoverlap:one_shot_ll", 8192, 11.0),
+      ("jaxoverlap:one_shot_lamport", 8192, 12.0)]
+  with pytest.raises(ValueError, match="give measure or measure_row"):
+    tuning.run_tuning(None, lambda i, b: None, impls, [4096], dtype="float32",
+                      ranks_per_node=2, world=2)
+
+
+def test_time_chains_us_times_every_op_against_the_empty_chain():
+  import jax
+  import jax.numpy as jnp
+  from jax.sharding import NamedSharding, PartitionSpec
+
+  mesh = jax.make_mesh((2,), ("x",), devices=jax.devices()[:2])
+  x = jax.device_put(jnp.ones(4096, jnp.float32), NamedSharding(mesh, PartitionSpec("x")))
+  got = tuning.time_chains_us({"psum": lambda y: jax.lax.psum(y, "x"),
+                               "scale": lambda y: y * 2.0}, x, mesh=mesh, axis_name="x",
+                              length=4, reps=3, warmup=1)
+  assert list(got) == ["psum", "scale"]
+  assert all(math.isfinite(v) for v in got.values())

@@ -11,7 +11,10 @@ Algorithm:
   ``time_chain_us`` subtracts the same chain without the ops and divides by
   the length: the latency of one op inside XLA's program, launch included.
   Each figure is the median of ``reps`` timed runs after ``warmup``
-  untimed ones. ``run_tuning`` checks every configuration against a reference
+  untimed ones. ``time_chains_us`` times several ops' chains interleaved
+  (one run of each, the empty chain included, per round), so that a slow
+  spell of the host or the GPUs falls on all of them alike rather than on
+  whichever was being timed then. ``run_tuning`` checks every configuration against a reference
   before it times it, and records the ones that fail as rejected.
 
 Example:
@@ -23,10 +26,10 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-__all__ = ["run_tuning", "chain_time_s", "time_chain_us"]
+__all__ = ["run_tuning", "chain_time_s", "time_chain_us", "time_chains_us"]
 
 
 def _itemsize(dtype: str) -> int:
@@ -37,7 +40,7 @@ def _itemsize(dtype: str) -> int:
 
 
 def run_tuning(
-    measure: Callable[[str, int], float],
+    measure: Callable[[str, int], float] | None,
     check: Callable[[str, int], str | None],
     impls: Sequence[str],
     sizes: Sequence[int],
@@ -46,11 +49,13 @@ def run_tuning(
     ranks_per_node: int,
     world: int,
     log: Callable[[str], None] = lambda s: None,
+    measure_row: Callable[[Sequence[str], int], Mapping[str, float]] | None = None,
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
   """Checks, then times, every impl at every size.
 
   Args:
-    measure: ``measure(impl, nbytes) -> us``, median latency of one op.
+    measure: ``measure(impl, nbytes) -> us``, median latency of one op; None
+      when ``measure_row`` is given.
     check: ``check(impl, nbytes) -> None`` when the impl's result equals
       psum's, else the reason it does not (or why it cannot run). An impl that
       fails is not timed at that size, so a wrong but fast one never wins.
@@ -59,28 +64,63 @@ def run_tuning(
     dtype: element type name (e.g. ``"bfloat16"``).
     ranks_per_node, world: the topology measured.
     log: receives one line per size.
+    measure_row: ``measure_row(impls, nbytes) -> {impl: us}``, the impls that
+      passed their check at one size timed together (``time_chains_us``);
+      used instead of ``measure`` when given.
 
   Returns:
     ``(records, rejected)``: records of the results format (``jaxoverlap.tuning.results``), and ``{"impl", "bytes",
     "reason"}`` for each configuration that failed its check.
+
+  Raises:
+    ValueError: neither ``measure`` nor ``measure_row`` given.
   """
+  if measure is None and measure_row is None:
+    raise ValueError("run_tuning: give measure or measure_row")
   itemsize = _itemsize(dtype)
   records, rejected = [], []
   for nbytes in sizes:
+    reasons = {impl: check(impl, nbytes) for impl in impls}
+    passed = [impl for impl in impls if reasons[impl] is None]
+    if measure_row is not None:
+      times = dict(measure_row(passed, nbytes)) if passed else {}
+    else:
+      times = {impl: measure(impl, nbytes) for impl in passed}
     row = []
     for impl in impls:
-      reason = check(impl, nbytes)
-      if reason is not None:
-        rejected.append({"impl": impl, "bytes": nbytes, "reason": reason})
+      if reasons[impl] is not None:
+        rejected.append({"impl": impl, "bytes": nbytes, "reason": reasons[impl]})
         row.append(f"{impl}=rejected")
         continue
-      us = float(measure(impl, nbytes))
+      us = float(times[impl])
       records.append({"op": "all_reduce", "impl": impl, "dtype": dtype, "bytes": nbytes,
                       "shape": [nbytes // itemsize], "world": world,
                       "ranks_per_node": ranks_per_node, "time_us": round(max(us, 0.01), 2)})
       row.append(f"{impl}={us:.1f}us")
     log(f"{nbytes:>10} B  " + "  ".join(row))
   return records, rejected
+
+
+def _chain_fn(op: Callable | None, *, mesh, axis_name: str, length: int):
+  """The jit'd chain of ``length`` links of ``op`` (None: the links without the op)."""
+  import jax
+  from jax.sharding import PartitionSpec as P
+
+  from jaxoverlap import _xla
+
+  def f(y):
+    for _ in range(length):
+      if op is not None:
+        y = _xla.to_varying(op(y), axis_name)
+    return y
+
+  return jax.jit(jax.shard_map(f, mesh=mesh, in_specs=P(axis_name), out_specs=P(axis_name)))
+
+
+def _run_s(fn, x) -> float:
+  t = time.perf_counter()
+  fn(x).block_until_ready()
+  return time.perf_counter() - t
 
 
 def chain_time_s(op: Callable | None, x, *, mesh, axis_name: str, length: int = 50,
@@ -97,26 +137,10 @@ def chain_time_s(op: Callable | None, x, *, mesh, axis_name: str, length: int = 
     mesh: the mesh; axis_name: its axis.
     length: ops per chain. reps: timed runs (median). warmup: untimed runs.
   """
-  import jax
-  from jax.sharding import PartitionSpec as P
-
-  from jaxoverlap import _xla
-
-  def f(y):
-    for _ in range(length):
-      if op is not None:
-        y = _xla.to_varying(op(y), axis_name)
-    return y
-
-  fn = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=P(axis_name), out_specs=P(axis_name)))
+  fn = _chain_fn(op, mesh=mesh, axis_name=axis_name, length=length)
   for _ in range(warmup):
     fn(x).block_until_ready()
-  times = []
-  for _ in range(reps):
-    t = time.perf_counter()
-    fn(x).block_until_ready()
-    times.append(time.perf_counter() - t)
-  return statistics.median(times)
+  return statistics.median(_run_s(fn, x) for _ in range(reps))
 
 
 def time_chain_us(op: Callable, x, *, mesh, axis_name: str, length: int = 50, reps: int = 30,
@@ -132,3 +156,35 @@ def time_chain_us(op: Callable, x, *, mesh, axis_name: str, length: int = 50, re
   if empty_s is None:
     empty_s = chain_time_s(None, x, **kw)
   return (chain_time_s(op, x, **kw) - empty_s) / length * 1e6
+
+
+def time_chains_us(ops: Mapping[str, Callable], x, *, mesh, axis_name: str, length: int = 50,
+                   reps: int = 30, warmup: int = 3) -> dict[str, float]:
+  """Latency of each of ``ops``, us, timed interleaved.
+
+  Each round runs the empty chain and then every op's chain once, in turn;
+  an op's figure is the median over rounds of (its chain - that round's
+  empty chain) / length. Where ``time_chain_us`` times one op after the
+  other, a slow spell of the host (launch jitter) or of the GPUs lands on one
+  op; here it lands on every op of the round, and the median drops it.
+
+  Args:
+    ops: name -> per-shard function, as ``op`` of ``chain_time_s``.
+    x, mesh, axis_name, length: as ``chain_time_s``.
+    reps: rounds (median). warmup: untimed runs of each chain first.
+
+  Returns:
+    name -> us, in the order of ``ops``.
+  """
+  kw = dict(mesh=mesh, axis_name=axis_name, length=length)
+  empty = _chain_fn(None, **kw)
+  fns = {name: _chain_fn(op, **kw) for name, op in ops.items()}
+  for fn in (empty, *fns.values()):
+    for _ in range(warmup):
+      fn(x).block_until_ready()
+  diffs: dict[str, list[float]] = {name: [] for name in fns}
+  for _ in range(reps):
+    base = _run_s(empty, x)
+    for name, fn in fns.items():
+      diffs[name].append(_run_s(fn, x) - base)
+  return {name: statistics.median(d) / length * 1e6 for name, d in diffs.items()}
