@@ -240,6 +240,8 @@ ffi::Error SetUpDevice(RuntimeState& st, Mode mode, int device, char* heap, cons
   st.my_pe = pe;
   st.num_pes = num_pes;
   st.device = device;
+  JAXOVERLAP_CUDA_RETURN_IF_ERROR(
+      cudaDeviceGetAttribute(&st.num_sms, cudaDevAttrMultiProcessorCount, device));
   st.heap_bytes = heap_bytes;
   st.timeout_ns = timeout_ns;
   return ffi::Error::Success();

@@ -44,7 +44,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstdlib>
 #include <string>
 
 #include "jaxoverlap/all_reduce.h"
@@ -64,8 +63,14 @@ constexpr int kMaxBump = kMaxGroupSize + 8;  // local peers + log2(kMaxNodes) pa
 // (docs/kernels.md, "all_reduce v3").
 constexpr size_t kSimpleBytesPerBlock = 16 * 1024;
 constexpr size_t kLLBytesPerBlock = 4 * 1024;
-// One 16-byte vector per thread and pass.
-constexpr size_t kLamportBytesPerBlock = 16 * kThreads;
+// Lamport grid: 4 KiB per block (half the threads at small sizes), and up to
+// 4 blocks of 512 threads per SM (full occupancy), so that many vectors are in
+// flight per SM. Measured on 2x H200 against 8 KiB x 128 blocks and 16 KiB x
+// 264: the same up to 1 MiB, 16 MiB in 66 against 90-94 us (docs/kernels.md,
+// "all_reduce v5"). Lamport slots are addressed by vector index, not by block,
+// so ranks need not agree on the grid.
+constexpr size_t kLamportBytesPerBlock = 4 * 1024;
+constexpr int kLamportBlocksPerSm = 4;
 // The word a Lamport slot holds where no payload has arrived (runtime.cu fills
 // the slots with 0xff bytes), and the NaN sent in its place.
 constexpr uint32_t kLamportEmpty = 0xffffffffu;
@@ -1077,18 +1082,16 @@ struct LaunchConfig {
 };
 
 LaunchConfig MakeLaunchConfig(Algorithm algorithm, Protocol protocol, size_t n, size_t elem,
-                              int local_size) {
+                              int local_size, int num_sms) {
   const size_t vec = 16 / elem;
   LaunchConfig c;
   if (algorithm == Algorithm::kOneShot) {
-    static const size_t lamport_bytes = std::getenv("JAXOVERLAP_LAMPORT_BLOCK_BYTES")
-        ? std::strtoull(std::getenv("JAXOVERLAP_LAMPORT_BLOCK_BYTES"), nullptr, 10) : kLamportBytesPerBlock;
-    static const size_t lamport_blocks = std::getenv("JAXOVERLAP_LAMPORT_MAX_BLOCKS")
-        ? std::strtoull(std::getenv("JAXOVERLAP_LAMPORT_MAX_BLOCKS"), nullptr, 10) : kMaxBlocks;
     const size_t per_block_bytes = protocol == Protocol::kLL        ? kLLBytesPerBlock
-                                   : protocol == Protocol::kLamport ? lamport_bytes
+                                   : protocol == Protocol::kLamport ? kLamportBytesPerBlock
                                                                     : kSimpleBytesPerBlock;
-    const size_t max_blocks = protocol == Protocol::kLamport ? lamport_blocks : kMaxBlocks;
+    const size_t max_blocks =
+        protocol == Protocol::kLamport ? static_cast<size_t>(kLamportBlocksPerSm) * num_sms
+                                       : kMaxBlocks;
     c.blocks = static_cast<int>(std::clamp<size_t>(CeilDiv(n * elem, per_block_bytes), 1, max_blocks));
     c.per_block = RoundUp(CeilDiv(n, c.blocks), vec);
     return c;
@@ -1349,7 +1352,7 @@ ffi::Error AllReduce(const RuntimeState& s, cudaStream_t stream, Algorithm algor
 
   for (size_t offset = 0; offset < num_elements; offset += capacity) {
     const size_t n = std::min(capacity, num_elements - offset);
-    const LaunchConfig c = MakeLaunchConfig(algorithm, protocol, n, elem, topo.local_size);
+    const LaunchConfig c = MakeLaunchConfig(algorithm, protocol, n, elem, topo.local_size, s.num_sms);
     p.in = static_cast<const char*>(in) + offset * elem;
     p.out = static_cast<char*>(out) + offset * elem;
     p.n = n;
@@ -1394,7 +1397,8 @@ ffi::Error AllReduceStage(const RuntimeState& s, cudaStream_t stream, Stage stag
   // One launch carries the whole message: the caller (jaxoverlap/_cuda.py)
   // cuts larger ones into pieces, so that the shard layout is its own.
   const LaunchConfig c =
-      MakeLaunchConfig(Algorithm::kTwoShot, Protocol::kSimple, num_elements, elem, topo.local_size);
+      MakeLaunchConfig(Algorithm::kTwoShot, Protocol::kSimple, num_elements, elem, topo.local_size,
+                       s.num_sms);
   if (c.shard != shard_elements) {
     return ffi::Error::InvalidArgument(
         std::string(what) + ": the shard buffer has " + std::to_string(shard_elements) +
