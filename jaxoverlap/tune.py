@@ -9,9 +9,9 @@ For each size (``--sizes``, per-rank bytes) every impl is first checked
 against a float32 psum of the same inputs, on two different inputs in a row
 and on every element of every rank; one that fails (or cannot run) is recorded
 under ``"rejected"`` and not timed, so a wrong but fast configuration never
-wins. The rest are timed with ``tuning.time_chain_us`` (a chain of
-``--chain`` ops in one jit minus the same chain without them, median of
-``--reps``). Rank 0's timings become the table; it goes to ``--out``
+wins. The rest are timed together with ``tuning.time_chains_us`` (per
+round, the chain of ``--chain`` ops in one jit of every impl in turn, minus
+that round's chain without them; median of ``--reps`` rounds). Rank 0's timings become the table; it goes to ``--out``
 (default ``$JAXOVERLAP_TUNING_FILE`` or
 ``~/.cache/jaxoverlap/all_reduce-tuning.json``), written by rank 0 and by the
 first process of every other host, so that node-local caches agree and every
@@ -106,7 +106,6 @@ class _Bench:
     self.dtype, self.rank = dtype, rank
     self.num_ranks = jax.device_count()
     self.num_local = jax.local_device_count()
-    self._x, self._empty_s = {}, {}
 
   def _array(self, nbytes: int, seed, outliers: bool):
     import numpy as np
@@ -122,17 +121,13 @@ class _Bench:
     return self.jax.make_array_from_process_local_data(
         NamedSharding(self.mesh, P(_AXIS)), local, (n * self.num_ranks,))
 
-  def measure(self, impl: str, nbytes: int) -> float:
-    if nbytes not in self._x:
-      self._x = {nbytes: self._array(nbytes, [self.rank, nbytes], outliers=False)}
-      self._empty_s = {}
-    x = self._x[nbytes]
+  def measure_row(self, impls, nbytes: int) -> dict[str, float]:
+    """Every impl of one size, timed interleaved (``tuning.time_chains_us``)."""
+    x = self._array(nbytes, [self.rank, nbytes], outliers=False)
     length = FLAGS.chain if nbytes <= (8 << 20) else FLAGS.chain_large
-    kw = dict(mesh=self.mesh, axis_name=_AXIS, length=length, reps=FLAGS.reps,
-              warmup=FLAGS.warmup)
-    if nbytes not in self._empty_s:
-      self._empty_s[nbytes] = tuning.chain_time_s(None, x, **kw)
-    return tuning.time_chain_us(_op(impl), x, empty_s=self._empty_s[nbytes], **kw)
+    return tuning.time_chains_us({impl: _op(impl) for impl in impls}, x, mesh=self.mesh,
+                                 axis_name=_AXIS, length=length, reps=FLAGS.reps,
+                                 warmup=FLAGS.warmup)
 
   def check(self, impl: str, nbytes: int) -> str | None:
     """None when ``impl`` equals a float32 psum on every element of every rank."""
@@ -223,8 +218,8 @@ def main(argv):
 
   bench = _Bench(dtype, rank)
   records, rejected = tuning.run_tuning(
-      bench.measure, bench.check, impls, sizes, dtype=dtype.name,
-      ranks_per_node=ranks_per_node, world=world, log=log)
+      None, bench.check, impls, sizes, dtype=dtype.name,
+      ranks_per_node=ranks_per_node, world=world, log=log, measure_row=bench.measure_row)
   for r in rejected:
     log(f"rejected {r['impl']} at {r['bytes']} B: {r['reason']}")
 
@@ -233,9 +228,10 @@ def main(argv):
     result = tuning.make_result(
         records, machine=FLAGS.machine or f"{world}x {jax.devices()[0].device_kind}",
         command="python -m jaxoverlap.tune " + " ".join(sys.argv[1:]),
-        method=f"median of {FLAGS.reps} runs of a chain of ops in one jit ({FLAGS.chain} ops up "
-               f"to 8 MiB, {FLAGS.chain_large} above), minus the same chain without them, "
-               "divided by the chain length; rank 0's timings",
+        method=f"median of {FLAGS.reps} rounds, each timing the empty chain and then every "
+               f"impl's chain of ops in one jit ({FLAGS.chain} ops up to 8 MiB, "
+               f"{FLAGS.chain_large} above) once, interleaved: (chain - the round's empty "
+               "chain) / chain length; rank 0's timings",
         versions=tuning.package_versions(), params=params, rejected=rejected)
   if jax.process_count() > 1:
     result = _broadcast_json(result, rank)
