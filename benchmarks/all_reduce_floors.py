@@ -18,7 +18,8 @@ node:
            4 bytes of data each, so twice that;
   hbm      the bytes through this GPU's HBM at HBM_GBPS (docs/decode.md's probe): the input
            read and the output written (2 M), and every received byte written by the peer
-           and read back (one-shot 2 (P-1) M, two-shot 4 (P-1) M / P; twice for LL).
+           and read back (one-shot 2 (P-1) M, two-shot 4 (P-1) M / P; twice for LL), and for
+           the Lamport protocol the received bytes written back as the empty pattern ((P-1) M).
 
 floor = launch + signal + max(wire, hbm): a kernel that streams can overlap its HBM traffic
 with the transfers, not its launch or its dependent signals. The script prints, per size,
@@ -63,12 +64,14 @@ def kernel_floor_us(impl: str, nbytes: int, ranks: int, launch_us: float,
   name = impl.removeprefix("jaxoverlap:")
   algorithm, _, protocol = name.partition("_shot")
   protocol = protocol.lstrip("_") or "simple"
-  if algorithm not in ("one", "two") or protocol not in ("ll", "simple"):
+  if algorithm not in ("one", "two") or protocol not in ("ll", "simple", "lamport"):
     return None
   factor = LL_FACTOR if protocol == "ll" else 1
   peers = ranks - 1
   if algorithm == "one":
     phases, sent, received_passes = 1, peers * nbytes, 2 * peers * nbytes
+    if protocol == "lamport":
+      received_passes += peers * nbytes  # the slots written back empty
   else:
     phases, sent, received_passes = 2, 2 * peers * nbytes / ranks, 4 * peers * nbytes / ranks
   parts = {"launch": launch_us, "signal": phases * links.alpha_us,
