@@ -26,7 +26,7 @@ from jax.sharding import PartitionSpec as P
 
 import jaxoverlap
 from _helpers import make_mesh
-from jaxoverlap import _ffi, dispatch, names, overlap, reference, runtime
+from jaxoverlap import _checks, _ffi, dispatch, names, overlap, reference, runtime
 from jaxoverlap.dispatch import Request
 from jaxoverlap.tuning import policy
 
@@ -107,6 +107,18 @@ def test_all_reduce_across_nodes_is_hierarchical(one_process_per_device):
   p = plan(Request("all_reduce", "tp"), [(4096,)], ranks_per_node=2)
   assert (p.algorithm, p.ranks_per_node, p.num_nodes) == ("hierarchical", 2, 2)
   assert p.protocol == "ll"
+
+
+def test_all_reduce_lamport_is_one_shots(one_process_per_device):
+  p = plan(Request("all_reduce", "tp", protocol="lamport"), [(4096,)])
+  assert (p.algorithm, p.protocol, p.reason("protocol")) == ("one_shot", "lamport", "requested")
+  with pytest.raises(ValueError, match=re.escape(
+      "all_reduce: protocol='lamport' was requested, but the policy chose algorithm "
+      "'hierarchical', which has only ('ll', 'simple')")):
+    plan(Request("all_reduce", "tp", protocol="lamport"), [(4096,)], ranks_per_node=2)
+  with pytest.raises(ValueError, match=re.escape(
+      "all_reduce: algorithm='two_shot' has no protocol 'lamport'; valid: ('ll', 'simple')")):
+    _checks.check_options("all_reduce", backend="auto", algorithm="two_shot", protocol="lamport")
 
 
 def test_all_reduce_one_shot_across_nodes_raises(one_process_per_device):
