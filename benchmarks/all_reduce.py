@@ -42,8 +42,8 @@ def define_flags():
 
 def default_impls(num_nodes: int) -> list[str]:
   """Every CUDA algorithm of the topology, then auto, psum and the launch floor."""
-  ours = (["one_shot_ll", "one_shot_simple", "one_shot_lamport", "two_shot_ll", "two_shot_simple"]
-          if num_nodes == 1
+  ours = (["one_shot_ll", "one_shot_simple", "one_shot_lamport", "two_shot_ll", "two_shot_simple",
+           "two_shot_lamport"] if num_nodes == 1
           else ["hierarchical_ll", "hierarchical_simple"])
   return [f"jaxoverlap:{a}" for a in ours] + [harness.AUTO, harness.PSUM, harness.LAUNCH_FLOOR]
 

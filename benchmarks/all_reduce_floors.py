@@ -19,7 +19,8 @@ node:
   hbm      the bytes through this GPU's HBM at HBM_GBPS (docs/decode.md's probe): the input
            read and the output written (2 M), and every received byte written by the peer
            and read back (one-shot 2 (P-1) M, two-shot 4 (P-1) M / P; twice for LL), and for
-           the Lamport protocol the received bytes written back as the empty pattern ((P-1) M).
+           the Lamport protocol the received bytes written back as the empty pattern (one-shot
+           (P-1) M, two-shot 2 (P-1) M / P).
 
 floor = launch + signal + max(wire, hbm): a kernel that streams can overlap its HBM traffic
 with the transfers, not its launch or its dependent signals. The script prints, per size,
@@ -74,6 +75,8 @@ def kernel_floor_us(impl: str, nbytes: int, ranks: int, launch_us: float,
       received_passes += peers * nbytes  # the slots written back empty
   else:
     phases, sent, received_passes = 2, 2 * peers * nbytes / ranks, 4 * peers * nbytes / ranks
+    if protocol == "lamport":
+      received_passes += 2 * peers * nbytes / ranks
   parts = {"launch": launch_us, "signal": phases * links.alpha_us,
            "wire": factor * sent / (links.beta_gbps * 1e3),
            "hbm": (2 * nbytes + factor * received_passes) / (links.hbm_gbps * 1e3)}

@@ -97,10 +97,10 @@ def all_reduce(x, axis_name, *, backend="auto", algorithm="auto", protocol="auto
       (``jaxoverlap.tuning.policy``: the measured table, else the cost
       model), which may hand the call to ``lax.psum`` where NCCL is faster.
     protocol: backend "cuda": ``"auto"``, ``"ll"`` (8-byte cells of data and
-      flag, no separate signal), ``"simple"`` (data, then a flag) or, for
-      ``"one_shot"`` only, ``"lamport"`` (data alone, into slots that read as
-      an empty pattern until it arrives; a NaN input stays NaN, maybe with
-      another payload).
+      flag, no separate signal), ``"simple"`` (data, then a flag) or, within
+      one node (``"one_shot"``, ``"two_shot"``), ``"lamport"`` (data alone,
+      into slots that read as an empty pattern until it arrives; a NaN input
+      stays NaN, maybe with another payload).
     transport: ``"auto"`` or the runtime's transport, ``"nvshmem"``.
 
   Returns:

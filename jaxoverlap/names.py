@@ -95,13 +95,13 @@ _ALGORITHMS = {
 
 # Protocols of the CUDA all-reduce: "ll" sends 8-byte cells of 4 B data and a
 # 4 B epoch flag (no separate signal); "simple" sends the data, then a flag;
-# "lamport" (one_shot only) sends the data alone into slots that read as an
-# empty pattern until it arrives, and the receiver empties them again.
+# "lamport" (one_shot and two_shot) sends the data alone into slots that read
+# as an empty pattern until it arrives, and the receiver empties them again.
 LL = "ll"
 SIMPLE = "simple"
 LAMPORT = "lamport"
 PROTOCOLS = (LL, SIMPLE, LAMPORT)
-_PROTOCOLS = {ONE_SHOT: (LL, SIMPLE, LAMPORT), TWO_SHOT: (LL, SIMPLE),
+_PROTOCOLS = {ONE_SHOT: (LL, SIMPLE, LAMPORT), TWO_SHOT: (LL, SIMPLE, LAMPORT),
               HIERARCHICAL: (LL, SIMPLE)}
 
 # Transports of the CUDA kernels. "nvshmem": the NVSHMEM runtime, one PE per

@@ -117,8 +117,9 @@ def test_all_reduce_lamport_is_one_shots(one_process_per_device):
       "'hierarchical', which has only ('ll', 'simple')")):
     plan(Request("all_reduce", "tp", protocol="lamport"), [(4096,)], ranks_per_node=2)
   with pytest.raises(ValueError, match=re.escape(
-      "all_reduce: algorithm='two_shot' has no protocol 'lamport'; valid: ('ll', 'simple')")):
-    _checks.check_options("all_reduce", backend="auto", algorithm="two_shot", protocol="lamport")
+      "all_reduce: algorithm='hierarchical' has no protocol 'lamport'; valid: ('ll', 'simple')")):
+    _checks.check_options("all_reduce", backend="auto", algorithm="hierarchical",
+                          protocol="lamport")
 
 
 def test_all_reduce_one_shot_across_nodes_raises(one_process_per_device):

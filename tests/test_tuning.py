@@ -286,10 +286,10 @@ def test_tuner_loop_with_fake_measure(tmp_path):
   impls = tune.default_impls(1)
   assert impls == ["xla:psum", "jaxoverlap:one_shot_ll", "jaxoverlap:one_shot_simple",
                    "jaxoverlap:one_shot_lamport", "jaxoverlap:two_shot_ll",
-                   "jaxoverlap:two_shot_simple"]
+                   "jaxoverlap:two_shot_simple", "jaxoverlap:two_shot_lamport"]
   fake = {"xla:psum": 15.0, "jaxoverlap:one_shot_ll": 5.0, "jaxoverlap:one_shot_simple": 7.0,
           "jaxoverlap:one_shot_lamport": 7.2, "jaxoverlap:two_shot_ll": 7.5,
-          "jaxoverlap:two_shot_simple": 8.0}
+          "jaxoverlap:two_shot_simple": 8.0, "jaxoverlap:two_shot_lamport": 8.5}
   measured = []
 
   def measure(impl, nbytes):

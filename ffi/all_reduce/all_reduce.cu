@@ -23,7 +23,7 @@
 // acknowledgement message, no reset, and the same device work on every call
 // (so the handler is CUDA-graph safe).
 //
-// The Lamport protocol (one-shot) needs no flag and no epoch in the payload:
+// The Lamport protocol (one-shot, two-shot) needs no flag and no epoch in the payload:
 // its slots hold kLamportEmpty in every 32-bit word between calls, the sender
 // stores plain 16-byte vectors, and the receiver polls each vector until none
 // of its words is empty, then writes the empty pattern back. The idea is
@@ -632,6 +632,107 @@ __global__ void __launch_bounds__(kThreads) TwoShotLLKernel(Params p) {
   Finish(p, /*quiet=*/false);
 }
 
+// ---------------------------------------------------------- two-shot Lamport
+
+// Two-shot within one node, Lamport protocol: the reduce-scatter stores each
+// peer's shard as plain vectors into its phase-0 slot; each rank polls its
+// shard's vectors from every peer, sums them in rank order in fp32, empties
+// what it read, and stores the sum (rounded once to T) to its output and into
+// every peer's phase-1 slot; the all-gather polls the peers' sums from the
+// phase-1 slots and empties them. Slot offsets are vector indices within a
+// shard. Block b owns the same vector range of every shard in every phase.
+template <typename T>
+__global__ void __launch_bounds__(kThreads) TwoShotLamportKernel(Params p) {
+  constexpr size_t kVec = Vec16<T>::kElems;
+  const Topology& t = p.topo;
+  const HeapView& h = p.heap;
+  const T* in = static_cast<const T*>(p.in);
+  T* out = static_cast<T*>(p.out);
+  const int G = t.local_size;
+  const size_t per_block = p.per_block / kVec;  // vectors of a shard
+  auto shard_len = [&](int q) -> size_t {
+    const size_t s = min(p.n, static_cast<size_t>(q) * p.shard);
+    return min(p.n, s + p.shard) - s;
+  };
+  auto vector_range = [&](size_t len, size_t* vb, size_t* ve) {
+    const size_t vecs = (len + kVec - 1) / kVec;
+    *vb = min(vecs, blockIdx.x * per_block);
+    *ve = min(vecs, *vb + per_block);
+  };
+  uint64_t epoch[kMaxGroupSize];
+#pragma unroll
+  for (int r = 0; r < kMaxGroupSize; ++r) {
+    if (r < G && r != t.local_rank) epoch[r] = EpochWith(p, t.local_pes[r]);
+  }
+  const uint4 empty = make_uint4(kLamportEmpty, kLamportEmpty, kLamportEmpty, kLamportEmpty);
+
+  // Reduce-scatter: every peer's shard to that peer.
+#pragma unroll
+  for (int q = 0; q < kMaxGroupSize; ++q) {
+    if (q >= G || q == t.local_rank) continue;
+    const size_t len = shard_len(q);
+    size_t vb, ve;
+    vector_range(len, &vb, &ve);
+    const T* src = in + static_cast<size_t>(q) * p.shard;
+    uint4* dst = PeerPtr(h, LamportAt(h, epoch[q], /*phase=*/0, p.my_pe), t.local_pes[q]);
+    for (size_t v = vb + threadIdx.x; v < ve; v += blockDim.x) {
+      dst[v] = LamportPayload(LoadPadded<uint4>(src, v * kVec, len));
+    }
+  }
+  // My shard: sum the ranks, keep it, and send it to every peer.
+  {
+    const size_t len = shard_len(t.local_rank);
+    size_t vb, ve;
+    vector_range(len, &vb, &ve);
+    const size_t my_off = static_cast<size_t>(t.local_rank) * p.shard;
+    uint4* remote[kMaxGroupSize];
+#pragma unroll
+    for (int r = 0; r < kMaxGroupSize; ++r) {
+      if (r < G && r != t.local_rank) {
+        remote[r] = PeerPtr(h, LamportAt(h, epoch[r], /*phase=*/1, p.my_pe), t.local_pes[r]);
+      }
+    }
+    for (size_t v = vb + threadIdx.x; v < ve; v += blockDim.x) {
+      float acc[kVec];
+#pragma unroll
+      for (int i = 0; i < kVec; ++i) acc[i] = 0.0f;
+#pragma unroll
+      for (int r = 0; r < kMaxGroupSize; ++r) {
+        if (r >= G) break;
+        if (r == t.local_rank) {
+          Vec16<T>::Add(LoadPadded<uint4>(in + my_off, v * kVec, len), acc);
+        } else {
+          uint4* slot = LamportAt(h, epoch[r], /*phase=*/0, t.local_pes[r]) + v;
+          Vec16<T>::Add(LoadLamport(slot, p, t.local_pes[r], epoch[r], /*step=*/0), acc);
+          *slot = empty;
+        }
+      }
+      const uint4 sum = Vec16<T>::Pack(acc);
+      const uint4 payload = LamportPayload(sum);
+#pragma unroll
+      for (int r = 0; r < kMaxGroupSize; ++r) {
+        if (r < G && r != t.local_rank) remote[r][v] = payload;
+      }
+      StorePadded(out + my_off, v * kVec, len, sum);
+    }
+  }
+  // All-gather: the peers' sums from my phase-1 slots.
+#pragma unroll
+  for (int q = 0; q < kMaxGroupSize; ++q) {
+    if (q >= G || q == t.local_rank) continue;
+    const size_t len = shard_len(q);
+    size_t vb, ve;
+    vector_range(len, &vb, &ve);
+    T* dst = out + static_cast<size_t>(q) * p.shard;
+    for (size_t v = vb + threadIdx.x; v < ve; v += blockDim.x) {
+      uint4* slot = LamportAt(h, epoch[q], /*phase=*/1, t.local_pes[q]) + v;
+      StorePadded(dst, v * kVec, len, LoadLamport(slot, p, t.local_pes[q], epoch[q], /*step=*/1));
+      *slot = empty;
+    }
+  }
+  Finish(p, /*quiet=*/false);
+}
+
 // ------------------------------------------- one-shot + residual + RMSNorm
 
 // The fused all-reduce + residual add + RMSNorm of one launch (AllReduceRmsNorm).
@@ -1097,8 +1198,13 @@ LaunchConfig MakeLaunchConfig(Algorithm algorithm, Protocol protocol, size_t n, 
     return c;
   }
   c.shard = RoundUp(CeilDiv(n, local_size), vec);
-  const size_t per_block_bytes = protocol == Protocol::kLL ? kLLBytesPerBlock : kSimpleBytesPerBlock;
-  c.blocks = static_cast<int>(std::clamp<size_t>(CeilDiv(c.shard * elem, per_block_bytes), 1, kMaxBlocks));
+  const size_t per_block_bytes = protocol == Protocol::kLL        ? kLLBytesPerBlock
+                                 : protocol == Protocol::kLamport ? kLamportBytesPerBlock
+                                                                  : kSimpleBytesPerBlock;
+  const size_t max_blocks =
+      protocol == Protocol::kLamport ? static_cast<size_t>(kLamportBlocksPerSm) * num_sms
+                                     : kMaxBlocks;
+  c.blocks = static_cast<int>(std::clamp<size_t>(CeilDiv(c.shard * elem, per_block_bytes), 1, max_blocks));
   c.per_block = RoundUp(CeilDiv(c.shard, c.blocks), vec);
   return c;
 }
@@ -1113,6 +1219,8 @@ size_t ChunkCapacity(Algorithm algorithm, Protocol protocol, size_t elem, int lo
     cap = protocol == Protocol::kLL        ? (s.ll_slot_bytes / 16) * (8 / elem)
           : protocol == Protocol::kLamport ? s.lamport_slot_bytes / elem
                                            : s.slot_bytes / elem;
+  } else if (protocol == Protocol::kLamport) {
+    cap = s.lamport_slot_bytes / elem * local_size;  // a shard per slot
   } else {
     // Shard in T (RS/AG slots), in fp32 (acc, inter-node slots), in LL8 lines.
     size_t shard = std::min(s.slot_bytes / elem, s.acc_bytes / sizeof(float));
@@ -1155,6 +1263,8 @@ cudaError_t Launch(Algorithm algorithm, Protocol protocol, const LaunchConfig& c
     }
   } else if (algorithm == Algorithm::kTwoShot && protocol == Protocol::kLL) {
     TwoShotLLKernel<T><<<c.blocks, kThreads, 0, stream>>>(p);
+  } else if (algorithm == Algorithm::kTwoShot && protocol == Protocol::kLamport) {
+    TwoShotLamportKernel<T><<<c.blocks, kThreads, 0, stream>>>(p);
   } else if (protocol == Protocol::kLL) {
     ReduceScatterAllGatherKernel<T, true><<<c.blocks, kThreads, 0, stream>>>(p);
   } else {
@@ -1170,6 +1280,7 @@ ffi::Error PreloadKernelsOf() {
   JAXOVERLAP_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&a, OneShotSimpleKernel<T>));
   JAXOVERLAP_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&a, OneShotLamportKernel<T>));
   JAXOVERLAP_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&a, TwoShotLLKernel<T>));
+  JAXOVERLAP_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&a, TwoShotLamportKernel<T>));
   JAXOVERLAP_CUDA_RETURN_IF_ERROR(
       cudaFuncGetAttributes(&a, ReduceScatterAllGatherKernel<T, true>));
   JAXOVERLAP_CUDA_RETURN_IF_ERROR(
@@ -1329,9 +1440,10 @@ ffi::Error AllReduce(const RuntimeState& s, cudaStream_t stream, Algorithm algor
         std::to_string(static_cast<int>(protocol)) +
         " is not an enumerator of all_reduce.h (the extension and the Python package disagree)");
   }
-  if (protocol == Protocol::kLamport && algorithm != Algorithm::kOneShot) {
-    return ffi::Error::InvalidArgument(std::string("all_reduce: protocol lamport is one_shot's; ") +
-                                       AlgorithmName(algorithm) + " takes ll or simple");
+  if (protocol == Protocol::kLamport && algorithm == Algorithm::kHierarchical) {
+    return ffi::Error::InvalidArgument(
+        "all_reduce: protocol lamport runs within one node (one_shot, two_shot); hierarchical "
+        "takes ll or simple");
   }
   if ((algorithm == Algorithm::kOneShot || algorithm == Algorithm::kTwoShot) && topo.num_nodes > 1) {
     return ffi::Error::InvalidArgument(

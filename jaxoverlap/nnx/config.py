@@ -86,7 +86,7 @@ class ParallelConfig:
       (backend "xla"), ``"one_shot"``, ``"two_shot"`` or ``"hierarchical"``
       (backend "cuda").
     all_reduce_protocol: passed to ``all_reduce`` with it: ``"auto"``,
-      ``"ll"``, ``"simple"`` or ``"lamport"`` (one_shot; backend "cuda").
+      ``"ll"``, ``"simple"`` or ``"lamport"`` (one_shot, two_shot; backend "cuda").
     row_reduction: how a row-parallel layer without SP sums its partial
       products over tp (one of ``ROW_REDUCTIONS``; with SP the sum is always
       ``matmul_reduce_scatter``'s):

@@ -398,7 +398,7 @@ def predict_us(
 
   Args:
     algorithm: "one_shot", "two_shot", "hierarchical" or "psum".
-    protocol: "ll", "simple" or "lamport" (one_shot only); None for psum.
+    protocol: "ll", "simple" or "lamport" (one_shot, two_shot); None for psum.
     nbytes: message size per rank, bytes.
     itemsize: bytes per element (2 for bf16/f16, 4 for f32).
     ranks_per_node: G, GPUs per node in the group.
@@ -462,6 +462,8 @@ def predict_us(
     t += 2 * _step_us(p.nvlink, peers * shard, protocol)
     t += hbm((peers * wire + 1) * shard + shard)   # reduce G shards into one
     t += hbm((wire + 1) * peers * shard)           # unpack the gathered shards
+    if protocol == names.LAMPORT:
+      t += hbm(2 * peers * shard)                  # both phases' slots written back empty
   if algorithm == "hierarchical":
     wire_shard = shard * partial_itemsize / itemsize  # partial sums (fp32 by default)
     steps = int(math.log2(n)) + (0 if n & (n - 1) == 0 else 2)  # fold in / out

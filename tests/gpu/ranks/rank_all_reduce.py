@@ -38,7 +38,7 @@ from jax.sharding import PartitionSpec as P
 pytestmark = pytest.mark.usefixtures("runtime")
 
 WITHIN_NODE = (("one_shot", "ll"), ("one_shot", "simple"), ("one_shot", "lamport"),
-               ("two_shot", "ll"), ("two_shot", "simple"))
+               ("two_shot", "ll"), ("two_shot", "simple"), ("two_shot", "lamport"))
 ACROSS_NODES = (("hierarchical", "ll"), ("hierarchical", "simple"))
 AUTO = ("auto", "auto")
 

@@ -115,6 +115,7 @@ def test_runtime_transport(runtime):
 @pytest.mark.parametrize("algorithm,protocol", [("one_shot", "ll"), ("one_shot", "simple"),
                                                 ("one_shot", "lamport"),
                                                 ("two_shot", "ll"), ("two_shot", "simple"),
+                                                ("two_shot", "lamport"),
                                                 ("auto", "auto")])
 def test_all_reduce(runtime, mesh, R, dtype, algorithm, protocol):
   for seed, n in enumerate([0, 3, 4096, 32769, 1 << 19]):
