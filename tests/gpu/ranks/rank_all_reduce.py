@@ -21,7 +21,8 @@ conftest.py for the fixtures and the SPMD rules). What is checked:
 * late: rank 1 starts its call 3 s after the others; the result is right.
 * lamport_empty_pattern: inputs holding the Lamport protocol's empty word
   (0xffffffff: an fp32 NaN, or two bf16 NaNs) give NaN there and the sum
-  elsewhere, and the calls after them are right (the slots were emptied).
+  elsewhere, and the calls after them are right (the slots were emptied), for
+  one_shot and two_shot (whose all-gather sends sums that are NaN there).
 """
 
 from __future__ import annotations
@@ -326,15 +327,16 @@ def test_late_rank(ar, topology, nccl, nproc, rank):
 
 
 @pytest.mark.quick
+@pytest.mark.parametrize("algorithm", ["one_shot", "two_shot"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_lamport_empty_pattern(dtype, ar, kv, topology, nproc, rank):
+def test_lamport_empty_pattern(dtype, algorithm, ar, kv, topology, nproc, rank):
   """Data words equal to the empty pattern neither hang the receiver nor stay in the slots."""
   if topology.num_nodes != 1 or nproc < 2:
-    pytest.skip("one_shot runs within one node, of at least 2 ranks")
+    pytest.skip(f"{algorithm} runs within one node, of at least 2 ranks")
   dt = DTYPES[dtype]
   n = 3 * 4096 + 6  # several blocks and a partial vector; whole 32-bit words in bfloat16
   words = n * np.dtype(dt).itemsize // 4
-  fn = ar.fn(("one_shot", "lamport"))
+  fn = ar.fn((algorithm, "lamport"))
   failures = []
   for call in range(3):
     xs = [_inputs((13, call), r, n, dt) for r in range(nproc)]
