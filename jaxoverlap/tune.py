@@ -18,6 +18,13 @@ first process of every other host, so that node-local caches agree and every
 process chooses the same algorithm. ``--net_alpha_us`` / ``--net_beta_gbps``
 are stored in the table's ``"params"`` for the cost model (used at sizes and
 topologies the table lacks).
+
+``--from_results`` builds a table from ``benchmarks/all_reduce.py`` results
+files instead of measuring (the shipped
+``jaxoverlap/tuning_tables/all_reduce-NVIDIA_H200.json`` is made this way):
+
+  python -m jaxoverlap.tune --out jaxoverlap/tuning_tables/all_reduce-NVIDIA_H200.json \
+      --from_results benchmarks/results/all_reduce-2x_H200_NV18-1x2.json,benchmarks/results/all_reduce-2x_H200_NV18-2x1.json
 """
 
 from __future__ import annotations
@@ -45,6 +52,9 @@ flags.DEFINE_integer("ranks_per_node", 0,
 flags.DEFINE_string("machine", "", "machine name for the table (default: '<world>x <device kind>')")
 flags.DEFINE_float("net_alpha_us", None, "network latency per message, us, saved into 'params'")
 flags.DEFINE_float("net_beta_gbps", None, "network bandwidth per GPU, GB/s, saved into 'params'")
+flags.DEFINE_list("from_results", [],
+                  "instead of measuring: build the table from these benchmarks/all_reduce.py "
+                  "results files (their kernel and psum records; no GPU needed)")
 FLAGS = flags.FLAGS
 
 _AXIS = "x"
@@ -187,8 +197,47 @@ def _broadcast_json(obj, rank: int):
   return json.loads(np.asarray(multihost_utils.broadcast_one_to_all(buf)).tobytes().decode())
 
 
+def table_from_results(paths, command: str) -> dict:
+  """A tuning table made of the records of ``benchmarks/all_reduce.py`` results files.
+
+  Keeps the records that are choices (kernels and ``xla:psum``; not auto or
+  the launch floor) and the rejected configurations; machine, method and
+  versions come from the first file.
+
+  Args:
+    paths: results files (JSON, the results format with ``"records"``).
+    command: recorded as the table's ``"command"``.
+
+  Raises:
+    ValueError: a file without records, or files of different machines.
+  """
+  results = []
+  for path in paths:
+    with open(path) as f:
+      results.append(json.load(f))
+    if not results[-1].get("records"):
+      raise ValueError(f"tune --from_results: {path} has no records")
+  machines = {r.get("machine") for r in results}
+  if len(machines) > 1:
+    raise ValueError(f"tune --from_results: the files come from different machines {machines}")
+  records = [dict(rec) for r in results for rec in r["records"]
+             if tuning.parse_impl(rec.get("impl", "")) is not None]
+  rejected = [rej for r in results for rej in r.get("rejected", [])
+              if tuning.parse_impl(rej.get("impl", "")) is not None]
+  first = results[0]
+  return tuning.make_result(records, machine=first["machine"], command=command,
+                            method=first["method"], versions=first.get("versions"),
+                            params=first.get("params") or {}, rejected=rejected)
+
+
 def main(argv):
   del argv
+  if FLAGS.from_results:
+    result = table_from_results(FLAGS.from_results,
+                                "python -m jaxoverlap.tune " + " ".join(sys.argv[1:]))
+    print(f"wrote {tuning.save_result(result, FLAGS.out or None)} "
+          f"({len(result['records'])} records)", flush=True)
+    return
   from jaxoverlap import launch
 
   info = launch.initialize_from_env()

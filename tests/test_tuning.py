@@ -407,3 +407,22 @@ def test_time_chains_us_times_every_op_against_the_empty_chain():
                               length=4, reps=3, warmup=1)
   assert list(got) == ["psum", "scale"]
   assert all(math.isfinite(v) for v in got.values())
+
+
+def test_shipped_table_is_rebuilt_from_the_results_files(tmp_path):
+  import os
+
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  files = [os.path.join(root, "benchmarks", "results", f"all_reduce-2x_H200_NV18-{t}.json")
+           for t in ("1x2", "2x1")]
+  table = tune.table_from_results(files, "python -m jaxoverlap.tune --from_results ...")
+  tuning.validate_result(table)
+  with open(os.path.join(root, "jaxoverlap", "tuning_tables", "all_reduce-NVIDIA_H200.json")) as f:
+    shipped = json.load(f)
+  assert table["records"] == shipped["records"]
+  assert table["rejected"] == shipped["rejected"]
+  assert {r["impl"] for r in table["records"]}.isdisjoint({"jaxoverlap:auto", "floor:launch"})
+  other = tmp_path / "other.json"
+  other.write_text(json.dumps(dict(json.load(open(files[0])), machine="1x A100")))
+  with pytest.raises(ValueError, match="different machines"):
+    tune.table_from_results([files[0], str(other)], "cmd")
