@@ -30,6 +30,7 @@ files instead of measuring (the shipped
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 from absl import app, flags
@@ -201,8 +202,9 @@ def table_from_results(paths, command: str) -> dict:
   """A tuning table made of the records of ``benchmarks/all_reduce.py`` results files.
 
   Keeps the records that are choices (kernels and ``xla:psum``; not auto or
-  the launch floor) and the rejected configurations; machine, method and
-  versions come from the first file.
+  the launch floor) and the rejected configurations; machine and versions
+  come from the first file, the method from each (named by file where they
+  differ).
 
   Args:
     paths: results files (JSON, the results format with ``"records"``).
@@ -225,8 +227,11 @@ def table_from_results(paths, command: str) -> dict:
   rejected = [rej for r in results for rej in r.get("rejected", [])
               if tuning.parse_impl(rej.get("impl", "")) is not None]
   first = results[0]
+  methods = {r["method"] for r in results}
+  method = first["method"] if len(methods) == 1 else "; ".join(
+      f"{os.path.basename(p)}: {r['method']}" for p, r in zip(paths, results))
   return tuning.make_result(records, machine=first["machine"], command=command,
-                            method=first["method"], versions=first.get("versions"),
+                            method=method, versions=first.get("versions"),
                             params=first.get("params") or {}, rejected=rejected)
 
 

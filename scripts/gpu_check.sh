@@ -17,7 +17,9 @@
 #       | decode | decodefloor (one GPU: the TP=2 rank's decode step against its weights-read
 #       roofline, with and without XLA's CUDA graphs; a profile)
 #       | procbench (one process driving both GPUs beside two processes)
-#       | pallasbench (AG+GEMM: ours against JAX's Pallas collective matmul, one process); 4/8 GPUs:
+#       | pallasbench (AG+GEMM: ours against JAX's Pallas collective matmul, one process)
+#       | retune (1 x 2 bench of every kernel, a tuning table built from it and the committed
+#       2 x 1 run, then auto with that table beside psum, in two and in one process); 4/8 GPUs:
 #       multigpu_bench | multigpu_fused
 #   (several benchmark verbs in one call: bash scripts/gpu_check.sh bench autobench)
 # Uses the machine's preinstalled packages (nothing is downloaded).
@@ -31,7 +33,7 @@ PY=${PYTHON:-python3}
 WHAT=${1:-}
 VERBS=" build suite bench bench2 autobench quickbench tune ovbench ovbenchfull ovwindowed"
 VERBS="$VERBS ovcalibrate train cmdbufcost profile ovprofilegraphs decode procbench multigpu_bench"
-VERBS="$VERBS multigpu_fused normbench decodefloor pallasbench "
+VERBS="$VERBS multigpu_fused normbench decodefloor pallasbench retune "
 if [ -z "$WHAT" ] || [[ "$VERBS" != *" $WHAT "* ]]; then
   echo "usage: bash scripts/gpu_check.sh <verb> (verbs:$VERBS)" >&2
   exit 2
@@ -106,6 +108,19 @@ if [ "$WHAT" = pallasbench ] && [ "$NGPU" -ge 2 ]; then
   run pallasbench 300 $PY benchmarks/overlap.py --out "$OUT/pallas" \
     --shapes "${PALLAS_SHAPES:-ag:16384,4096,4096;ag:4096,8192,28672}" \
     --impls "xla:local_gemm,xla:collective,jaxoverlap:copy_engine,$($PY -c 'import sys; sys.path.insert(0, "benchmarks"); import overlap; print(",".join(overlap.pallas_impls()))')"
+fi
+
+if [ "$WHAT" = retune ] && [ "$NGPU" -ge 2 ]; then
+  run bench_1x2 330 $PY -m jaxoverlap.launch --nproc 2 --timeout_s 320 benchmarks/all_reduce.py --out "$OUT"
+  TABLE="$OUT/all_reduce-NVIDIA_H200.json"
+  $PY -m jaxoverlap.tune --out "$TABLE" \
+    --from_results "$OUT/all_reduce-2x_H200_NV18-1x2.json,benchmarks/results/all_reduce-2x_H200_NV18-2x1.json" \
+    || { echo "!! table not built"; status=1; }
+  run autobench_1x2 120 JAXOVERLAP_TUNING_FILE="$TABLE" $PY -m jaxoverlap.launch --nproc 2 --timeout_s 110 \
+    benchmarks/all_reduce.py --out "$OUT/auto" --impls jaxoverlap:auto,xla:psum,floor:launch \
+    --sizes 8K,64K,256K,512K,1M,2M,4M,16M,64M --reps 20
+  run autobench_1process 120 JAXOVERLAP_TUNING_FILE="$TABLE" $PY benchmarks/all_reduce.py \
+    --out "$OUT/processes1" --impls jaxoverlap:auto,xla:psum --sizes 8K,64K,256K,1M,4M --reps 30
 fi
 
 if [ "$WHAT" = tune ] && [ "$NGPU" -ge 2 ]; then
