@@ -11,7 +11,8 @@ without them, divided by the chain length. The implementations of a size are
 timed interleaved (``time_chains_us``: per round, the empty chain, then each
 implementation's chain once); each figure is the median over --reps rounds
 after warm-up. Every implementation is first checked against a float32
-lax.psum of the same input, on every element of every rank
+lax.psum of the same input, three calls with different inputs in a row, on
+every element of every rank
 (``harness.close``); one that fails is listed under "rejected" and not timed
 (floor:launch, one kernel launch and no all-reduce, is not checked). Ours and
 psum are measured side by side in one process group.
@@ -94,11 +95,16 @@ def main(argv):
       pair = jax.jit(jax.shard_map(
           lambda y: (varying(op(y)), varying(jax.lax.psum(y.astype(jnp.float32), AXIS))),
           mesh=run.mesh, in_specs=P(AXIS), out_specs=(P(AXIS), P(AXIS))))
-      ok, err, atol = harness.close(*pair(inputs(nbytes)["x"]))
+      # Three different inputs in a row: each slot parity is used twice, so a
+      # stale slot (or a Lamport slot left unemptied) shows up.
+      for k in range(3):
+        ok, err, atol = harness.close(*pair(inputs(nbytes)["x"] * (k + 1)))
+        if not ok:
+          return (f"differs from lax.psum (call {k + 1} of 3): max |diff| {err:.3g} "
+                  f"(atol {atol:.3g}, rtol {harness.RTOL})")
     except Exception as e:  # noqa: BLE001: a refusal is a rejection, recorded with its reason
       return f"{type(e).__name__}: {e}".splitlines()[0][:300]
-    return None if ok else (f"differs from lax.psum: max |diff| {err:.3g} (atol {atol:.3g}, "
-                            f"rtol {harness.RTOL})")
+    return None
 
   records, rejected = tuning.run_tuning(
       None, check, impls, [harness.parse_bytes(s) for s in fl.sizes], dtype=dtype.name,

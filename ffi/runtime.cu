@@ -209,8 +209,8 @@ ffi::Error SetUpDevice(RuntimeState& st, Mode mode, int device, char* heap, cons
   st.force_put = force_put != nullptr && std::string(force_put) == "1";
   JAXOVERLAP_CUDA_RETURN_IF_ERROR(cudaMalloc(&st.pair_epochs, sizeof(uint64_t) * num_pes));
   JAXOVERLAP_CUDA_RETURN_IF_ERROR(cudaMemset(st.pair_epochs, 0, sizeof(uint64_t) * num_pes));
-  JAXOVERLAP_CUDA_RETURN_IF_ERROR(cudaMalloc(&st.done_counter, sizeof(unsigned int)));
-  JAXOVERLAP_CUDA_RETURN_IF_ERROR(cudaMemset(st.done_counter, 0, sizeof(unsigned int)));
+  JAXOVERLAP_CUDA_RETURN_IF_ERROR(cudaMalloc(&st.done_counter, 2 * sizeof(unsigned int)));
+  JAXOVERLAP_CUDA_RETURN_IF_ERROR(cudaMemset(st.done_counter, 0, 2 * sizeof(unsigned int)));
   JAXOVERLAP_CUDA_RETURN_IF_ERROR(cudaMalloc(&st.overlap_epochs, sizeof(uint64_t) * num_pes));
   JAXOVERLAP_CUDA_RETURN_IF_ERROR(
       cudaMemset(st.overlap_epochs, 0, sizeof(uint64_t) * num_pes));

@@ -6,7 +6,7 @@ Run it inside every process of the job, one process per GPU:
   srun --ntasks-per-node 8 python -m jaxoverlap.tune --out /shared/all_reduce-tuning.json
 
 For each size (``--sizes``, per-rank bytes) every impl is first checked
-against a float32 psum of the same inputs, on two different inputs in a row
+against a float32 psum of the same inputs, on three different inputs in a row
 and on every element of every rank; one that fails (or cannot run) is recorded
 under ``"rejected"`` and not timed, so a wrong but fast configuration never
 wins. The rest are timed together with ``tuning.time_chains_us`` (per
@@ -164,7 +164,9 @@ class _Bench:
       fn = jax.jit(jax.shard_map(pair, mesh=self.mesh, in_specs=P(_AXIS),
                                  out_specs=(P(_AXIS),) * 3))
       eps = float(jnp.finfo(self.dtype).eps)
-      for step in range(2):  # two inputs in a row: stale buffers or epochs show up
+      # Three inputs in a row: each slot parity is used twice, so stale
+      # buffers, epochs or a Lamport slot left unemptied show up.
+      for step in range(3):
         outs = fn(self._array(nbytes, [self.rank, nbytes, step, 1], outliers=True))
         for got, want, scale in zip(*(o.addressable_shards for o in outs)):
           g, w, s = (np.asarray(a.data, np.float32) for a in (got, want, scale))

@@ -82,7 +82,7 @@ def plan(request, shapes, mesh_shape=(4,), axes=("tp",), dtype=BF16, **fkw):
 
 def test_all_reduce_one_node_picks_a_kernel_and_protocol(one_process_per_device):
   p = plan(Request("all_reduce", "tp"), [(4096,)])
-  assert (p.backend, p.algorithm, p.protocol, p.transport) == ("cuda", "one_shot", "lamport",
+  assert (p.backend, p.algorithm, p.protocol, p.transport) == ("cuda", "one_shot", "ll",
                                                                "nvshmem")
   assert (p.num_ranks, p.ranks_per_node, p.num_nodes) == (4, 4, 1)
   assert p.groups == ((0, 1, 2, 3),)

@@ -426,3 +426,18 @@ def test_shipped_table_is_rebuilt_from_the_results_files(tmp_path):
   other.write_text(json.dumps(dict(json.load(open(files[0])), machine="1x A100")))
   with pytest.raises(ValueError, match="different machines"):
     tune.table_from_results([files[0], str(other)], "cmd")
+
+
+def test_the_model_alone_never_picks_an_excluded_kernel():
+  pol = tuning.Policy(())
+  for rpn in (2, 4, 8):
+    for nbytes in (8 << 10, 256 << 10, 1 << 20, 16 << 20):
+      c = pol.choose(nbytes, 2, rpn, 1)
+      assert (c.algorithm, c.protocol) not in tuning.policy.MODEL_EXCLUDED, (rpn, nbytes, c)
+  # A table that measures one of them lets it win.
+  recs = [{"op": "all_reduce", "impl": impl, "dtype": "bfloat16", "bytes": b, "shape": [b // 2],
+           "world": 2, "ranks_per_node": 2, "time_us": us}
+          for b in (1 << 20, 2 << 20)
+          for impl, us in (("xla:psum", 20.0), ("jaxoverlap:one_shot_ll", 15.0),
+                           ("jaxoverlap:one_shot_lamport", 12.0))]
+  assert tuning.Policy(recs).choose(1 << 20, 2, 2, 1)[:2] == ("one_shot", "lamport")

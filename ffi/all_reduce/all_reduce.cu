@@ -64,11 +64,14 @@ constexpr int kMaxBump = kMaxGroupSize + 8;  // local peers + log2(kMaxNodes) pa
 constexpr size_t kSimpleBytesPerBlock = 16 * 1024;
 constexpr size_t kLLBytesPerBlock = 4 * 1024;
 // Lamport grid: 4 KiB per block (half the threads at small sizes), and up to
-// 4 blocks of 512 threads per SM (full occupancy), so that many vectors are in
-// flight per SM. Measured on 2x H200 against 8 KiB x 128 blocks and 16 KiB x
-// 264: the same up to 1 MiB, 16 MiB in 66 against 90-94 us (docs/kernels.md,
-// "all_reduce v5"). Lamport slots are addressed by vector index, not by block,
-// so ranks need not agree on the grid.
+// 4 x the SMs in blocks. A block needs 128 registers per thread, so one block
+// of 512 threads fits an SM and a large message runs in up to 4 waves, each
+// block with a quarter of the range it would have in one wave. Measured on
+// 2x H200 against 8 KiB x 128 blocks and 16 KiB x 264: the same up to 1 MiB,
+// 16 MiB in 66 against 90-94 us (docs/kernels.md, "all_reduce v5"). Blocks take
+// their ranges in start order (TakeTicket), so the waves cannot deadlock.
+// Slots are addressed by vector index, not by block, so ranks need not agree
+// on the grid.
 constexpr size_t kLamportBytesPerBlock = 4 * 1024;
 constexpr int kLamportBlocksPerSm = 4;
 // The word a Lamport slot holds where no payload has arrived (runtime.cu fills
@@ -106,7 +109,7 @@ struct Params {
   int my_pe;
   HeapView heap;
   uint64_t* pair_epochs;
-  unsigned int* done_counter;
+  unsigned int* done_counter;  // [0] blocks finished, [1] blocks started (TakeTicket)
   DeviceError* error;
   uint64_t timeout_ns;
   bool force_put;  // inter-node steps use NVSHMEM puts even to load/store-reachable peers
@@ -322,10 +325,25 @@ __device__ __forceinline__ void Finish(const Params& p, bool quiet) {
     const unsigned int finished = atomicAdd(p.done_counter, 1u);
     if (finished == gridDim.x - 1) {
       for (int i = 0; i < p.num_bump; ++i) p.pair_epochs[p.bump[i]] += 1;
-      *p.done_counter = 0;
+      p.done_counter[0] = 0;
+      p.done_counter[1] = 0;  // every block took its ticket before it finished
       __threadfence();
     }
   }
+}
+
+// The index of the range this block works on, in the order in which blocks
+// start rather than by blockIdx. A Lamport grid may exceed the blocks the GPU
+// holds at once, and a block waits for the block of the peer that handles the
+// same range; numbering ranges by start order means that every range below a
+// waiting block's was taken by a block that already started, and every block
+// sends before it waits, so the peer's waits always end, whatever order the
+// hardware starts blocks in.
+__device__ __forceinline__ size_t TakeTicket(const Params& p) {
+  __shared__ unsigned int ticket;
+  if (threadIdx.x == 0) ticket = atomicAdd(p.done_counter + 1, 1u);
+  __syncthreads();
+  return ticket;
 }
 
 // ---------------------------------------------------------------- one-shot
@@ -486,7 +504,7 @@ __global__ void __launch_bounds__(kThreads) OneShotLamportKernel(Params p) {
   T* out = static_cast<T*>(p.out);
   const size_t vecs = (p.n + kVec - 1) / kVec;
   const size_t per_block = p.per_block / kVec;  // vectors
-  const size_t vb = min(vecs, blockIdx.x * per_block);
+  const size_t vb = min(vecs, TakeTicket(p) * per_block);
   const size_t ve = min(vecs, vb + per_block);
 
   uint64_t epoch[kMaxGroupSize];
@@ -650,13 +668,14 @@ __global__ void __launch_bounds__(kThreads) TwoShotLamportKernel(Params p) {
   T* out = static_cast<T*>(p.out);
   const int G = t.local_size;
   const size_t per_block = p.per_block / kVec;  // vectors of a shard
+  const size_t block = TakeTicket(p);
   auto shard_len = [&](int q) -> size_t {
     const size_t s = min(p.n, static_cast<size_t>(q) * p.shard);
     return min(p.n, s + p.shard) - s;
   };
   auto vector_range = [&](size_t len, size_t* vb, size_t* ve) {
     const size_t vecs = (len + kVec - 1) / kVec;
-    *vb = min(vecs, blockIdx.x * per_block);
+    *vb = min(vecs, block * per_block);
     *ve = min(vecs, *vb + per_block);
   };
   uint64_t epoch[kMaxGroupSize];

@@ -350,17 +350,28 @@ def nccl_best(nbytes: int, ranks_per_node: int, num_nodes: int,
              for a in algorithms for proto in NCCL_PROTOCOLS)
 
 
+# What a Lamport kernel pays per step beyond the alpha-beta terms: its blocks
+# carry 4 KiB (half their threads idle) and every vector is polled, then written
+# back empty. Fitted to the one run that measured it against LL on 2x H200
+# (benchmarks/results/lamport_grid/, 2026-12-01): LL faster up to 256 KiB
+# (5.9 / 6.5 / 7.4 against 6.1 / 7.6 / 10.6 us at 8 / 64 / 256 KiB), Lamport
+# from 512 KiB (7.7 against 9.4 us). The policy does not let the model alone
+# choose Lamport (policy.MODEL_EXCLUDED).
+LAMPORT_OVERHEAD_US = 0.7
+
+
 def _step_us(link: LinkParams, nbytes: float, protocol: str) -> float:
   """One step in which every rank sends ``nbytes`` payload bytes and waits for its peers'.
 
   LL8 sends 4 B of flag with every 4 B of data (2x the wire bytes) and needs
   no signal; simple sends the data once, then a signal that costs one more
-  latency; lamport sends the data once and needs no signal.
+  latency; lamport sends the data once and needs no signal, but pays
+  ``LAMPORT_OVERHEAD_US`` per step.
   """
   if protocol == "ll":
     return link.alpha_us + link.transfer_us(2 * nbytes)
   if protocol == "lamport":
-    return link.alpha_us + link.transfer_us(nbytes)
+    return link.alpha_us + link.transfer_us(nbytes) + LAMPORT_OVERHEAD_US
   return 2 * link.alpha_us + link.transfer_us(nbytes)
 
 
@@ -393,8 +404,9 @@ def predict_us(
     protocols (``nccl_best``).
 
   A step (``_step_us``) costs alpha + 2 bytes/beta with protocol "ll",
-  2 alpha + bytes/beta with "simple" and alpha + bytes/beta with "lamport"
-  (which also writes every received byte back as the empty pattern).
+  2 alpha + bytes/beta with "simple" and alpha + bytes/beta +
+  ``LAMPORT_OVERHEAD_US`` with "lamport" (which also writes every received
+  byte back as the empty pattern).
 
   Args:
     algorithm: "one_shot", "two_shot", "hierarchical" or "psum".

@@ -126,7 +126,9 @@ struct RuntimeState {
   char* acc[2] = {nullptr, nullptr};    // this PE's fp32 accumulators (inside heap)
   char* stage[2] = {nullptr, nullptr};  // this PE's LL8 packing buffers (inside heap)
   uint64_t* pair_epochs = nullptr;   // device memory [num_pes]: calls made with each peer
-  unsigned int* done_counter = nullptr;  // device memory: blocks finished in the current call
+  // Device memory, two counters of the current all-reduce call: [0] blocks
+  // finished, [1] blocks started (the Lamport kernels' work tickets).
+  unsigned int* done_counter = nullptr;
   DeviceError* error_host = nullptr;     // mapped pinned memory
   DeviceError* error_device = nullptr;   // its device alias
   // The fused ops (overlap.cu).
