@@ -134,20 +134,27 @@ ffi::Error MakeLayout(int num_pes, int ranks_per_node, size_t heap_bytes, size_t
   l.ll_slot_bytes = heap_bytes / (4 * per_pe_slots) / (64 * 1024) * (64 * 1024);
   l.ll_slot_bytes = std::min(kMaxLlSlotBytes, std::max(kMinLlSlotBytes, l.ll_slot_bytes));
   l.ll_bytes = per_pe_slots * l.ll_slot_bytes;
-  const size_t lamport_slots = static_cast<size_t>(kNumParities) * kNumLamportPhases * ranks_per_node;
-  l.lamport_slot_bytes = heap_bytes / (8 * lamport_slots) / (64 * 1024) * (64 * 1024);
-  l.lamport_slot_bytes =
-      std::min(kMaxLamportSlotBytes, std::max(kMinLamportSlotBytes, l.lamport_slot_bytes));
-  l.lamport_bytes = lamport_slots * l.lamport_slot_bytes;
-  const size_t fixed = l.flag_bytes + l.ll_bytes + l.lamport_bytes + 2 * l.ll_slot_bytes;
+  const size_t base_fixed = l.flag_bytes + l.ll_bytes + 2 * l.ll_slot_bytes;
   // acc (2 x S) and the payload slots (per_pe_slots x S) share the rest.
   const size_t min_slot = 64 * 1024;
-  if (heap_bytes < fixed + (per_pe_slots + 2) * min_slot) {
+  const size_t base_need = base_fixed + (per_pe_slots + 2) * min_slot;
+  if (heap_bytes < base_need) {
     return Fail(ffi::ErrorCode::kInvalidArgument,
                 "symmetric heap of " + std::to_string(heap_bytes) + " bytes is too small for " +
                     std::to_string(num_pes) + " PEs; it needs at least " +
-                    std::to_string(fixed + (per_pe_slots + 2) * min_slot) + " bytes");
+                    std::to_string(base_need) + " bytes");
   }
+  // Lamport slots: heap / 8 over them, within bounds, and at most half of what
+  // the other slots' minimum leaves; none where that is below the minimum
+  // (protocol lamport then says the heap is too small), so that no job that
+  // started before they existed is refused now.
+  const size_t lamport_slots = static_cast<size_t>(kNumParities) * kNumLamportPhases * ranks_per_node;
+  l.lamport_slot_bytes = std::min({kMaxLamportSlotBytes, heap_bytes / (8 * lamport_slots),
+                                   (heap_bytes - base_need) / (2 * lamport_slots)}) /
+                         (64 * 1024) * (64 * 1024);
+  if (l.lamport_slot_bytes < kMinLamportSlotBytes) l.lamport_slot_bytes = 0;
+  l.lamport_bytes = lamport_slots * l.lamport_slot_bytes;
+  const size_t fixed = base_fixed + l.lamport_bytes;
   l.slot_bytes = (heap_bytes - fixed) / (per_pe_slots + 2) / 256 * 256;
   // The fused ops' region: flags, acks, then ranks_per_node + 1 payload slots
   // (one per sender on this node; this PE's own index and the extra one are

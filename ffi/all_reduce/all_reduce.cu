@@ -1472,6 +1472,13 @@ ffi::Error AllReduce(const RuntimeState& s, cudaStream_t stream, Algorithm algor
   }
   if (num_elements == 0) return ffi::Error::Success();
 
+  if (protocol == Protocol::kLamport && s.lamport_slot_bytes == 0) {
+    return ffi::Error(ffi::ErrorCode::kResourceExhausted,
+                      "all_reduce: protocol lamport has no slots: the symmetric heap of " +
+                          std::to_string(s.heap_bytes) + " bytes leaves none beside the other "
+                          "slots of " + std::to_string(s.num_pes) + " PEs; raise "
+                          "JAXOVERLAP_HEAP_BYTES, or use protocol ll or simple");
+  }
   const size_t capacity = ChunkCapacity(algorithm, protocol, elem, topo.local_size, s);
   if (capacity == 0) {
     return ffi::Error(ffi::ErrorCode::kResourceExhausted,
