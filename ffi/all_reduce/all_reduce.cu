@@ -36,6 +36,7 @@
 //
 // Every block owns the same sub-range of the data in every phase, so blocks
 // never wait for each other; the last block to finish advances the epochs.
+// (The Lamport kernels number their blocks by start order, TakeTicket.)
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -658,7 +659,8 @@ __global__ void __launch_bounds__(kThreads) TwoShotLLKernel(Params p) {
 // what it read, and stores the sum (rounded once to T) to its output and into
 // every peer's phase-1 slot; the all-gather polls the peers' sums from the
 // phase-1 slots and empties them. Slot offsets are vector indices within a
-// shard. Block b owns the same vector range of every shard in every phase.
+// shard. The block with ticket b owns the same vector range of every shard in
+// every phase.
 template <typename T>
 __global__ void __launch_bounds__(kThreads) TwoShotLamportKernel(Params p) {
   constexpr size_t kVec = Vec16<T>::kElems;
