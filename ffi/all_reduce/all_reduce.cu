@@ -1206,25 +1206,19 @@ struct LaunchConfig {
 LaunchConfig MakeLaunchConfig(Algorithm algorithm, Protocol protocol, size_t n, size_t elem,
                               int local_size, int num_sms) {
   const size_t vec = 16 / elem;
-  LaunchConfig c;
-  if (algorithm == Algorithm::kOneShot) {
-    const size_t per_block_bytes = protocol == Protocol::kLL        ? kLLBytesPerBlock
-                                   : protocol == Protocol::kLamport ? kLamportBytesPerBlock
-                                                                    : kSimpleBytesPerBlock;
-    const size_t max_blocks =
-        protocol == Protocol::kLamport ? static_cast<size_t>(kLamportBlocksPerSm) * num_sms
-                                       : kMaxBlocks;
-    c.blocks = static_cast<int>(std::clamp<size_t>(CeilDiv(n * elem, per_block_bytes), 1, max_blocks));
-    c.per_block = RoundUp(CeilDiv(n, c.blocks), vec);
-    return c;
-  }
-  c.shard = RoundUp(CeilDiv(n, local_size), vec);
   const size_t per_block_bytes = protocol == Protocol::kLL        ? kLLBytesPerBlock
                                  : protocol == Protocol::kLamport ? kLamportBytesPerBlock
                                                                   : kSimpleBytesPerBlock;
   const size_t max_blocks =
       protocol == Protocol::kLamport ? static_cast<size_t>(kLamportBlocksPerSm) * num_sms
                                      : kMaxBlocks;
+  LaunchConfig c;
+  if (algorithm == Algorithm::kOneShot) {
+    c.blocks = static_cast<int>(std::clamp<size_t>(CeilDiv(n * elem, per_block_bytes), 1, max_blocks));
+    c.per_block = RoundUp(CeilDiv(n, c.blocks), vec);
+    return c;
+  }
+  c.shard = RoundUp(CeilDiv(n, local_size), vec);
   c.blocks = static_cast<int>(std::clamp<size_t>(CeilDiv(c.shard * elem, per_block_bytes), 1, max_blocks));
   c.per_block = RoundUp(CeilDiv(c.shard, c.blocks), vec);
   return c;
