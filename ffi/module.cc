@@ -122,6 +122,21 @@ NB_MODULE(_jaxoverlap_cuda, m) {
       nb::arg("devices"), nb::arg("first_pe"), nb::arg("num_pes"), nb::arg("heap_bytes"),
       nb::arg("overlap_heap_bytes"), nb::arg("timeout_ns"));
 
+  m.def(
+      "heap_layout",
+      [](int num_pes, int ranks_per_node, size_t heap_bytes, size_t overlap_heap_bytes) {
+        HeapSizes h;
+        ThrowIfError(ComputeHeapLayout(num_pes, ranks_per_node, heap_bytes, overlap_heap_bytes, &h));
+        nb::dict d;
+        d["slot_bytes"] = h.slot_bytes;
+        d["ll_slot_bytes"] = h.ll_slot_bytes;
+        d["lamport_slot_bytes"] = h.lamport_slot_bytes;
+        d["overlap_slot_bytes"] = h.overlap_slot_bytes;
+        return d;
+      },
+      nb::arg("num_pes"), nb::arg("ranks_per_node"), nb::arg("heap_bytes"),
+      nb::arg("overlap_heap_bytes"));
+
   m.def("finalize", &Finalize);
   m.def("init_stage", []() { return std::string(InitStage()); });
   m.def("set_timeout_ns", &SetTimeout, nb::arg("timeout_ns"));
@@ -140,6 +155,7 @@ NB_MODULE(_jaxoverlap_cuda, m) {
     d["heap_bytes"] = s.heap_bytes;
     d["slot_bytes"] = s.slot_bytes;
     d["ll_slot_bytes"] = s.ll_slot_bytes;
+    d["lamport_slot_bytes"] = s.lamport_slot_bytes;
     d["ranks_per_node"] = s.ranks_per_node;
     d["force_nvshmem_put"] = s.force_put;
     d["timeout_ns"] = s.timeout_ns;

@@ -315,6 +315,17 @@ ffi::Error GetUniqueId(std::string* out) {
   return ffi::Error::Success();
 }
 
+ffi::Error ComputeHeapLayout(int num_pes, int ranks_per_node, size_t heap_bytes,
+                             size_t overlap_bytes, HeapSizes* out) {
+  Layout l;
+  JAXOVERLAP_RETURN_IF_ERROR(MakeLayout(num_pes, ranks_per_node, heap_bytes, overlap_bytes, &l));
+  out->slot_bytes = l.slot_bytes;
+  out->ll_slot_bytes = l.ll_slot_bytes;
+  out->lamport_slot_bytes = l.lamport_slot_bytes;
+  out->overlap_slot_bytes = l.overlap_slot_bytes;
+  return ffi::Error::Success();
+}
+
 ffi::Error Initialize(const std::string& unique_id, int rank, int num_ranks, int device,
                       size_t heap_bytes, size_t overlap_bytes, uint64_t timeout_ns,
                       int ranks_per_node) {

@@ -481,6 +481,11 @@ def _all_reduce_plan(r, dtype, local_size, num_nodes, facts, cuda) -> Plan:
     protocol = _policy.protocol_for(algorithm, nbytes, local_size)
     why.append(("protocol", "rule: LL for small messages (jaxoverlap.tuning.policy."
                             "protocol_for, measured on 2x H200)"))
+  if protocol == names.LAMPORT and facts.lamport_slot_bytes == 0:
+    raise ValueError(
+        f"all_reduce: protocol 'lamport' ({why[-1][1]}) has no slots in this runtime: its heap "
+        "leaves no room beside the other slots of its PEs; raise heap_bytes in "
+        "jaxoverlap.initialize() (or JAXOVERLAP_HEAP_BYTES), or use protocol 'll' or 'simple'")
   transport = facts.transport
   why.append(("transport", "the runtime's transport" if r.transport == names.AUTO else "requested"))
   if r.transport not in (names.AUTO, transport):

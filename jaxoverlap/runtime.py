@@ -105,7 +105,8 @@ class Facts:
       "peer" (one process driving several GPUs), or None.
     pe, num_pes: this process's (first) PE and the number of PEs.
     ranks_per_node: PEs per node (node = pe // ranks_per_node).
-    slot_bytes, ll_slot_bytes: the all-reduce's capacity per sender and launch.
+    slot_bytes, ll_slot_bytes, lamport_slot_bytes: the all-reduce's capacity
+      per sender and launch (lamport_slot_bytes 0: no Lamport slots).
     overlap_slot_bytes: the fused ops' capacity per sender, bytes.
     limits: the kernels' compile-time limits (``max_group_size``,
       ``max_nodes``, ``max_chunks``, ...), exported by the extension.
@@ -120,6 +121,7 @@ class Facts:
   ranks_per_node: int = 1
   slot_bytes: int = 0
   ll_slot_bytes: int = 0
+  lamport_slot_bytes: int = 0
   overlap_slot_bytes: int = 0
   limits: Mapping[str, int] = dataclasses.field(default_factory=dict)
   fused_command_buffer: bool = False
@@ -645,7 +647,8 @@ def facts() -> Facts:
     base = Facts(
         unavailable=None, transport=_info["transport"], pe=_info["pe"], num_pes=_info["num_pes"],
         ranks_per_node=_info["ranks_per_node"], slot_bytes=native["slot_bytes"],
-        ll_slot_bytes=native["ll_slot_bytes"], overlap_slot_bytes=native["overlap_slot_bytes"],
+        ll_slot_bytes=native["ll_slot_bytes"], lamport_slot_bytes=native["lamport_slot_bytes"],
+        overlap_slot_bytes=native["overlap_slot_bytes"],
         limits=dict(ext.limits()))
     with _lock:
       if _initialized:
@@ -662,7 +665,8 @@ def runtime_info() -> dict[str, Any]:
     ``num_nodes``, ``hosts``, ``heap_bytes``, ``slot_bytes`` (simple-protocol
     capacity per sender, bytes), ``overlap_slot_bytes`` (the fused ops'
     capacity per sender, bytes), ``ll_slot_bytes`` (LL8 cells per sender,
-    bytes), ``max_group_size``, ``inter_node_transport``, ``timeout_s``,
+    bytes), ``lamport_slot_bytes`` (Lamport payload per sender, bytes; 0
+    when the heap leaves no room for it), ``max_group_size``, ``inter_node_transport``, ``timeout_s``,
     ``device_error`` (None, or what a timed-out wait recorded); always
     ``backends``: for each op, ``"cuda"`` or the reason it runs on ``"xla"``.
     What each lowered call chose is in ``jaxoverlap.decisions()``.
@@ -679,6 +683,7 @@ def runtime_info() -> dict[str, Any]:
     info["slot_bytes"] = native["slot_bytes"]
     info["max_group_size"] = ext.limits()["max_group_size"]
     info["ll_slot_bytes"] = native["ll_slot_bytes"]
+    info["lamport_slot_bytes"] = native["lamport_slot_bytes"]
     info["overlap_slot_bytes"] = native["overlap_slot_bytes"]
     # Across nodes: direct NVLink stores where a peer is load/store-reachable,
     # NVSHMEM puts otherwise (always, with JAXOVERLAP_FORCE_NVSHMEM_PUT=1).

@@ -44,7 +44,7 @@ def facts(ranks_per_node=4, overlap_slot_bytes=1 << 30, unavailable=None, pe=0, 
   return runtime.Facts(unavailable=unavailable, transport="nvshmem", pe=pe, num_pes=8,
                        ranks_per_node=ranks_per_node, slot_bytes=64 * MIB,
                        ll_slot_bytes=2 * MIB, overlap_slot_bytes=overlap_slot_bytes,
-                       limits=LIMITS, **kw)
+                       limits=LIMITS, **{"lamport_slot_bytes": 16 * MIB, **kw})
 
 
 @pytest.fixture(autouse=True)
@@ -120,6 +120,14 @@ def test_all_reduce_lamport_is_one_shots(one_process_per_device):
       "all_reduce: algorithm='hierarchical' has no protocol 'lamport'; valid: ('ll', 'simple')")):
     _checks.check_options("all_reduce", backend="auto", algorithm="hierarchical",
                           protocol="lamport")
+
+
+def test_all_reduce_lamport_without_slots_raises_at_lowering(one_process_per_device):
+  with pytest.raises(ValueError, match=re.escape(
+      "all_reduce: protocol 'lamport' (requested) has no slots in this runtime: its heap leaves "
+      "no room")):
+    plan(Request("all_reduce", "tp", algorithm="one_shot", protocol="lamport"), [(4096,)],
+         lamport_slot_bytes=0)
 
 
 def test_all_reduce_one_shot_across_nodes_raises(one_process_per_device):

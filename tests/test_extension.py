@@ -134,3 +134,23 @@ def test_missing_extension_is_reported_not_silent():
   for op, why in info["backends"].items():
     assert why == "cuda" or len(why) > 20, (op, why)
   assert jax.default_backend() == "cpu"
+
+
+@needs_extension
+@pytest.mark.parametrize("num_pes,rpn", [(2, 2), (8, 8), (16, 8), (384, 8), (480, 8), (512, 8),
+                                         (512, 1), (3, 1)])
+def test_heap_layout_gives_lamport_room_without_refusing_a_job(num_pes, rpn):
+  """Lamport slots come out of what the other slots leave: the smallest heap is unchanged."""
+  import re
+
+  ext = _ffi.load()
+  default = ext.heap_layout(num_pes, rpn, runtime.DEFAULT_HEAP_BYTES,
+                            runtime.DEFAULT_OVERLAP_HEAP_BYTES)
+  assert 64 << 10 <= default["lamport_slot_bytes"] <= 16 << 20
+  assert default["lamport_slot_bytes"] % (64 << 10) == 0
+  assert default["slot_bytes"] >= 64 << 10
+  with pytest.raises(RuntimeError, match="needs at least") as err:
+    ext.heap_layout(num_pes, rpn, 1 << 20, runtime.DEFAULT_OVERLAP_HEAP_BYTES)
+  least = int(re.search(r"needs at least (\d+) bytes", str(err.value)).group(1))
+  tight = ext.heap_layout(num_pes, rpn, least, runtime.DEFAULT_OVERLAP_HEAP_BYTES)
+  assert tight["lamport_slot_bytes"] == 0 and tight["slot_bytes"] >= 64 << 10

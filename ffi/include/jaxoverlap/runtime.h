@@ -155,6 +155,17 @@ ffi::Error Initialize(const std::string& unique_id, int rank, int num_ranks, int
 // Errors: a pair without peer access (named), allocation failures.
 ffi::Error InitializePeer(const int* devices, int num_devices, int first_pe, int num_pes,
                           size_t heap_bytes, size_t overlap_bytes, uint64_t timeout_ns);
+// The sizes of the heap layout for `num_pes` PEs, `ranks_per_node` per node,
+// and heaps of `heap_bytes` and `overlap_bytes` (what Initialize() would
+// lay out; no GPU needed). Errors: the heaps are too small, limits exceeded.
+struct HeapSizes {
+  size_t slot_bytes = 0;
+  size_t ll_slot_bytes = 0;
+  size_t lamport_slot_bytes = 0;  // 0: no Lamport slots (the heap leaves no room)
+  size_t overlap_slot_bytes = 0;
+};
+ffi::Error ComputeHeapLayout(int num_pes, int ranks_per_node, size_t heap_bytes,
+                             size_t overlap_bytes, HeapSizes* out);
 // The start-up step Initialize() is in, or reached last ("initialised").
 const char* InitStage();
 // A fresh NVSHMEM unique id (128 bytes), made on the process that will be PE 0.
