@@ -114,6 +114,7 @@ struct Params {
   DeviceError* error;
   uint64_t timeout_ns;
   bool force_put;  // inter-node steps use NVSHMEM puts even to load/store-reachable peers
+  bool tickets;    // the grid exceeds one block per SM: Lamport blocks take tickets
   Stage stage;     // the whole all-reduce, or only its intra-node reduce-scatter or all-gather
   float* shard_out;       // Stage::kReduceScatter: this rank's reduced shard, fp32 [shard]
   const float* shard_in;  // Stage::kAllGather: this rank's shard to gather, fp32 [shard]
@@ -339,8 +340,10 @@ __device__ __forceinline__ void Finish(const Params& p, bool quiet) {
 // same range; numbering ranges by start order means that every range below a
 // waiting block's was taken by a block that already started, and every block
 // sends before it waits, so the peer's waits always end, whatever order the
-// hardware starts blocks in.
+// hardware starts blocks in. A grid of at most one block per SM runs in one
+// wave (one 512-thread block fits an SM), and uses blockIdx without the atomic.
 __device__ __forceinline__ size_t TakeTicket(const Params& p) {
+  if (!p.tickets) return blockIdx.x;
   __shared__ unsigned int ticket;
   if (threadIdx.x == 0) ticket = atomicAdd(p.done_counter + 1, 1u);
   __syncthreads();
@@ -1492,6 +1495,7 @@ ffi::Error AllReduce(const RuntimeState& s, cudaStream_t stream, Algorithm algor
     p.n = n;
     p.per_block = c.per_block;
     p.shard = c.shard;
+    p.tickets = c.blocks > s.num_sms;
     cudaError_t err;
     switch (dtype) {
       case ffi::DataType::F32:
