@@ -24,9 +24,10 @@ Algorithm:
     reference on every element of every rank before it is timed; one that
     fails is recorded as rejected and never gets a time.
   * Timing: the chain method of ``jaxoverlap.tuning.timing`` (a chain of ops
-    in one jit minus the same chain without them, median of reps) where one
-    op is timed alone; ``time_interleaved`` (several calls timed in turn, rep
-    by rep, so that drift hits all alike) where a script builds its own calls.
+    in one jit minus the same chain without them; ``time_chains_us`` for
+    several ops at once, interleaved); ``time_interleaved`` (several calls
+    timed in turn, rep by rep, so that drift hits all alike; from
+    ``jaxoverlap.tuning.timing``) where a script builds its own calls.
   * What ran (``plan_fields``, ``auto_choices``, ``fused_choices``,
     ``resolved_backends``): from the plans of ``jaxoverlap.decisions()``.
   * Results (``write_result``): the results format of
@@ -60,6 +61,7 @@ if _ROOT not in sys.path:
 
 from jaxoverlap import names  # noqa: E402
 from jaxoverlap.tuning import results  # noqa: E402
+from jaxoverlap.tuning.timing import time_interleaved  # noqa: E402,F401  (benchmarks use it)
 
 # ------------------------------------------------------------------ impl names
 
@@ -338,38 +340,6 @@ def close(got, want) -> tuple[bool, float, float]:
 
   ok, err, atol = _close_fn()(got, want)
   return bool(np.asarray(ok)), float(np.asarray(err)), float(np.asarray(atol))
-
-
-def time_interleaved(calls: Mapping[Any, Callable[[], Any]], *, reps: int, warmup: int,
-                     before: Callable[[], Any] | None = None) -> dict[Any, list[float]]:
-  """Wall seconds of each call, ``reps`` times, the calls in turn within each rep.
-
-  Interleaving makes slow drift (clocks, temperature, other load) hit every
-  call alike, so the figures of one table compare.
-
-  Args:
-    calls: key -> a function that runs once (its result is waited for).
-    reps: timed runs of each call.
-    warmup: untimed runs of each call first.
-    before: run (untimed) before each timed call, e.g. a barrier.
-
-  Returns:
-    key -> ``reps`` durations, seconds.
-  """
-  import jax
-
-  for call in calls.values():
-    for _ in range(warmup):
-      jax.block_until_ready(call())
-  times: dict[Any, list[float]] = {key: [] for key in calls}
-  for _ in range(reps):
-    for key, call in calls.items():
-      if before is not None:
-        before()
-      t0 = time.perf_counter()
-      jax.block_until_ready(call())
-      times[key].append(time.perf_counter() - t0)
-  return times
 
 
 def median(values: Iterable[float]) -> float:

@@ -40,11 +40,18 @@ from jaxoverlap.tuning.results import (
     save_result,
     validate_result,
 )
-from jaxoverlap.tuning.timing import chain_time_s, run_tuning, time_chain_us, time_chains_us
+from jaxoverlap.tuning.timing import (
+    chain_time_s,
+    run_tuning,
+    time_chain_us,
+    time_chains_us,
+    time_interleaved,
+)
 
 __all__ = [
     "ALGORITHMS", "PROTOCOLS", "PSUM", "PARAM_KEYS", "LinkParams", "CostParams", "DEFAULT_PARAMS",
     "params_from_env", "predict_us", "Choice", "Policy", "protocol_for", "default_tuning_path",
     "impl_name", "parse_impl", "package_versions", "make_result", "validate_result",
     "load_result", "save_result", "run_tuning", "chain_time_s", "time_chain_us", "time_chains_us",
+    "time_interleaved",
 ]

@@ -29,7 +29,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-__all__ = ["run_tuning", "chain_time_s", "time_chain_us", "time_chains_us"]
+__all__ = ["run_tuning", "chain_time_s", "time_chain_us", "time_chains_us", "time_interleaved"]
 
 
 def _itemsize(dtype: str) -> int:
@@ -158,15 +158,48 @@ def time_chain_us(op: Callable, x, *, mesh, axis_name: str, length: int = 50, re
   return (chain_time_s(op, x, **kw) - empty_s) / length * 1e6
 
 
+def time_interleaved(calls: Mapping[Any, Callable[[], Any]], *, reps: int, warmup: int,
+                     before: Callable[[], Any] | None = None) -> dict[Any, list[float]]:
+  """Wall seconds of each call, ``reps`` times, the calls in turn within each rep.
+
+  Interleaving makes slow drift (clocks, temperature, other load) hit every
+  call alike, so the figures of one table compare.
+
+  Args:
+    calls: key -> a function that runs once (its result is waited for).
+    reps: timed runs of each call.
+    warmup: untimed runs of each call first.
+    before: run (untimed) before each timed call, e.g. a barrier.
+
+  Returns:
+    key -> ``reps`` durations, seconds; entry i of every key comes from round i.
+  """
+  import jax
+
+  for call in calls.values():
+    for _ in range(warmup):
+      jax.block_until_ready(call())
+  times: dict[Any, list[float]] = {key: [] for key in calls}
+  for _ in range(reps):
+    for key, call in calls.items():
+      if before is not None:
+        before()
+      t0 = time.perf_counter()
+      jax.block_until_ready(call())
+      times[key].append(time.perf_counter() - t0)
+  return times
+
+
 def time_chains_us(ops: Mapping[str, Callable], x, *, mesh, axis_name: str, length: int = 50,
                    reps: int = 30, warmup: int = 3) -> dict[str, float]:
   """Latency of each of ``ops``, us, timed interleaved.
 
-  Each round runs the empty chain and then every op's chain once, in turn;
-  an op's figure is the median over rounds of (its chain - that round's
-  empty chain) / length. Where ``time_chain_us`` times one op after the
-  other, a slow spell of the host (launch jitter) or of the GPUs lands on one
-  op; here it lands on every op of the round, and the median drops it.
+  Each round runs the empty chain and then every op's chain once, in turn
+  (``time_interleaved``); an op's figure is the median over rounds of (its
+  chain - that round's empty chain) / length. Where ``time_chain_us`` times
+  one op after the other, a slow spell of the host (launch jitter) or of the
+  GPUs lands on one op; here it lands on every op of the round, and the
+  median drops it.
 
   Args:
     ops: name -> per-shard function, as ``op`` of ``chain_time_s``.
@@ -177,14 +210,10 @@ def time_chains_us(ops: Mapping[str, Callable], x, *, mesh, axis_name: str, leng
     name -> us, in the order of ``ops``.
   """
   kw = dict(mesh=mesh, axis_name=axis_name, length=length)
-  empty = _chain_fn(None, **kw)
-  fns = {name: _chain_fn(op, **kw) for name, op in ops.items()}
-  for fn in (empty, *fns.values()):
-    for _ in range(warmup):
-      fn(x).block_until_ready()
-  diffs: dict[str, list[float]] = {name: [] for name in fns}
-  for _ in range(reps):
-    base = _run_s(empty, x)
-    for name, fn in fns.items():
-      diffs[name].append(_run_s(fn, x) - base)
-  return {name: statistics.median(d) / length * 1e6 for name, d in diffs.items()}
+  empty = object()  # a key no op name can equal
+  fns = {empty: _chain_fn(None, **kw), **{name: _chain_fn(op, **kw) for name, op in ops.items()}}
+  times = time_interleaved({key: (lambda fn=fn: fn(x)) for key, fn in fns.items()}, reps=reps,
+                           warmup=warmup)
+  base = times.pop(empty)
+  return {name: statistics.median(t - b for t, b in zip(ts, base)) / length * 1e6
+          for name, ts in times.items()}
