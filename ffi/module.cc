@@ -126,7 +126,8 @@ NB_MODULE(_jaxoverlap_cuda, m) {
       "heap_layout",
       [](int num_pes, int ranks_per_node, size_t heap_bytes, size_t overlap_heap_bytes) {
         HeapSizes h;
-        ThrowIfError(ComputeHeapLayout(num_pes, ranks_per_node, heap_bytes, overlap_heap_bytes, &h));
+        ThrowIfError(
+            ComputeHeapLayout(num_pes, ranks_per_node, heap_bytes, overlap_heap_bytes, &h));
         nb::dict d;
         d["slot_bytes"] = h.slot_bytes;
         d["ll_slot_bytes"] = h.ll_slot_bytes;

@@ -148,7 +148,8 @@ ffi::Error MakeLayout(int num_pes, int ranks_per_node, size_t heap_bytes, size_t
   // the other slots' minimum leaves; none where that is below the minimum
   // (protocol lamport then says the heap is too small), so that no job that
   // started before they existed is refused now.
-  const size_t lamport_slots = static_cast<size_t>(kNumParities) * kNumLamportPhases * ranks_per_node;
+  const size_t lamport_slots =
+      static_cast<size_t>(kNumParities) * kNumLamportPhases * ranks_per_node;
   l.lamport_slot_bytes = std::min({kMaxLamportSlotBytes, heap_bytes / (8 * lamport_slots),
                                    (heap_bytes - base_need) / (2 * lamport_slots)}) /
                          (64 * 1024) * (64 * 1024);

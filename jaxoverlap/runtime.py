@@ -666,7 +666,8 @@ def runtime_info() -> dict[str, Any]:
     capacity per sender, bytes), ``overlap_slot_bytes`` (the fused ops'
     capacity per sender, bytes), ``ll_slot_bytes`` (LL8 cells per sender,
     bytes), ``lamport_slot_bytes`` (Lamport payload per sender, bytes; 0
-    when the heap leaves no room for it), ``max_group_size``, ``inter_node_transport``, ``timeout_s``,
+    when the heap leaves no room for it), ``max_group_size``,
+    ``inter_node_transport``, ``timeout_s``,
     ``device_error`` (None, or what a timed-out wait recorded); always
     ``backends``: for each op, ``"cuda"`` or the reason it runs on ``"xla"``.
     What each lowered call chose is in ``jaxoverlap.decisions()``.

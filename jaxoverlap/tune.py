@@ -11,7 +11,8 @@ and on every element of every rank; one that fails (or cannot run) is recorded
 under ``"rejected"`` and not timed, so a wrong but fast configuration never
 wins. The rest are timed together with ``tuning.time_chains_us`` (per
 round, the chain of ``--chain`` ops in one jit of every impl in turn, minus
-that round's chain without them; median of ``--reps`` rounds). Rank 0's timings become the table; it goes to ``--out``
+that round's chain without them; median of ``--reps`` rounds). Rank 0's
+timings become the table; it goes to ``--out``
 (default ``$JAXOVERLAP_TUNING_FILE`` or
 ``~/.cache/jaxoverlap/all_reduce-tuning.json``), written by rank 0 and by the
 first process of every other host, so that node-local caches agree and every
@@ -23,8 +24,9 @@ topologies the table lacks).
 files instead of measuring (the shipped
 ``jaxoverlap/tuning_tables/all_reduce-NVIDIA_H200.json`` is made this way):
 
-  python -m jaxoverlap.tune --out jaxoverlap/tuning_tables/all_reduce-NVIDIA_H200.json \
-      --from_results benchmarks/results/all_reduce-2x_H200_NV18-1x2.json,benchmarks/results/all_reduce-2x_H200_NV18-2x1.json
+  R=benchmarks/results/all_reduce-2x_H200_NV18
+  python -m jaxoverlap.tune --out jaxoverlap/tuning_tables/all_reduce-NVIDIA_H200.json \\
+      --from_results $R-1x2.json,$R-2x1.json
 """
 
 from __future__ import annotations

@@ -1217,12 +1217,14 @@ LaunchConfig MakeLaunchConfig(Algorithm algorithm, Protocol protocol, size_t n, 
                                      : kMaxBlocks;
   LaunchConfig c;
   if (algorithm == Algorithm::kOneShot) {
-    c.blocks = static_cast<int>(std::clamp<size_t>(CeilDiv(n * elem, per_block_bytes), 1, max_blocks));
+    c.blocks =
+        static_cast<int>(std::clamp<size_t>(CeilDiv(n * elem, per_block_bytes), 1, max_blocks));
     c.per_block = RoundUp(CeilDiv(n, c.blocks), vec);
     return c;
   }
   c.shard = RoundUp(CeilDiv(n, local_size), vec);
-  c.blocks = static_cast<int>(std::clamp<size_t>(CeilDiv(c.shard * elem, per_block_bytes), 1, max_blocks));
+  c.blocks = static_cast<int>(
+      std::clamp<size_t>(CeilDiv(c.shard * elem, per_block_bytes), 1, max_blocks));
   c.per_block = RoundUp(CeilDiv(c.shard, c.blocks), vec);
   return c;
 }
@@ -1489,7 +1491,8 @@ ffi::Error AllReduce(const RuntimeState& s, cudaStream_t stream, Algorithm algor
 
   for (size_t offset = 0; offset < num_elements; offset += capacity) {
     const size_t n = std::min(capacity, num_elements - offset);
-    const LaunchConfig c = MakeLaunchConfig(algorithm, protocol, n, elem, topo.local_size, s.num_sms);
+    const LaunchConfig c =
+        MakeLaunchConfig(algorithm, protocol, n, elem, topo.local_size, s.num_sms);
     p.in = static_cast<const char*>(in) + offset * elem;
     p.out = static_cast<char*>(out) + offset * elem;
     p.n = n;

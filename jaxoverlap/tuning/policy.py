@@ -139,8 +139,8 @@ class Policy:
   ties. An impl not measured at both ends of the bracket (e.g. rejected by its
   correctness check there) does not compete.
   Otherwise the cost model decides among the algorithms valid for the
-  topology, less ``MODEL_EXCLUDED``. one_shot/two_shot are never chosen across nodes, hierarchical
-  never within one node.
+  topology, less ``MODEL_EXCLUDED``. one_shot/two_shot are never chosen
+  across nodes, hierarchical never within one node.
 
   Args:
     records: records of the results format (``jaxoverlap.tuning.results``), ``op``

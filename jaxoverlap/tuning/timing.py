@@ -14,8 +14,9 @@ Algorithm:
   untimed ones. ``time_chains_us`` times several ops' chains interleaved
   (one run of each, the empty chain included, per round), so that a slow
   spell of the host or the GPUs falls on all of them alike rather than on
-  whichever was being timed then. ``run_tuning`` checks every configuration against a reference
-  before it times it, and records the ones that fail as rejected.
+  whichever was being timed then. ``run_tuning`` checks every configuration
+  against a reference before it times it, and records the ones that fail as
+  rejected.
 
 Example:
   >>> from jaxoverlap.tuning import timing
