@@ -350,6 +350,22 @@ __device__ __forceinline__ size_t TakeTicket(const Params& p) {
   return ticket;
 }
 
+// Elements of rank q's shard (two-shot and the RS/AG stages: shards of
+// p.shard elements, the last one short or empty).
+__device__ __forceinline__ size_t ShardLen(const Params& p, int q) {
+  const size_t s = min(p.n, static_cast<size_t>(q) * p.shard);
+  return min(p.n, s + p.shard) - s;
+}
+
+// Block `block`'s units [*b, *e) of a range of `len` elements, in units of
+// `unit` elements (8-byte lines, 16-byte vectors), `per_block` units a block.
+__device__ __forceinline__ void UnitRange(size_t len, size_t unit, size_t per_block, size_t block,
+                                          size_t* b, size_t* e) {
+  const size_t units = (len + unit - 1) / unit;
+  *b = min(units, block * per_block);
+  *e = min(units, *b + per_block);
+}
+
 // ---------------------------------------------------------------- one-shot
 
 // One-shot, LL8 protocol: every thread pushes 8-byte lines of its input to
@@ -565,15 +581,9 @@ __global__ void __launch_bounds__(kThreads) TwoShotLLKernel(Params p) {
   const T* in = static_cast<const T*>(p.in);
   T* out = static_cast<T*>(p.out);
   const int G = t.local_size;
-  auto shard_len = [&](int q) -> size_t {
-    const size_t s = min(p.n, static_cast<size_t>(q) * p.shard);
-    return min(p.n, s + p.shard) - s;
-  };
+  auto shard_len = [&](int q) { return ShardLen(p, q); };
   auto line_range = [&](size_t len, size_t* lb, size_t* le) {
-    const size_t lines = (len + kLineElems - 1) / kLineElems;
-    const size_t per_block = p.per_block / kLineElems;
-    *lb = min(lines, blockIdx.x * per_block);
-    *le = min(lines, *lb + per_block);
+    UnitRange(len, kLineElems, p.per_block / kLineElems, blockIdx.x, lb, le);
   };
   uint64_t epoch[kMaxGroupSize];
 #pragma unroll
@@ -674,14 +684,9 @@ __global__ void __launch_bounds__(kThreads) TwoShotLamportKernel(Params p) {
   const int G = t.local_size;
   const size_t per_block = p.per_block / kVec;  // vectors of a shard
   const size_t block = TakeTicket(p);
-  auto shard_len = [&](int q) -> size_t {
-    const size_t s = min(p.n, static_cast<size_t>(q) * p.shard);
-    return min(p.n, s + p.shard) - s;
-  };
+  auto shard_len = [&](int q) { return ShardLen(p, q); };
   auto vector_range = [&](size_t len, size_t* vb, size_t* ve) {
-    const size_t vecs = (len + kVec - 1) / kVec;
-    *vb = min(vecs, block * per_block);
-    *ve = min(vecs, *vb + per_block);
+    UnitRange(len, kVec, per_block, block, vb, ve);
   };
   uint64_t epoch[kMaxGroupSize];
 #pragma unroll
@@ -989,10 +994,7 @@ __global__ void __launch_bounds__(kThreads) ReduceScatterAllGatherKernel(Params 
   T* out = static_cast<T*>(p.out);
   const int G = t.local_size;
 
-  auto shard_len = [&](int q) -> size_t {
-    const size_t s = min(p.n, static_cast<size_t>(q) * p.shard);
-    return min(p.n, s + p.shard) - s;
-  };
+  auto shard_len = [&](int q) { return ShardLen(p, q); };
   const size_t my_len = shard_len(t.local_rank);
   const size_t ob = min(my_len, blockIdx.x * p.per_block);  // this block's range in my shard
   const size_t oe = min(my_len, ob + p.per_block);
