@@ -36,7 +36,7 @@
 //
 // Every block owns the same sub-range of the data in every phase, so blocks
 // never wait for each other; the last block to finish advances the epochs.
-// (The Lamport kernels number their blocks by start order, TakeTicket.)
+// (The Lamport kernels number their blocks by start order, LamportSetup.)
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -45,6 +45,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
+#include <cstdlib>
 #include <string>
 
 #include "jaxoverlap/all_reduce.h"
@@ -65,16 +67,18 @@ constexpr int kMaxBump = kMaxGroupSize + 8;  // local peers + log2(kMaxNodes) pa
 constexpr size_t kSimpleBytesPerBlock = 16 * 1024;
 constexpr size_t kLLBytesPerBlock = 4 * 1024;
 // Lamport grid: 4 KiB per block (half the threads at small sizes), and up to
-// 4 x the SMs in blocks. A block needs 128 registers per thread, so one block
-// of 512 threads fits an SM and a large message runs in up to 4 waves, each
-// block with a quarter of the range it would have in one wave. Measured on
-// 2x H200 against 8 KiB x 128 blocks and 16 KiB x 264: the same up to 1 MiB,
-// 16 MiB in 66 against 90-94 us (docs/kernels.md, "all_reduce v5"). Blocks take
-// their ranges in start order (TakeTicket), so the waves cannot deadlock.
-// Slots are addressed by vector index, not by block, so ranks need not agree
-// on the grid.
+// kLamportBlocksPerSm x the SMs in blocks, which the GPU holds at once: the
+// kernels keep their per-peer state in shared memory (LamportPeers) and are
+// compiled for that many 512-thread blocks an SM (32 registers a thread), so a
+// message of any size moves in one wave, each thread with as many vectors as
+// it takes. (With the per-peer state in registers the kernels took 128
+// registers a thread, one block fitted an SM, and 4 x the SMs ran in 4 waves:
+// docs/kernels.md, "all_reduce v6".) Blocks still take their ranges in start
+// order (LamportSetup): a concurrent kernel can hold SMs, and then not every
+// block starts at once. Slots are addressed by vector index, not by block, so
+// ranks need not agree on the grid.
 constexpr size_t kLamportBytesPerBlock = 4 * 1024;
-constexpr int kLamportBlocksPerSm = 4;
+constexpr int kLamportBlocksPerSm = 2;
 // The word a Lamport slot holds where no payload has arrived (runtime.cu fills
 // the slots with 0xff bytes), and the NaN sent in its place.
 constexpr uint32_t kLamportEmpty = 0xffffffffu;
@@ -110,11 +114,12 @@ struct Params {
   int my_pe;
   HeapView heap;
   uint64_t* pair_epochs;
-  unsigned int* done_counter;  // [0] blocks finished, [1] blocks started (TakeTicket)
+  unsigned int* done_counter;  // [0] blocks finished, [1] blocks started (LamportSetup)
   DeviceError* error;
   uint64_t timeout_ns;
   bool force_put;  // inter-node steps use NVSHMEM puts even to load/store-reachable peers
   bool tickets;    // the grid exceeds one block per SM: Lamport blocks take tickets
+  unsigned int poll_ns;  // TEMPORARY A/B knob: Lamport polls back off this long after a miss
   Stage stage;     // the whole all-reduce, or only its intra-node reduce-scatter or all-gather
   float* shard_out;       // Stage::kReduceScatter: this rank's reduced shard, fp32 [shard]
   const float* shard_in;  // Stage::kAllGather: this rank's shard to gather, fp32 [shard]
@@ -225,6 +230,7 @@ __device__ __forceinline__ uint4 LoadLamport(const uint4* src, const Params& p, 
         v.w != kLamportEmpty) {
       return v;
     }
+    if (p.poll_ns != 0) __nanosleep(p.poll_ns);  // TEMPORARY A/B knob
     if ((spins & 1023) == 0) {
       const uint64_t now = GlobalTimerNs();
       if (start == 0) {
@@ -334,20 +340,43 @@ __device__ __forceinline__ void Finish(const Params& p, bool quiet) {
   }
 }
 
-// The index of the range this block works on, in the order in which blocks
-// start rather than by blockIdx. A Lamport grid may exceed the blocks the GPU
-// holds at once, and a block waits for the block of the peer that handles the
-// same range; numbering ranges by start order means that every range below a
-// waiting block's was taken by a block that already started, and every block
-// sends before it waits, so the peer's waits always end, whatever order the
-// hardware starts blocks in. A grid of at most one block per SM runs in one
-// wave (one 512-thread block fits an SM), and uses blockIdx without the atomic.
-__device__ __forceinline__ size_t TakeTicket(const Params& p) {
-  if (!p.tickets) return blockIdx.x;
-  __shared__ unsigned int ticket;
-  if (threadIdx.x == 0) ticket = atomicAdd(p.done_counter + 1, 1u);
+// The per-peer state of a Lamport kernel, in shared memory, for peer r: the
+// pair's epoch, r's PE, this rank's slot on r (to) and r's slot here (from),
+// per phase; and the range this block works on. Held in registers, the state
+// of up to kMaxGroupSize peers took the kernels to 128 registers a thread.
+struct LamportPeers {
+  uint64_t epoch[kMaxGroupSize];
+  int pe[kMaxGroupSize];
+  uint4* to[kNumLamportPhases][kMaxGroupSize];
+  uint4* from[kNumLamportPhases][kMaxGroupSize];
+  size_t block;
+};
+
+// Fills the block's LamportPeers (one thread per peer) behind one barrier.
+// The block's range is numbered in the order in which blocks start, not by
+// blockIdx (p.tickets): a block waits for the block of the peer that handles
+// the same range, and where not every block of the grid can start at once (a
+// concurrent kernel holds SMs), numbering ranges by start order means that
+// every range below a waiting block's was taken by a block that already
+// started, and every block sends before it waits, so the peer's waits always
+// end, whatever order the hardware starts blocks in. A grid of at most one
+// block per SM uses blockIdx without the atomic.
+__device__ __forceinline__ void LamportSetup(const Params& p, LamportPeers* s) {
+  const Topology& t = p.topo;
+  const int r = threadIdx.x;
+  if (r < t.local_size && r != t.local_rank) {
+    const int pe = t.local_pes[r];
+    const uint64_t epoch = EpochWith(p, pe);
+    s->epoch[r] = epoch;
+    s->pe[r] = pe;
+#pragma unroll
+    for (int phase = 0; phase < kNumLamportPhases; ++phase) {
+      s->to[phase][r] = PeerPtr(p.heap, LamportAt(p.heap, epoch, phase, p.my_pe), pe);
+      s->from[phase][r] = LamportAt(p.heap, epoch, phase, pe);
+    }
+  }
+  if (threadIdx.x == 0) s->block = p.tickets ? atomicAdd(p.done_counter + 1, 1u) : blockIdx.x;
   __syncthreads();
-  return ticket;
 }
 
 // Elements of rank q's shard (two-shot and the RS/AG stages: shards of
@@ -515,35 +544,24 @@ __global__ void __launch_bounds__(kThreads) OneShotSimpleKernel(Params p) {
 // input into every peer's slot (plain NVLink stores: no fence, no flag), then
 // polls its own slots for the peers' vectors, sums all ranks in rank order in
 // fp32, and empties each slot vector it read.
-template <typename T>
-__global__ void __launch_bounds__(kThreads) OneShotLamportKernel(Params p) {
+template <typename T, int kMinBlocks>
+__global__ void __launch_bounds__(kThreads, kMinBlocks) OneShotLamportKernel(Params p) {
   constexpr size_t kVec = Vec16<T>::kElems;
-  const Topology& t = p.topo;
-  const HeapView& h = p.heap;
+  __shared__ LamportPeers s;
+  LamportSetup(p, &s);
+  const int G = p.topo.local_size;
+  const int me = p.topo.local_rank;
   const T* in = static_cast<const T*>(p.in);
   T* out = static_cast<T*>(p.out);
   const size_t vecs = (p.n + kVec - 1) / kVec;
   const size_t per_block = p.per_block / kVec;  // vectors
-  const size_t vb = min(vecs, TakeTicket(p) * per_block);
+  const size_t vb = min(vecs, s.block * per_block);
   const size_t ve = min(vecs, vb + per_block);
 
-  uint64_t epoch[kMaxGroupSize];
-  uint4* remote[kMaxGroupSize];
-  uint4* local[kMaxGroupSize];
-#pragma unroll
-  for (int r = 0; r < kMaxGroupSize; ++r) {
-    if (r < t.local_size && r != t.local_rank) {
-      const int pe = t.local_pes[r];
-      epoch[r] = EpochWith(p, pe);
-      remote[r] = PeerPtr(h, LamportAt(h, epoch[r], /*phase=*/0, p.my_pe), pe);
-      local[r] = LamportAt(h, epoch[r], /*phase=*/0, pe);
-    }
-  }
   for (size_t v = vb + threadIdx.x; v < ve; v += blockDim.x) {
     const uint4 x = LamportPayload(LoadPadded<uint4>(in, v * kVec, p.n));
-#pragma unroll
-    for (int r = 0; r < kMaxGroupSize; ++r) {
-      if (r < t.local_size && r != t.local_rank) remote[r][v] = x;
+    for (int r = 0; r < G; ++r) {
+      if (r != me) s.to[0][r][v] = x;
     }
   }
   const uint4 empty = make_uint4(kLamportEmpty, kLamportEmpty, kLamportEmpty, kLamportEmpty);
@@ -551,14 +569,13 @@ __global__ void __launch_bounds__(kThreads) OneShotLamportKernel(Params p) {
     float acc[kVec];
 #pragma unroll
     for (int i = 0; i < kVec; ++i) acc[i] = 0.0f;
-#pragma unroll
-    for (int r = 0; r < kMaxGroupSize; ++r) {
-      if (r >= t.local_size) break;
-      if (r == t.local_rank) {
+    for (int r = 0; r < G; ++r) {
+      if (r == me) {
         Vec16<T>::Add(LoadPadded<uint4>(in, v * kVec, p.n), acc);
       } else {
-        Vec16<T>::Add(LoadLamport(local[r] + v, p, t.local_pes[r], epoch[r], /*step=*/0), acc);
-        local[r][v] = empty;
+        uint4* slot = s.from[0][r] + v;
+        Vec16<T>::Add(LoadLamport(slot, p, s.pe[r], s.epoch[r], /*step=*/0), acc);
+        *slot = empty;
       }
     }
     StorePadded(out, v * kVec, p.n, Vec16<T>::Pack(acc));
@@ -674,88 +691,70 @@ __global__ void __launch_bounds__(kThreads) TwoShotLLKernel(Params p) {
 // phase-1 slots and empties them. Slot offsets are vector indices within a
 // shard. The block with ticket b owns the same vector range of every shard in
 // every phase.
-template <typename T>
-__global__ void __launch_bounds__(kThreads) TwoShotLamportKernel(Params p) {
+template <typename T, int kMinBlocks>
+__global__ void __launch_bounds__(kThreads, kMinBlocks) TwoShotLamportKernel(Params p) {
   constexpr size_t kVec = Vec16<T>::kElems;
-  const Topology& t = p.topo;
-  const HeapView& h = p.heap;
+  __shared__ LamportPeers s;
+  LamportSetup(p, &s);
+  const int G = p.topo.local_size;
+  const int me = p.topo.local_rank;
   const T* in = static_cast<const T*>(p.in);
   T* out = static_cast<T*>(p.out);
-  const int G = t.local_size;
   const size_t per_block = p.per_block / kVec;  // vectors of a shard
-  const size_t block = TakeTicket(p);
-  auto shard_len = [&](int q) { return ShardLen(p, q); };
   auto vector_range = [&](size_t len, size_t* vb, size_t* ve) {
-    UnitRange(len, kVec, per_block, block, vb, ve);
+    UnitRange(len, kVec, per_block, s.block, vb, ve);
   };
-  uint64_t epoch[kMaxGroupSize];
-#pragma unroll
-  for (int r = 0; r < kMaxGroupSize; ++r) {
-    if (r < G && r != t.local_rank) epoch[r] = EpochWith(p, t.local_pes[r]);
-  }
   const uint4 empty = make_uint4(kLamportEmpty, kLamportEmpty, kLamportEmpty, kLamportEmpty);
 
   // Reduce-scatter: every peer's shard to that peer.
-#pragma unroll
-  for (int q = 0; q < kMaxGroupSize; ++q) {
-    if (q >= G || q == t.local_rank) continue;
-    const size_t len = shard_len(q);
+  for (int q = 0; q < G; ++q) {
+    if (q == me) continue;
+    const size_t len = ShardLen(p, q);
     size_t vb, ve;
     vector_range(len, &vb, &ve);
     const T* src = in + static_cast<size_t>(q) * p.shard;
-    uint4* dst = PeerPtr(h, LamportAt(h, epoch[q], /*phase=*/0, p.my_pe), t.local_pes[q]);
+    uint4* dst = s.to[0][q];
     for (size_t v = vb + threadIdx.x; v < ve; v += blockDim.x) {
       dst[v] = LamportPayload(LoadPadded<uint4>(src, v * kVec, len));
     }
   }
   // My shard: sum the ranks, keep it, and send it to every peer.
   {
-    const size_t len = shard_len(t.local_rank);
+    const size_t len = ShardLen(p, me);
     size_t vb, ve;
     vector_range(len, &vb, &ve);
-    const size_t my_off = static_cast<size_t>(t.local_rank) * p.shard;
-    uint4* remote[kMaxGroupSize];
-#pragma unroll
-    for (int r = 0; r < kMaxGroupSize; ++r) {
-      if (r < G && r != t.local_rank) {
-        remote[r] = PeerPtr(h, LamportAt(h, epoch[r], /*phase=*/1, p.my_pe), t.local_pes[r]);
-      }
-    }
+    const size_t my_off = static_cast<size_t>(me) * p.shard;
     for (size_t v = vb + threadIdx.x; v < ve; v += blockDim.x) {
       float acc[kVec];
 #pragma unroll
       for (int i = 0; i < kVec; ++i) acc[i] = 0.0f;
-#pragma unroll
-      for (int r = 0; r < kMaxGroupSize; ++r) {
-        if (r >= G) break;
-        if (r == t.local_rank) {
+      for (int r = 0; r < G; ++r) {
+        if (r == me) {
           Vec16<T>::Add(LoadPadded<uint4>(in + my_off, v * kVec, len), acc);
         } else {
-          uint4* slot = LamportAt(h, epoch[r], /*phase=*/0, t.local_pes[r]) + v;
-          Vec16<T>::Add(LoadLamport(slot, p, t.local_pes[r], epoch[r], /*step=*/0), acc);
+          uint4* slot = s.from[0][r] + v;
+          Vec16<T>::Add(LoadLamport(slot, p, s.pe[r], s.epoch[r], /*step=*/0), acc);
           *slot = empty;
         }
       }
       const uint4 sum = Vec16<T>::Pack(acc);
       const uint4 payload = LamportPayload(sum);
-#pragma unroll
-      for (int r = 0; r < kMaxGroupSize; ++r) {
-        if (r < G && r != t.local_rank) remote[r][v] = payload;
+      for (int r = 0; r < G; ++r) {
+        if (r != me) s.to[1][r][v] = payload;
       }
       StorePadded(out + my_off, v * kVec, len, sum);
     }
   }
   // All-gather: the peers' sums from my phase-1 slots.
-#pragma unroll
-  for (int q = 0; q < kMaxGroupSize; ++q) {
-    if (q >= G || q == t.local_rank) continue;
-    const size_t len = shard_len(q);
+  for (int q = 0; q < G; ++q) {
+    if (q == me) continue;
+    const size_t len = ShardLen(p, q);
     size_t vb, ve;
     vector_range(len, &vb, &ve);
     T* dst = out + static_cast<size_t>(q) * p.shard;
     for (size_t v = vb + threadIdx.x; v < ve; v += blockDim.x) {
-      uint4* slot = LamportAt(h, epoch[q], /*phase=*/1, t.local_pes[q]) + v;
-      StorePadded(dst, v * kVec, len, LoadLamport(slot, p, t.local_pes[q], epoch[q], /*step=*/1));
+      uint4* slot = s.from[1][q] + v;
+      StorePadded(dst, v * kVec, len, LoadLamport(slot, p, s.pe[q], s.epoch[q], /*step=*/1));
       *slot = empty;
     }
   }
@@ -1200,6 +1199,37 @@ size_t ElementBytes(ffi::DataType dtype) {
 size_t CeilDiv(size_t a, size_t b) { return (a + b - 1) / b; }
 size_t RoundUp(size_t a, size_t b) { return CeilDiv(a, b) * b; }
 
+// TEMPORARY A/B knobs of the Lamport kernels, read once from the environment:
+// JAXOVERLAP_LAMPORT_BLOCKS_PER_SM (1, 2, 4: the register cap the kernel is
+// compiled for), JAXOVERLAP_LAMPORT_BLOCK_BYTES, JAXOVERLAP_LAMPORT_MAX_BLOCKS
+// (0: blocks_per_sm x the SMs) and JAXOVERLAP_LAMPORT_POLL_NS. To be removed
+// once the 2-GPU measurement has picked the configuration.
+struct LamportKnobConfig {
+  int blocks_per_sm = kLamportBlocksPerSm;
+  size_t block_bytes = kLamportBytesPerBlock;
+  size_t max_blocks = 0;
+  unsigned int poll_ns = 0;
+};
+
+const LamportKnobConfig& LamportKnobs() {
+  static const LamportKnobConfig knobs = [] {
+    LamportKnobConfig k;
+    auto get = [](const char* name, long long fallback) {
+      const char* v = std::getenv(name);
+      return v != nullptr && *v != '\0' ? std::atoll(v) : fallback;
+    };
+    k.blocks_per_sm = static_cast<int>(get("JAXOVERLAP_LAMPORT_BLOCKS_PER_SM", k.blocks_per_sm));
+    k.block_bytes = static_cast<size_t>(get("JAXOVERLAP_LAMPORT_BLOCK_BYTES", k.block_bytes));
+    k.max_blocks = static_cast<size_t>(get("JAXOVERLAP_LAMPORT_MAX_BLOCKS", 0));
+    k.poll_ns = static_cast<unsigned int>(get("JAXOVERLAP_LAMPORT_POLL_NS", 0));
+    if (k.blocks_per_sm != 1 && k.blocks_per_sm != 4) k.blocks_per_sm = 2;
+    std::fprintf(stderr, "jaxoverlap: Lamport knobs: %d blocks/SM, %zu B/block, max %zu, poll %u ns\n",
+                 k.blocks_per_sm, k.block_bytes, k.max_blocks, k.poll_ns);
+    return k;
+  }();
+  return knobs;
+}
+
 // Launch configuration of one call (one chunk), from the problem size only,
 // so that every rank of a group computes the same grid.
 struct LaunchConfig {
@@ -1211,12 +1241,15 @@ struct LaunchConfig {
 LaunchConfig MakeLaunchConfig(Algorithm algorithm, Protocol protocol, size_t n, size_t elem,
                               int local_size, int num_sms) {
   const size_t vec = 16 / elem;
+  const LamportKnobConfig& knobs = LamportKnobs();  // TEMPORARY A/B knobs
   const size_t per_block_bytes = protocol == Protocol::kLL        ? kLLBytesPerBlock
-                                 : protocol == Protocol::kLamport ? kLamportBytesPerBlock
+                                 : protocol == Protocol::kLamport ? knobs.block_bytes
                                                                   : kSimpleBytesPerBlock;
   const size_t max_blocks =
-      protocol == Protocol::kLamport ? static_cast<size_t>(kLamportBlocksPerSm) * num_sms
-                                     : kMaxBlocks;
+      protocol == Protocol::kLamport
+          ? (knobs.max_blocks != 0 ? knobs.max_blocks
+                                   : static_cast<size_t>(knobs.blocks_per_sm) * num_sms)
+          : kMaxBlocks;
   LaunchConfig c;
   if (algorithm == Algorithm::kOneShot) {
     c.blocks =
@@ -1279,14 +1312,22 @@ cudaError_t Launch(Algorithm algorithm, Protocol protocol, const LaunchConfig& c
     if (protocol == Protocol::kLL) {
       OneShotLLKernel<T><<<c.blocks, kThreads, 0, stream>>>(p);
     } else if (protocol == Protocol::kLamport) {
-      OneShotLamportKernel<T><<<c.blocks, kThreads, 0, stream>>>(p);
+      switch (LamportKnobs().blocks_per_sm) {  // TEMPORARY A/B knob
+        case 1: OneShotLamportKernel<T, 1><<<c.blocks, kThreads, 0, stream>>>(p); break;
+        case 4: OneShotLamportKernel<T, 4><<<c.blocks, kThreads, 0, stream>>>(p); break;
+        default: OneShotLamportKernel<T, 2><<<c.blocks, kThreads, 0, stream>>>(p);
+      }
     } else {
       OneShotSimpleKernel<T><<<c.blocks, kThreads, 0, stream>>>(p);
     }
   } else if (algorithm == Algorithm::kTwoShot && protocol == Protocol::kLL) {
     TwoShotLLKernel<T><<<c.blocks, kThreads, 0, stream>>>(p);
   } else if (algorithm == Algorithm::kTwoShot && protocol == Protocol::kLamport) {
-    TwoShotLamportKernel<T><<<c.blocks, kThreads, 0, stream>>>(p);
+    switch (LamportKnobs().blocks_per_sm) {  // TEMPORARY A/B knob
+      case 1: TwoShotLamportKernel<T, 1><<<c.blocks, kThreads, 0, stream>>>(p); break;
+      case 4: TwoShotLamportKernel<T, 4><<<c.blocks, kThreads, 0, stream>>>(p); break;
+      default: TwoShotLamportKernel<T, 2><<<c.blocks, kThreads, 0, stream>>>(p);
+    }
   } else if (protocol == Protocol::kLL) {
     ReduceScatterAllGatherKernel<T, true><<<c.blocks, kThreads, 0, stream>>>(p);
   } else {
@@ -1300,9 +1341,13 @@ ffi::Error PreloadKernelsOf() {
   cudaFuncAttributes a;
   JAXOVERLAP_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&a, OneShotLLKernel<T>));
   JAXOVERLAP_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&a, OneShotSimpleKernel<T>));
-  JAXOVERLAP_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&a, OneShotLamportKernel<T>));
+  JAXOVERLAP_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&a, OneShotLamportKernel<T, 1>));
+  JAXOVERLAP_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&a, OneShotLamportKernel<T, 2>));
+  JAXOVERLAP_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&a, OneShotLamportKernel<T, 4>));
   JAXOVERLAP_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&a, TwoShotLLKernel<T>));
-  JAXOVERLAP_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&a, TwoShotLamportKernel<T>));
+  JAXOVERLAP_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&a, TwoShotLamportKernel<T, 1>));
+  JAXOVERLAP_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&a, TwoShotLamportKernel<T, 2>));
+  JAXOVERLAP_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&a, TwoShotLamportKernel<T, 4>));
   JAXOVERLAP_CUDA_RETURN_IF_ERROR(
       cudaFuncGetAttributes(&a, ReduceScatterAllGatherKernel<T, true>));
   JAXOVERLAP_CUDA_RETURN_IF_ERROR(
@@ -1501,6 +1546,7 @@ ffi::Error AllReduce(const RuntimeState& s, cudaStream_t stream, Algorithm algor
     p.per_block = c.per_block;
     p.shard = c.shard;
     p.tickets = c.blocks > s.num_sms;
+    p.poll_ns = LamportKnobs().poll_ns;  // TEMPORARY A/B knob
     cudaError_t err;
     switch (dtype) {
       case ffi::DataType::F32:
