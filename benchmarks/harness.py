@@ -342,6 +342,23 @@ def close(got, want) -> tuple[bool, float, float]:
   return bool(np.asarray(ok)), float(np.asarray(err)), float(np.asarray(atol))
 
 
+def gather_json(obj: Any) -> list[Any]:
+  """Every process's JSON-able ``obj``, in process order (a list of one in one process)."""
+  import jax
+  import numpy as np
+
+  if jax.process_count() == 1:
+    return [obj]
+  from jax.experimental import multihost_utils
+
+  data = np.frombuffer(json.dumps(obj).encode(), np.uint8)
+  sizes = np.asarray(multihost_utils.process_allgather(np.array([data.size], np.int64)))
+  buf = np.zeros(int(sizes.max()), np.uint8)
+  buf[:data.size] = data
+  everyone = np.asarray(multihost_utils.process_allgather(buf)).reshape(len(sizes.ravel()), -1)
+  return [json.loads(row[:int(n)].tobytes().decode()) for row, n in zip(everyone, sizes.ravel())]
+
+
 def median(values: Iterable[float]) -> float:
   return statistics.median(list(values))
 

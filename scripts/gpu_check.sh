@@ -18,6 +18,9 @@
 #       roofline, with and without XLA's CUDA graphs; a profile)
 #       | procbench (one process driving both GPUs beside two processes)
 #       | pallasbench (AG+GEMM: ours against JAX's Pallas collective matmul, one process)
+#       | contention (how much the fused ops' transfers slow their concurrent GEMMs, from
+#       profiler traces) | ovrepeat (AG and RS at 16384x4096x4096 three times, one process, beside
+#       the local GEMM and the Pallas collective matmul)
 #       | retune (1 x 2 bench of every kernel, a tuning table built from it and the committed
 #       2 x 1 run, then auto with that table beside psum, in two and in one process); 4/8 GPUs:
 #       multigpu_bench | multigpu_fused
@@ -33,7 +36,7 @@ PY=${PYTHON:-python3}
 WHAT=${1:-}
 VERBS=" build suite bench bench2 autobench quickbench tune ovbench ovbenchfull ovwindowed"
 VERBS="$VERBS ovcalibrate train cmdbufcost profile ovprofilegraphs decode procbench multigpu_bench"
-VERBS="$VERBS multigpu_fused normbench decodefloor pallasbench retune "
+VERBS="$VERBS multigpu_fused normbench decodefloor pallasbench retune lamportab contention ovrepeat "
 if [ -z "$WHAT" ] || [[ "$VERBS" != *" $WHAT "* ]]; then
   echo "usage: bash scripts/gpu_check.sh <verb> (verbs:$VERBS)" >&2
   exit 2
@@ -121,6 +124,33 @@ if [ "$WHAT" = retune ] && [ "$NGPU" -ge 2 ]; then
     --sizes 8K,64K,256K,512K,1M,2M,4M,16M,64M --reps 20
   run autobench_1process 120 JAXOVERLAP_TUNING_FILE="$TABLE" $PY benchmarks/all_reduce.py \
     --out "$OUT/processes1" --impls jaxoverlap:auto,xla:psum --sizes 8K,64K,256K,1M,4M --reps 30
+fi
+
+if [ "$WHAT" = lamportab ] && [ "$NGPU" -ge 2 ]; then
+  # TEMPORARY: the Lamport kernel's configurations (the A/B knobs of ffi/all_reduce/all_reduce.cu),
+  # one bench each, beside LL and psum. A config: blocks_per_sm:max_blocks:block_bytes:poll_ns.
+  for cfg in ${AB_CONFIGS:-1:528:4096:0 2:0:4096:0 2:528:4096:0 4:0:4096:0 2:0:8192:0 2:0:4096:64}; do
+    IFS=: read -r bps maxb bb poll <<<"$cfg"
+    run "lamportab_${bps}_${maxb}_${bb}_${poll}" 110 JAXOVERLAP_LAMPORT_BLOCKS_PER_SM="$bps" \
+      JAXOVERLAP_LAMPORT_MAX_BLOCKS="$maxb" JAXOVERLAP_LAMPORT_BLOCK_BYTES="$bb" \
+      JAXOVERLAP_LAMPORT_POLL_NS="$poll" $PY -m jaxoverlap.launch --nproc 2 --timeout_s 100 \
+      benchmarks/all_reduce.py --out "$OUT/ab_${bps}_${maxb}_${bb}_${poll}" \
+      --sizes "${AB_SIZES:-8K,64K,256K,1M,2M,4M,16M,64M}" --reps 20 \
+      --impls jaxoverlap:one_shot_lamport,jaxoverlap:one_shot_ll,xla:psum
+  done
+fi
+
+if [ "$WHAT" = contention ] && [ "$NGPU" -ge 2 ]; then
+  run contention 300 $PY -m jaxoverlap.launch --nproc 2 --timeout_s 290 \
+    benchmarks/fused_contention.py --out "$OUT" --logdir /tmp/jaxoverlap-contention
+fi
+
+if [ "$WHAT" = ovrepeat ] && [ "$NGPU" -ge 2 ]; then
+  for i in 1 2 3; do
+    run "ovrepeat_$i" 200 $PY benchmarks/overlap.py --out "$OUT/repeat$i" \
+      --shapes "ag:16384,4096,4096;rs:16384,4096,4096" --reps 20 \
+      --impls "xla:local_gemm,xla:collective,jaxoverlap:copy_engine,pallas:all_gather_lhs_matmul/m128n128"
+  done
 fi
 
 if [ "$WHAT" = tune ] && [ "$NGPU" -ge 2 ]; then
