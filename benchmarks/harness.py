@@ -342,21 +342,37 @@ def close(got, want) -> tuple[bool, float, float]:
   return bool(np.asarray(ok)), float(np.asarray(err)), float(np.asarray(atol))
 
 
-def gather_json(obj: Any) -> list[Any]:
-  """Every process's JSON-able ``obj``, in process order (a list of one in one process)."""
+_GATHERS = iter(range(1 << 62))  # a fresh key per gather_json call
+
+
+def gather_json(obj: Any, *, timeout_s: float = 300.0) -> list[Any]:
+  """Every process's JSON-able ``obj``, in process order (a list of one in one process).
+
+  Goes through the coordination service's key-value store (jax.distributed),
+  not through a device collective, so it also works where NCCL cannot run
+  (processes sharing a GPU). Every process must call it the same number of
+  times.
+
+  Raises:
+    TimeoutError: a process did not deliver within ``timeout_s`` (naming it).
+  """
   import jax
-  import numpy as np
 
   if jax.process_count() == 1:
     return [obj]
-  from jax.experimental import multihost_utils
+  from jax._src import distributed  # the key-value store has no public API
 
-  data = np.frombuffer(json.dumps(obj).encode(), np.uint8)
-  sizes = np.asarray(multihost_utils.process_allgather(np.array([data.size], np.int64)))
-  buf = np.zeros(int(sizes.max()), np.uint8)
-  buf[:data.size] = data
-  everyone = np.asarray(multihost_utils.process_allgather(buf)).reshape(len(sizes.ravel()), -1)
-  return [json.loads(row[:int(n)].tobytes().decode()) for row, n in zip(everyone, sizes.ravel())]
+  client = distributed.global_state.client
+  key = f"jaxoverlap_benchmarks/gather{next(_GATHERS)}"
+  client.key_value_set(f"{key}/{jax.process_index()}", json.dumps(obj))
+  out = []
+  for i in range(jax.process_count()):
+    try:
+      out.append(json.loads(client.blocking_key_value_get(f"{key}/{i}", int(timeout_s * 1e3))))
+    except Exception as e:  # the client raises XlaRuntimeError (DEADLINE_EXCEEDED)
+      raise TimeoutError(f"gather_json: process {i} did not deliver {key} within "
+                         f"{timeout_s:.0f} s: {e}") from e
+  return out
 
 
 def median(values: Iterable[float]) -> float:

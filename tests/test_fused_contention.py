@@ -106,16 +106,17 @@ def test_record_compares_bandwidth_across_chunk_counts():
   assert r["gemm_slowdown"] == pytest.approx(0.1)
 
 
-def test_script_on_cpu(tmp_path):
+def test_script_in_two_processes_on_cpu(tmp_path):
+  # Two processes through the launcher: rank 0 writes both ranks' records (harness.gather_json).
   env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=_ROOT)
   env.pop("XLA_FLAGS", None)
-  cmd = [sys.executable, os.path.join(_ROOT, "benchmarks", "fused_contention.py"),
-         "--host_devices", "2", "--shapes", "ag:64,32,32", "--impls", "xla:naive",
-         "--calls", "2", "--warmup", "1", "--out", str(tmp_path),
+  cmd = [sys.executable, "-m", "jaxoverlap.launch", "--nproc", "2", "--timeout_s", "240",
+         os.path.join(_ROOT, "benchmarks", "fused_contention.py"), "--shapes", "ag:64,32,32",
+         "--impls", "xla:naive", "--calls", "2", "--warmup", "1", "--out", str(tmp_path),
          "--logdir", str(tmp_path / "traces")]
   proc = subprocess.run(cmd, env=env, cwd=_ROOT, capture_output=True, text=True, timeout=300)
-  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
   result = json.loads((tmp_path / "fused_contention-2x_H200_NV18.json").read_text())
-  assert result["benchmark"] == "fused_contention"
-  assert [r["rank"] for r in result["records"]] == [0]
-  assert result["records"][0]["transfers"] == 0  # CPU: no device kernels
+  assert result["benchmark"] == "fused_contention" and result["processes"] == 2
+  assert [r["rank"] for r in result["records"]] == [0, 1]
+  assert all(r["transfers"] == 0 for r in result["records"])  # CPU: no device kernels
