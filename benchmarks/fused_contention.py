@@ -24,7 +24,9 @@ benchmarks/profile_step.py parses them) and times each kernel:
       gemm_slowdown = median(concurrent) / median(alone) - 1. With one chunk
       the ops run two GEMMs of one shape per peer: all_gather_matmul the local
       shard's during the send and the peer's after it; matmul_reduce_scatter
-      the peer's block before the send and its own during it.
+      the peer's block before the send and its own during it (a different
+      kernel: its epilogue differs). With two chunks each op has GEMMs of one
+      name both beside and after (or before) a transfer.
   Transfers (copy-engine memcpys, NVSHMEM put kernels): their median span in
       the op, against the same transfer in a second run of the op whose GEMM
       is cut to --small columns (ag: N; rs, ar: K), which moves the same
@@ -54,8 +56,10 @@ import profile_step
 BENCHMARK = "fused_contention"
 AXIS = overlap.AXIS
 DEFAULT_SHAPES = "ag:16384,4096,4096;rs:16384,4096,4096"
-DEFAULT_IMPLS = ("jaxoverlap:copy_engine/c1", "jaxoverlap:copy_engine",
-                 "jaxoverlap:nvshmem/c1")
+# auto's chunks (two at the default shapes) pair a GEMM of one name beside and after a
+# transfer in both ops; one chunk pairs in all_gather_matmul only (matmul_reduce_scatter's
+# two GEMMs then differ in their epilogue, so in their kernel).
+DEFAULT_IMPLS = ("jaxoverlap:copy_engine", "jaxoverlap:copy_engine/c1", "jaxoverlap:nvshmem")
 # A transfer: a copy-engine memcpy, or the NVSHMEM put kernel (not the flag kernels).
 _MEMCPY = ("memcpy", "Memcpy", "MEMCPY")
 
