@@ -240,6 +240,7 @@ ffi::Error SetUpDevice(RuntimeState& st, Mode mode, int device, char* heap, cons
   DebugStep("kernels");  // loaded now, not lazily next to a waiting kernel (gemm::Preload)
   JAXOVERLAP_RETURN_IF_ERROR(all_reduce::PreloadKernels());
   JAXOVERLAP_RETURN_IF_ERROR(overlap::PreloadKernels());
+  JAXOVERLAP_RETURN_IF_ERROR(all_reduce::LamportBlocksPerSm(&st.lamport_blocks_per_sm));
   JAXOVERLAP_CUDA_RETURN_IF_ERROR(
       cudaHostAlloc(&st.error_host, sizeof(DeviceError), cudaHostAllocMapped));
   std::memset(st.error_host, 0, sizeof(DeviceError));

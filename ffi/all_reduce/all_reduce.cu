@@ -1223,11 +1223,17 @@ const LamportKnobConfig& LamportKnobs() {
     k.max_blocks = static_cast<size_t>(get("JAXOVERLAP_LAMPORT_MAX_BLOCKS", 0));
     k.poll_ns = static_cast<unsigned int>(get("JAXOVERLAP_LAMPORT_POLL_NS", 0));
     if (k.blocks_per_sm != 1 && k.blocks_per_sm != 4) k.blocks_per_sm = 2;
-    std::fprintf(stderr, "jaxoverlap: Lamport knobs: %d blocks/SM, %zu B/block, max %zu, poll %u ns\n",
-                 k.blocks_per_sm, k.block_bytes, k.max_blocks, k.poll_ns);
+    std::fprintf(stderr, "jaxoverlap: Lamport knobs: %d blocks/SM, %zu B/block, max %zu, "
+                 "poll %u ns\n", k.blocks_per_sm, k.block_bytes, k.max_blocks, k.poll_ns);
     return k;
   }();
   return knobs;
+}
+
+// The Lamport grid's cap: as many blocks as the GPU holds at once, so that it
+// runs in one wave (RuntimeState::lamport_blocks_per_sm, from LamportBlocksPerSm).
+int LamportMaxBlocks(const RuntimeState& s) {
+  return std::max(1, s.lamport_blocks_per_sm) * s.num_sms;
 }
 
 // Launch configuration of one call (one chunk), from the problem size only,
@@ -1239,7 +1245,7 @@ struct LaunchConfig {
 };
 
 LaunchConfig MakeLaunchConfig(Algorithm algorithm, Protocol protocol, size_t n, size_t elem,
-                              int local_size, int num_sms) {
+                              int local_size, int lamport_max_blocks) {
   const size_t vec = 16 / elem;
   const LamportKnobConfig& knobs = LamportKnobs();  // TEMPORARY A/B knobs
   const size_t per_block_bytes = protocol == Protocol::kLL        ? kLLBytesPerBlock
@@ -1247,8 +1253,7 @@ LaunchConfig MakeLaunchConfig(Algorithm algorithm, Protocol protocol, size_t n, 
                                                                   : kSimpleBytesPerBlock;
   const size_t max_blocks =
       protocol == Protocol::kLamport
-          ? (knobs.max_blocks != 0 ? knobs.max_blocks
-                                   : static_cast<size_t>(knobs.blocks_per_sm) * num_sms)
+          ? (knobs.max_blocks != 0 ? knobs.max_blocks : static_cast<size_t>(lamport_max_blocks))
           : kMaxBlocks;
   LaunchConfig c;
   if (algorithm == Algorithm::kOneShot) {
@@ -1402,6 +1407,38 @@ Params MakeParams(const RuntimeState& s, const Topology& topo) {
 
 }  // namespace
 
+namespace {
+
+template <int kMinBlocks>
+ffi::Error LamportOccupancy(int* blocks) {
+  int fewest = kMinBlocks;
+  const void* kernels[] = {
+      reinterpret_cast<const void*>(OneShotLamportKernel<float, kMinBlocks>),
+      reinterpret_cast<const void*>(OneShotLamportKernel<__nv_bfloat16, kMinBlocks>),
+      reinterpret_cast<const void*>(OneShotLamportKernel<__half, kMinBlocks>),
+      reinterpret_cast<const void*>(TwoShotLamportKernel<float, kMinBlocks>),
+      reinterpret_cast<const void*>(TwoShotLamportKernel<__nv_bfloat16, kMinBlocks>),
+      reinterpret_cast<const void*>(TwoShotLamportKernel<__half, kMinBlocks>)};
+  for (const void* kernel : kernels) {
+    int n = 0;
+    JAXOVERLAP_CUDA_RETURN_IF_ERROR(
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, kThreads, 0));
+    fewest = std::min(fewest, n);
+  }
+  *blocks = fewest;
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+ffi::Error LamportBlocksPerSm(int* blocks) {
+  switch (LamportKnobs().blocks_per_sm) {  // TEMPORARY A/B knob
+    case 1: return LamportOccupancy<1>(blocks);
+    case 4: return LamportOccupancy<4>(blocks);
+    default: return LamportOccupancy<2>(blocks);
+  }
+}
+
 ffi::Error PreloadKernels() {
   JAXOVERLAP_RETURN_IF_ERROR(PreloadKernelsOf<float>());
   JAXOVERLAP_RETURN_IF_ERROR(PreloadKernelsOf<__nv_bfloat16>());
@@ -1539,7 +1576,7 @@ ffi::Error AllReduce(const RuntimeState& s, cudaStream_t stream, Algorithm algor
   for (size_t offset = 0; offset < num_elements; offset += capacity) {
     const size_t n = std::min(capacity, num_elements - offset);
     const LaunchConfig c =
-        MakeLaunchConfig(algorithm, protocol, n, elem, topo.local_size, s.num_sms);
+        MakeLaunchConfig(algorithm, protocol, n, elem, topo.local_size, LamportMaxBlocks(s));
     p.in = static_cast<const char*>(in) + offset * elem;
     p.out = static_cast<char*>(out) + offset * elem;
     p.n = n;
@@ -1587,7 +1624,7 @@ ffi::Error AllReduceStage(const RuntimeState& s, cudaStream_t stream, Stage stag
   // cuts larger ones into pieces, so that the shard layout is its own.
   const LaunchConfig c =
       MakeLaunchConfig(Algorithm::kTwoShot, Protocol::kSimple, num_elements, elem, topo.local_size,
-                       s.num_sms);
+                       LamportMaxBlocks(s));
   if (c.shard != shard_elements) {
     return ffi::Error::InvalidArgument(
         std::string(what) + ": the shard buffer has " + std::to_string(shard_elements) +

@@ -86,6 +86,10 @@ ffi::Error AllReduceRmsNorm(const RuntimeState& s, cudaStream_t stream, ffi::Dat
 // overlap::PreloadKernels).
 ffi::Error PreloadKernels();
 
+// Blocks of the Lamport kernels that one SM of the current GPU holds at once
+// (the CUDA occupancy calculator; the fewest over their instantiations).
+ffi::Error LamportBlocksPerSm(int* blocks);
+
 }  // namespace jaxoverlap::all_reduce
 
 XLA_FFI_REGISTER_ENUM_ATTR_DECODING(jaxoverlap::all_reduce::Algorithm);

@@ -110,6 +110,7 @@ struct RuntimeState {
   int num_pes = 0;
   int device = -1;
   int num_sms = 0;  // streaming multiprocessors of this GPU (the Lamport grid)
+  int lamport_blocks_per_sm = 0;  // Lamport blocks an SM holds at once (the Lamport grid)
   size_t heap_bytes = 0;
   size_t slot_bytes = 0;
   size_t ll_slot_bytes = 0;
