@@ -111,7 +111,8 @@ def main(argv):
       ranks_per_node=run.ranks_per_node, world=run.world, log=run.log, measure_row=measure_row)
   for r in records:
     r.update(num_nodes=run.num_nodes, inter_node_transport=run.runtime.get("inter_node_transport"),
-             processes=run.processes, transport=run.runtime.get("transport"))
+             processes=run.processes, transport=run.runtime.get("transport"),
+             lamport_blocks_per_sm=run.runtime.get("lamport_blocks_per_sm"))
   for r in rejected:
     run.log(f"WRONG: {r['impl']} at {r['bytes']} B: {r['reason']}")
   if run.rank == 0:

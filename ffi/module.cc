@@ -157,6 +157,7 @@ NB_MODULE(_jaxoverlap_cuda, m) {
     d["slot_bytes"] = s.slot_bytes;
     d["ll_slot_bytes"] = s.ll_slot_bytes;
     d["lamport_slot_bytes"] = s.lamport_slot_bytes;
+    d["lamport_blocks_per_sm"] = s.lamport_blocks_per_sm;
     d["ranks_per_node"] = s.ranks_per_node;
     d["force_nvshmem_put"] = s.force_put;
     d["timeout_ns"] = s.timeout_ns;

@@ -666,7 +666,9 @@ def runtime_info() -> dict[str, Any]:
     capacity per sender, bytes), ``overlap_slot_bytes`` (the fused ops'
     capacity per sender, bytes), ``ll_slot_bytes`` (LL8 cells per sender,
     bytes), ``lamport_slot_bytes`` (Lamport payload per sender, bytes; 0
-    when the heap leaves no room for it), ``max_group_size``,
+    when the heap leaves no room for it), ``lamport_blocks_per_sm`` (blocks
+    of the Lamport kernels an SM holds at once: their grid is at most that
+    many per SM, one wave), ``max_group_size``,
     ``inter_node_transport``, ``timeout_s``,
     ``device_error`` (None, or what a timed-out wait recorded); always
     ``backends``: for each op, ``"cuda"`` or the reason it runs on ``"xla"``.
@@ -685,6 +687,7 @@ def runtime_info() -> dict[str, Any]:
     info["max_group_size"] = ext.limits()["max_group_size"]
     info["ll_slot_bytes"] = native["ll_slot_bytes"]
     info["lamport_slot_bytes"] = native["lamport_slot_bytes"]
+    info["lamport_blocks_per_sm"] = native["lamport_blocks_per_sm"]
     info["overlap_slot_bytes"] = native["overlap_slot_bytes"]
     # Across nodes: direct NVLink stores where a peer is load/store-reachable,
     # NVSHMEM puts otherwise (always, with JAXOVERLAP_FORCE_NVSHMEM_PUT=1).

@@ -106,6 +106,8 @@ def test_runtime_transport(runtime):
   want = os.environ.get("JAXOVERLAP_EXPECT_TRANSPORT")
   assert info["initialized"] and (want is None or info["transport"] == want), info
   assert all(v == "cuda" for v in info["backends"].values()), info["backends"]
+  # The Lamport grid's cap: at least one block an SM (the occupancy calculator's answer).
+  assert info["lamport_blocks_per_sm"] >= 1, info
 
 
 # ---------------------------------------------------------------------------- values
