@@ -20,19 +20,24 @@ benchmarks/profile_step.py parses them) and times each kernel:
   GEMM kernels (cuBLASLt names, ``profile_step.classify``): a GEMM is
       "concurrent" when at least --concurrent_share of its span overlaps a
       transfer on another stream, "alone" when at most --alone_share does.
-      Kernels of one name have one shape, so each name with both kinds gives
-      gemm_slowdown = median(concurrent) / median(alone) - 1. With one chunk
-      the ops run two GEMMs of one shape per peer: all_gather_matmul the local
-      shard's during the send and the peer's after it; matmul_reduce_scatter
-      the peer's block before the send and its own during it (a different
-      kernel: its epilogue differs). With two chunks each op has GEMMs of one
-      name both beside and after (or before) a transfer.
-  Transfers (copy-engine memcpys, NVSHMEM put kernels): their median span in
-      the op, against the same transfer in a second run of the op whose GEMM
-      is cut to --small columns (ag: N; rs, ar: K), which moves the same
+      The trace names a GEMM's kernel, not its shape, so the default impls
+      are those whose GEMMs of one kernel name have one shape:
+      all_gather_matmul with one chunk (the local shard's GEMM beside the
+      send, the peer's after it, both M/P rows) and matmul_reduce_scatter
+      with two (the peer block's first chunk before any send, its second
+      beside the first's send). gemm_slowdown = median(concurrent) /
+      median(alone) - 1 for the kernel name with both kinds and the most
+      runs. (all_gather_matmul with two chunks would compare its M/P-row
+      own GEMM with M/2P-row chunk GEMMs of the same kernel.)
+  Transfers (copy-engine memcpys, NVSHMEM put kernels) on the streams that
+      run no GEMM (the op's communication stream; matmul_all_reduce's local
+      copies run on the compute stream): bandwidth from the memcpy's size in
+      the trace (put kernels: the block over its chunks), median over
+      transfers, against the same transfer in a second run of the op whose
+      GEMM is cut to --small columns (ag: N; rs, ar: K), which moves the same
       bytes (ag sends x's shard, rs and ar the partial product) beside a GEMM
-      of almost nothing: transfer_slowdown = median(in op) / median(alone) - 1,
-      and the bandwidths of both.
+      of almost nothing: transfer_slowdown = bandwidth alone / bandwidth in
+      the op - 1.
 The per-call waits make the calls independent: no transfer of one call runs
 beside a GEMM of the next.
 
@@ -56,10 +61,10 @@ import profile_step
 BENCHMARK = "fused_contention"
 AXIS = overlap.AXIS
 DEFAULT_SHAPES = "ag:16384,4096,4096;rs:16384,4096,4096"
-# auto's chunks (two at the default shapes) pair a GEMM of one name beside and after a
-# transfer in both ops; one chunk pairs in all_gather_matmul only (matmul_reduce_scatter's
-# two GEMMs then differ in their epilogue, so in their kernel).
-DEFAULT_IMPLS = ("jaxoverlap:copy_engine", "jaxoverlap:copy_engine/c1", "jaxoverlap:nvshmem")
+# Per op, the chunk counts whose GEMMs of one kernel name have one shape (the docstring).
+DEFAULT_IMPLS = {"ag": ("jaxoverlap:copy_engine/c1", "jaxoverlap:nvshmem/c1"),
+                 "rs": ("jaxoverlap:copy_engine/c2", "jaxoverlap:nvshmem/c2"),
+                 "ar": ("jaxoverlap:copy_engine/c2", "jaxoverlap:nvshmem/c2")}
 # A transfer: a copy-engine memcpy, or the NVSHMEM put kernel (not the flag kernels).
 _MEMCPY = ("memcpy", "Memcpy", "MEMCPY")
 
@@ -88,9 +93,18 @@ def _overlap_us(start: float, end: float, spans: Sequence[tuple[float, float]]) 
   return profile_step._union_us(covered)
 
 
+def memcpy_bytes(ev: profile_step.Event) -> int | None:
+  """A memcpy's size from its trace args (``memcpy_details``: "... size:N ..."), or None."""
+  details = str((ev.args or {}).get("memcpy_details", ""))
+  for field in details.split():
+    if field.startswith("size:") and field[5:].isdigit():
+      return int(field[5:])
+  return None
+
+
 def kernel_stats(events: Iterable[profile_step.Event], *, concurrent_share: float = 0.5,
                  alone_share: float = 0.05) -> dict[str, Any]:
-  """GEMM spans alone and beside transfers, and transfer spans, of one trace's device events.
+  """GEMM spans alone and beside transfers, and the transfers, of one trace's device events.
 
   Args:
     events: the device-stream events of one rank (``profile_step.Event``).
@@ -100,13 +114,17 @@ def kernel_stats(events: Iterable[profile_step.Event], *, concurrent_share: floa
 
   Returns:
     ``gemms``: per GEMM kernel name, the counts and median spans (us) of its
-    concurrent and alone runs; ``gemm_alone_us``, ``gemm_concurrent_us`` and
-    ``gemm_slowdown`` of the name with both kinds and the most runs (None
-    where no name has both); ``transfer_us`` (median transfer span) and
-    ``transfers`` (their count).
+    concurrent, alone and partly overlapped runs; ``gemm_kernel``,
+    ``gemm_alone_us``, ``gemm_concurrent_us`` and ``gemm_slowdown`` of the
+    name with both kinds and the most runs (None where no name has both);
+    ``transfers`` (transfers on rows without GEMMs), ``transfer_us`` (their
+    median span) and ``transfer_gbps`` (median bandwidth of those whose
+    size the trace gives, else None).
   """
   events = list(events)
-  transfers = [ev for ev in events if is_transfer(ev.name)]
+  gemm_rows = {ev.row for ev in events if profile_step.classify(ev.name) == profile_step.GEMM}
+  transfers = [ev for ev in events if is_transfer(ev.name) and ev.row not in gemm_rows
+               and ev.end > ev.start]
   by_row: dict[Any, list[tuple[float, float]]] = {}
   for ev in transfers:
     by_row.setdefault(ev.row, []).append((ev.start, ev.end))
@@ -124,11 +142,14 @@ def kernel_stats(events: Iterable[profile_step.Event], *, concurrent_share: floa
            | {f"{kind}_us": statistics.median(v) if v else None for kind, v in kinds.items()}
            for name, kinds in gemms.items()}
   paired = [name for name, k in gemms.items() if k["concurrent"] and k["alone"]]
+  sized = [(memcpy_bytes(ev), ev.end - ev.start) for ev in transfers]
+  rates = [b / us / 1e3 for b, us in sized if b]
   out: dict[str, Any] = {"gemms": table, "gemm_kernel": None, "gemm_alone_us": None,
                          "gemm_concurrent_us": None, "gemm_slowdown": None,
                          "transfers": len(transfers),
-                         "transfer_us": statistics.median(ev.end - ev.start for ev in transfers)
-                         if transfers else None}
+                         "transfer_us": statistics.median(us for _, us in sized)
+                         if sized else None,
+                         "transfer_gbps": statistics.median(rates) if rates else None}
   if paired:
     name = max(paired, key=lambda nm: len(gemms[nm]["concurrent"]) + len(gemms[nm]["alone"]))
     alone, conc = table[name]["alone_us"], table[name]["concurrent_us"]
@@ -195,6 +216,8 @@ def contention_record(op: str, mkn, impl: str, main: Mapping[str, Any],
                       itemsize: int, calls: int) -> dict[str, Any]:
   """One record from the op's ``kernel_stats`` (``main``) and the small-GEMM run's (``small``)."""
   def gbps(stats, shape):
+    if stats["transfer_gbps"]:  # memcpys: their sizes are in the trace
+      return stats["transfer_gbps"]
     nbytes = transfer_bytes(op, shape, world, itemsize, stats["transfers"], calls)
     return nbytes / stats["transfer_us"] / 1e3 if nbytes and stats["transfer_us"] else None
 
@@ -233,8 +256,8 @@ def define_flags():
   from absl import flags
 
   harness.define_flags("out", "machine", "dtype", "host_devices",
-                       impls=(list(DEFAULT_IMPLS), "fused-op implementations (benchmarks/"
-                              "overlap.py's names)"),
+                       impls=([], "fused-op implementations (benchmarks/overlap.py's "
+                              "names; default: per op, DEFAULT_IMPLS)"),
                        warmup=(3, "untimed calls before the trace"))
   flags.DEFINE_string("shapes", DEFAULT_SHAPES, "global shapes 'op:M,K,N;...' (ag, rs, ar)")
   flags.DEFINE_integer("calls", 10, "traced calls per (shape, impl)")
@@ -260,6 +283,8 @@ def main(argv):
     raise app.UsageError("need 0 <= --alone_share < --concurrent_share <= 1")
   harness.use_host_devices(fl.host_devices)
   run = harness.start(AXIS)
+  if run.world < 2:
+    raise app.UsageError(f"a fused op needs at least 2 devices; this run has {run.world}")
   import jax
   import numpy as np
 
@@ -271,7 +296,7 @@ def main(argv):
   records = []
   for op, mkn in shapes:
     overlap.check_divisible(op, mkn, run.world)
-    for impl in fl.impls:
+    for impl in fl.impls or DEFAULT_IMPLS[op]:
       stats = {}
       small = small_shape(op, mkn, run.world, fl.small)
       for tag, shape in (("op", mkn), ("small", small)):

@@ -181,11 +181,13 @@ class Row:
 
 @dataclasses.dataclass(frozen=True)
 class Event:
-  """A complete ("X") event: ``start``/``end`` in microseconds."""
+  """A complete ("X") event: ``start``/``end`` in microseconds; ``args`` as the trace has them
+  (e.g. a memcpy's ``memcpy_details``), or None."""
   row: tuple[Any, Any]
   name: str
   start: float
   end: float
+  args: Mapping[str, Any] | None = dataclasses.field(default=None, compare=False)
 
 
 def find_trace_file(logdir: str) -> str | None:
@@ -242,7 +244,7 @@ def parse_trace(trace: Mapping[str, Any], min_dur_us: float = 1e-3
         steps.append((start, start + dur))
       elif dur >= min_dur_us:
         events.append(Event((e.get("pid"), e.get("tid")), str(e.get("name", "")), start,
-                            start + dur))
+                            start + dur, e.get("args")))
   rows = {}
   for key in {ev.row for ev in events} | set(threads):
     pid, tid = key

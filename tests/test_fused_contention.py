@@ -74,10 +74,22 @@ def test_partly_overlapped_gemms_are_neither():
   assert s["gemms"][GEMM]["partly_n"] == 1 and s["gemm_slowdown"] is None
 
 
-def test_a_transfer_on_the_same_stream_is_not_beside():
-  events = [Event(COMPUTE, COPY, 0, 100), Event(COMPUTE, GEMM, 50, 150)]
+def test_copies_on_a_gemm_stream_are_not_transfers():
+  # matmul_all_reduce's local slot -> out copies run on the compute stream: not sends.
+  events = [Event(COMPUTE, COPY, 0, 100), Event(COMPUTE, GEMM, 50, 150),
+            Event(COMM, COPY, 200, 300, {"memcpy_details": "size:1000000 dest:1 async:1"})]
   s = fc.kernel_stats(events)
+  assert s["transfers"] == 1 and s["transfer_us"] == pytest.approx(100)
+  assert s["transfer_gbps"] == pytest.approx(1e6 / 100 / 1e3)
   assert s["gemms"][GEMM]["alone_n"] == 1
+
+
+def test_memcpy_bytes_from_the_trace_args():
+  ev = Event(COMM, COPY, 0, 1, {"memcpy_details": "kind_src:unknown kind_dst:unknown "
+                                                  "size:67108864 dest:1 async:1"})
+  assert fc.memcpy_bytes(ev) == 67108864
+  assert fc.memcpy_bytes(Event(COMM, COPY, 0, 1)) is None
+  assert fc.memcpy_bytes(Event(COMM, COPY, 0, 1, {"memcpy_details": "size:x"})) is None
 
 
 def test_small_shape_keeps_the_transferred_block():
@@ -95,8 +107,10 @@ def test_transfer_bytes_per_chunk(op, chunks):
 
 
 def test_record_compares_bandwidth_across_chunk_counts():
+  # Put kernels: no size in the trace, so the block over the chunks counted.
   main = {"gemm_kernel": GEMM, "gemm_alone_us": 100.0, "gemm_concurrent_us": 110.0,
-          "gemm_slowdown": 0.1, "transfer_us": 200.0, "transfers": 10, "gemms": {}}
+          "gemm_slowdown": 0.1, "transfer_us": 200.0, "transfer_gbps": None, "transfers": 10,
+          "gemms": {}}
   # The small run sent the same block in two chunks of half the time each: no slowdown.
   small = dict(main, transfer_us=100.0, transfers=20)
   r = fc.contention_record("ag", (16384, 4096, 4096), "jaxoverlap:copy_engine", main, small,
@@ -104,6 +118,11 @@ def test_record_compares_bandwidth_across_chunk_counts():
   assert r["transfer_gbps"] == pytest.approx(8192 * 4096 * 2 / 200.0 / 1e3)
   assert r["transfer_slowdown"] == pytest.approx(0.0)
   assert r["gemm_slowdown"] == pytest.approx(0.1)
+  # Memcpys: the trace's sizes win.
+  r = fc.contention_record("ag", (16384, 4096, 4096), "jaxoverlap:copy_engine",
+                           dict(main, transfer_gbps=300.0), dict(small, transfer_gbps=400.0),
+                           (16384, 4096, 256), world=2, rank=0, itemsize=2, calls=10)
+  assert r["transfer_slowdown"] == pytest.approx(400 / 300 - 1)
 
 
 def test_script_in_two_processes_on_cpu(tmp_path):
@@ -120,3 +139,13 @@ def test_script_in_two_processes_on_cpu(tmp_path):
   assert result["benchmark"] == "fused_contention" and result["processes"] == 2
   assert [r["rank"] for r in result["records"]] == [0, 1]
   assert all(r["transfers"] == 0 for r in result["records"])  # CPU: no device kernels
+
+
+def test_one_device_is_refused(tmp_path):
+  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=_ROOT)
+  env.pop("XLA_FLAGS", None)
+  cmd = [sys.executable, os.path.join(_ROOT, "benchmarks", "fused_contention.py"),
+         "--host_devices", "1", "--shapes", "ag:64,32,32", "--impls", "xla:naive",
+         "--out", str(tmp_path), "--logdir", str(tmp_path / "traces")]
+  proc = subprocess.run(cmd, env=env, cwd=_ROOT, capture_output=True, text=True, timeout=300)
+  assert proc.returncode != 0 and "at least 2 devices" in proc.stderr, proc.stderr[-2000:]

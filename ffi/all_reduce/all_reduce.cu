@@ -67,15 +67,15 @@ constexpr int kMaxBump = kMaxGroupSize + 8;  // local peers + log2(kMaxNodes) pa
 constexpr size_t kSimpleBytesPerBlock = 16 * 1024;
 constexpr size_t kLLBytesPerBlock = 4 * 1024;
 // Lamport grid: 4 KiB per block (half the threads at small sizes), and up to
-// kLamportBlocksPerSm x the SMs in blocks, which the GPU holds at once: the
-// kernels keep their per-peer state in shared memory (LamportPeers) and are
-// compiled for that many 512-thread blocks an SM (32 registers a thread), so a
-// message of any size moves in one wave, each thread with as many vectors as
-// it takes. (With the per-peer state in registers the kernels took 128
+// as many blocks as the GPU holds at once (RuntimeState::lamport_blocks_per_sm
+// x the SMs): the kernels keep their per-peer state in shared memory
+// (LamportPeers) and are compiled for kLamportBlocksPerSm 512-thread blocks an
+// SM (at most 64 registers a thread), so a message of any size moves in one
+// wave, each thread with as many vectors as it takes. (With the per-peer state in registers the kernels took 128
 // registers a thread, one block fitted an SM, and 4 x the SMs ran in 4 waves:
-// docs/kernels.md, "all_reduce v6".) Blocks still take their ranges in start
-// order (LamportSetup): a concurrent kernel can hold SMs, and then not every
-// block starts at once. Slots are addressed by vector index, not by block, so
+// docs/kernels.md, "all_reduce v6".) Blocks take their ranges in start order
+// (LamportSetup): a concurrent kernel can hold SMs, and then not every block
+// starts at once. Slots are addressed by vector index, not by block, so
 // ranks need not agree on the grid.
 constexpr size_t kLamportBytesPerBlock = 4 * 1024;
 constexpr int kLamportBlocksPerSm = 2;
@@ -118,7 +118,6 @@ struct Params {
   DeviceError* error;
   uint64_t timeout_ns;
   bool force_put;  // inter-node steps use NVSHMEM puts even to load/store-reachable peers
-  bool tickets;    // the grid exceeds one block per SM: Lamport blocks take tickets
   unsigned int poll_ns;  // TEMPORARY A/B knob: Lamport polls back off this long after a miss
   Stage stage;     // the whole all-reduce, or only its intra-node reduce-scatter or all-gather
   float* shard_out;       // Stage::kReduceScatter: this rank's reduced shard, fp32 [shard]
@@ -353,14 +352,14 @@ struct LamportPeers {
 };
 
 // Fills the block's LamportPeers (one thread per peer) behind one barrier.
-// The block's range is numbered in the order in which blocks start, not by
-// blockIdx (p.tickets): a block waits for the block of the peer that handles
-// the same range, and where not every block of the grid can start at once (a
-// concurrent kernel holds SMs), numbering ranges by start order means that
-// every range below a waiting block's was taken by a block that already
-// started, and every block sends before it waits, so the peer's waits always
-// end, whatever order the hardware starts blocks in. A grid of at most one
-// block per SM uses blockIdx without the atomic.
+// The block's range is numbered in the order in which blocks start (a ticket
+// from an atomic counter), not by blockIdx: a block waits for the block of the
+// peer that handles the same range, and where not every block of the grid can
+// start at once (a concurrent kernel holds SMs), numbering ranges by start
+// order means that every range below a waiting block's was taken by a block
+// that already started, and every block sends before it waits, so the peer's
+// waits always end, whatever order the hardware starts blocks in (CUDA does
+// not promise blockIdx order). One atomic per block.
 __device__ __forceinline__ void LamportSetup(const Params& p, LamportPeers* s) {
   const Topology& t = p.topo;
   const int r = threadIdx.x;
@@ -375,7 +374,7 @@ __device__ __forceinline__ void LamportSetup(const Params& p, LamportPeers* s) {
       s->from[phase][r] = LamportAt(p.heap, epoch, phase, pe);
     }
   }
-  if (threadIdx.x == 0) s->block = p.tickets ? atomicAdd(p.done_counter + 1, 1u) : blockIdx.x;
+  if (threadIdx.x == 0) s->block = atomicAdd(p.done_counter + 1, 1u);
   __syncthreads();
 }
 
@@ -1219,7 +1218,8 @@ const LamportKnobConfig& LamportKnobs() {
       return v != nullptr && *v != '\0' ? std::atoll(v) : fallback;
     };
     k.blocks_per_sm = static_cast<int>(get("JAXOVERLAP_LAMPORT_BLOCKS_PER_SM", k.blocks_per_sm));
-    k.block_bytes = static_cast<size_t>(get("JAXOVERLAP_LAMPORT_BLOCK_BYTES", k.block_bytes));
+    k.block_bytes = std::max<size_t>(
+        16, static_cast<size_t>(get("JAXOVERLAP_LAMPORT_BLOCK_BYTES", k.block_bytes)));
     k.max_blocks = static_cast<size_t>(get("JAXOVERLAP_LAMPORT_MAX_BLOCKS", 0));
     k.poll_ns = static_cast<unsigned int>(get("JAXOVERLAP_LAMPORT_POLL_NS", 0));
     if (k.blocks_per_sm != 1 && k.blocks_per_sm != 4) k.blocks_per_sm = 2;
@@ -1582,7 +1582,6 @@ ffi::Error AllReduce(const RuntimeState& s, cudaStream_t stream, Algorithm algor
     p.n = n;
     p.per_block = c.per_block;
     p.shard = c.shard;
-    p.tickets = c.blocks > s.num_sms;
     p.poll_ns = LamportKnobs().poll_ns;  // TEMPORARY A/B knob
     cudaError_t err;
     switch (dtype) {
