@@ -21,6 +21,7 @@
 #       | contention (how much the fused ops' transfers slow their concurrent GEMMs, from
 #       profiler traces) | ovrepeat (AG and RS at 16384x4096x4096 three times, one process, beside
 #       the local GEMM and the Pallas collective matmul)
+#       | lamportab (the Lamport grid variants side by side; AB_CONFIGS, AB_SIZES)
 #       | retune (1 x 2 bench of every kernel, a tuning table built from it and the committed
 #       2 x 1 run, then auto with that table beside psum, in two and in one process); 4/8 GPUs:
 #       multigpu_bench | multigpu_fused
@@ -127,8 +128,10 @@ if [ "$WHAT" = retune ] && [ "$NGPU" -ge 2 ]; then
 fi
 
 if [ "$WHAT" = lamportab ] && [ "$NGPU" -ge 2 ]; then
-  # TEMPORARY: the Lamport kernel's configurations (the A/B knobs of ffi/all_reduce/all_reduce.cu),
-  # one bench each, beside LL and psum. A config: blocks_per_sm:max_blocks:block_bytes:poll_ns.
+  # The Lamport kernels' grid variants (the measurement knobs of ffi/all_reduce/all_reduce.cu,
+  # LamportKnobs), one bench each, beside psum. A config: blocks_per_sm:max_blocks:block_bytes:
+  # poll_ns; the default list: v5's grid (1 block an SM, 528 blocks in 4 waves), v6's (2 an SM,
+  # one wave), 4 an SM (registers spilled), 2 an SM in 2 waves.
   for cfg in ${AB_CONFIGS:-1:528:4096:0 2:0:4096:0 4:0:4096:0 2:528:4096:0}; do
     IFS=: read -r bps maxb bb poll <<<"$cfg"
     run "lamportab_${bps}_${maxb}_${bb}_${poll}" 110 JAXOVERLAP_LAMPORT_BLOCKS_PER_SM="$bps" \

@@ -118,7 +118,7 @@ struct Params {
   DeviceError* error;
   uint64_t timeout_ns;
   bool force_put;  // inter-node steps use NVSHMEM puts even to load/store-reachable peers
-  unsigned int poll_ns;  // TEMPORARY A/B knob: Lamport polls back off this long after a miss
+  unsigned int poll_ns;  // measurement knob: Lamport polls back off this long after a miss
   Stage stage;     // the whole all-reduce, or only its intra-node reduce-scatter or all-gather
   float* shard_out;       // Stage::kReduceScatter: this rank's reduced shard, fp32 [shard]
   const float* shard_in;  // Stage::kAllGather: this rank's shard to gather, fp32 [shard]
@@ -229,7 +229,7 @@ __device__ __forceinline__ uint4 LoadLamport(const uint4* src, const Params& p, 
         v.w != kLamportEmpty) {
       return v;
     }
-    if (p.poll_ns != 0) __nanosleep(p.poll_ns);  // TEMPORARY A/B knob
+    if (p.poll_ns != 0) __nanosleep(p.poll_ns);  // measurement knob (LamportKnobs)
     if ((spins & 1023) == 0) {
       const uint64_t now = GlobalTimerNs();
       if (start == 0) {
@@ -1198,11 +1198,15 @@ size_t ElementBytes(ffi::DataType dtype) {
 size_t CeilDiv(size_t a, size_t b) { return (a + b - 1) / b; }
 size_t RoundUp(size_t a, size_t b) { return CeilDiv(a, b) * b; }
 
-// TEMPORARY A/B knobs of the Lamport kernels, read once from the environment:
-// JAXOVERLAP_LAMPORT_BLOCKS_PER_SM (1, 2, 4: the register cap the kernel is
-// compiled for), JAXOVERLAP_LAMPORT_BLOCK_BYTES, JAXOVERLAP_LAMPORT_MAX_BLOCKS
-// (0: blocks_per_sm x the SMs) and JAXOVERLAP_LAMPORT_POLL_NS. To be removed
-// once the 2-GPU measurement has picked the configuration.
+// Measurement knobs of the Lamport kernels, read once from the environment,
+// for timing grid variants side by side (scripts/gpu_check.sh lamportab;
+// docs/design.md lists them): JAXOVERLAP_LAMPORT_BLOCKS_PER_SM (1, 2 or 4: the
+// blocks an SM the kernels are compiled for, so their register cap; default
+// kLamportBlocksPerSm), JAXOVERLAP_LAMPORT_BLOCK_BYTES (default
+// kLamportBytesPerBlock), JAXOVERLAP_LAMPORT_MAX_BLOCKS (0: what the GPU holds
+// at once) and JAXOVERLAP_LAMPORT_POLL_NS (a back-off after a poll that found
+// the slot empty; 0: none). Unset, they change nothing; set, the process says
+// so on stderr.
 struct LamportKnobConfig {
   int blocks_per_sm = kLamportBlocksPerSm;
   size_t block_bytes = kLamportBytesPerBlock;
@@ -1213,9 +1217,12 @@ struct LamportKnobConfig {
 const LamportKnobConfig& LamportKnobs() {
   static const LamportKnobConfig knobs = [] {
     LamportKnobConfig k;
-    auto get = [](const char* name, long long fallback) {
+    bool any = false;
+    auto get = [&any](const char* name, long long fallback) {
       const char* v = std::getenv(name);
-      return v != nullptr && *v != '\0' ? std::atoll(v) : fallback;
+      if (v == nullptr || *v == '\0') return fallback;
+      any = true;
+      return std::atoll(v);
     };
     k.blocks_per_sm = static_cast<int>(get("JAXOVERLAP_LAMPORT_BLOCKS_PER_SM", k.blocks_per_sm));
     k.block_bytes = std::max<size_t>(
@@ -1223,8 +1230,11 @@ const LamportKnobConfig& LamportKnobs() {
     k.max_blocks = static_cast<size_t>(get("JAXOVERLAP_LAMPORT_MAX_BLOCKS", 0));
     k.poll_ns = static_cast<unsigned int>(get("JAXOVERLAP_LAMPORT_POLL_NS", 0));
     if (k.blocks_per_sm != 1 && k.blocks_per_sm != 4) k.blocks_per_sm = 2;
-    std::fprintf(stderr, "jaxoverlap: Lamport knobs: %d blocks/SM, %zu B/block, max %zu, "
-                 "poll %u ns\n", k.blocks_per_sm, k.block_bytes, k.max_blocks, k.poll_ns);
+    if (any) {
+      std::fprintf(stderr, "jaxoverlap: Lamport measurement knobs set: %d blocks/SM, %zu B a "
+                   "block, max %zu blocks (0: what fits), poll back-off %u ns\n",
+                   k.blocks_per_sm, k.block_bytes, k.max_blocks, k.poll_ns);
+    }
     return k;
   }();
   return knobs;
@@ -1247,7 +1257,7 @@ struct LaunchConfig {
 LaunchConfig MakeLaunchConfig(Algorithm algorithm, Protocol protocol, size_t n, size_t elem,
                               int local_size, int lamport_max_blocks) {
   const size_t vec = 16 / elem;
-  const LamportKnobConfig& knobs = LamportKnobs();  // TEMPORARY A/B knobs
+  const LamportKnobConfig& knobs = LamportKnobs();
   const size_t per_block_bytes = protocol == Protocol::kLL        ? kLLBytesPerBlock
                                  : protocol == Protocol::kLamport ? knobs.block_bytes
                                                                   : kSimpleBytesPerBlock;
@@ -1317,7 +1327,7 @@ cudaError_t Launch(Algorithm algorithm, Protocol protocol, const LaunchConfig& c
     if (protocol == Protocol::kLL) {
       OneShotLLKernel<T><<<c.blocks, kThreads, 0, stream>>>(p);
     } else if (protocol == Protocol::kLamport) {
-      switch (LamportKnobs().blocks_per_sm) {  // TEMPORARY A/B knob
+      switch (LamportKnobs().blocks_per_sm) {
         case 1: OneShotLamportKernel<T, 1><<<c.blocks, kThreads, 0, stream>>>(p); break;
         case 4: OneShotLamportKernel<T, 4><<<c.blocks, kThreads, 0, stream>>>(p); break;
         default: OneShotLamportKernel<T, 2><<<c.blocks, kThreads, 0, stream>>>(p);
@@ -1328,7 +1338,7 @@ cudaError_t Launch(Algorithm algorithm, Protocol protocol, const LaunchConfig& c
   } else if (algorithm == Algorithm::kTwoShot && protocol == Protocol::kLL) {
     TwoShotLLKernel<T><<<c.blocks, kThreads, 0, stream>>>(p);
   } else if (algorithm == Algorithm::kTwoShot && protocol == Protocol::kLamport) {
-    switch (LamportKnobs().blocks_per_sm) {  // TEMPORARY A/B knob
+    switch (LamportKnobs().blocks_per_sm) {
       case 1: TwoShotLamportKernel<T, 1><<<c.blocks, kThreads, 0, stream>>>(p); break;
       case 4: TwoShotLamportKernel<T, 4><<<c.blocks, kThreads, 0, stream>>>(p); break;
       default: TwoShotLamportKernel<T, 2><<<c.blocks, kThreads, 0, stream>>>(p);
@@ -1432,7 +1442,7 @@ ffi::Error LamportOccupancy(int* blocks) {
 }  // namespace
 
 ffi::Error LamportBlocksPerSm(int* blocks) {
-  switch (LamportKnobs().blocks_per_sm) {  // TEMPORARY A/B knob
+  switch (LamportKnobs().blocks_per_sm) {
     case 1: return LamportOccupancy<1>(blocks);
     case 4: return LamportOccupancy<4>(blocks);
     default: return LamportOccupancy<2>(blocks);
@@ -1582,7 +1592,7 @@ ffi::Error AllReduce(const RuntimeState& s, cudaStream_t stream, Algorithm algor
     p.n = n;
     p.per_block = c.per_block;
     p.shard = c.shard;
-    p.poll_ns = LamportKnobs().poll_ns;  // TEMPORARY A/B knob
+    p.poll_ns = LamportKnobs().poll_ns;
     cudaError_t err;
     switch (dtype) {
       case ffi::DataType::F32:
