@@ -3,7 +3,7 @@
 Run one process per GPU through the launcher:
 
   python -m jaxoverlap.launch --nproc 2 benchmarks/fused_contention.py
-  # CPU smoke run (8 simulated devices; no GPU kernels, so nothing to pair):
+  # CPU smoke run (2 simulated devices; no GPU kernels, so nothing to pair):
   python benchmarks/fused_contention.py --host_devices 2 --shapes "ag:64,32,32" \\
       --impls xla:naive --out /tmp/contention
 
@@ -43,8 +43,8 @@ beside a GEMM of the next.
 
 Results (rank 0 writes, with every rank's figures):
 ``<out>/fused_contention-<machine>.json`` (the results format of
-jaxoverlap.tuning.results; one record per (op, shape, impl, rank)). The raw traces stay in --logdir (open
-them in https://ui.perfetto.dev).
+jaxoverlap.tuning.results; one record per (op, shape, impl, rank)). The raw
+traces stay in --logdir (open them in https://ui.perfetto.dev).
 """
 
 from __future__ import annotations

@@ -71,12 +71,12 @@ constexpr size_t kLLBytesPerBlock = 4 * 1024;
 // x the SMs): the kernels keep their per-peer state in shared memory
 // (LamportPeers) and are compiled for kLamportBlocksPerSm 512-thread blocks an
 // SM (at most 64 registers a thread), so a message of any size moves in one
-// wave, each thread with as many vectors as it takes. (With the per-peer state in registers the kernels took 128
-// registers a thread, one block fitted an SM, and 4 x the SMs ran in 4 waves:
-// docs/kernels.md, "all_reduce v6".) Blocks take their ranges in start order
-// (LamportSetup): a concurrent kernel can hold SMs, and then not every block
-// starts at once. Slots are addressed by vector index, not by block, so
-// ranks need not agree on the grid.
+// wave, each thread with as many vectors as it takes. (With the per-peer state
+// in registers the kernels took 128 registers a thread, one block fitted an
+// SM, and 4 x the SMs ran in 4 waves: docs/kernels.md, "all_reduce v6".)
+// Blocks take their ranges in start order (LamportSetup): a concurrent kernel
+// can hold SMs, and then not every block starts at once. Slots are addressed
+// by vector index, not by block, so ranks need not agree on the grid.
 constexpr size_t kLamportBytesPerBlock = 4 * 1024;
 constexpr int kLamportBlocksPerSm = 2;
 // The word a Lamport slot holds where no payload has arrived (runtime.cu fills
@@ -542,7 +542,8 @@ __global__ void __launch_bounds__(kThreads) OneShotSimpleKernel(Params p) {
 // One-shot, Lamport protocol: every thread stores 16-byte vectors of its
 // input into every peer's slot (plain NVLink stores: no fence, no flag), then
 // polls its own slots for the peers' vectors, sums all ranks in rank order in
-// fp32, and empties each slot vector it read.
+// fp32, and empties each slot vector it read. kMinBlocks: the 512-thread
+// blocks an SM it is compiled for (the register cap; kLamportBlocksPerSm).
 template <typename T, int kMinBlocks>
 __global__ void __launch_bounds__(kThreads, kMinBlocks) OneShotLamportKernel(Params p) {
   constexpr size_t kVec = Vec16<T>::kElems;
