@@ -28,7 +28,10 @@ benchmarks/profile_step.py parses them) and times each kernel:
       beside the first's send). gemm_slowdown = median(concurrent) /
       median(alone) - 1 for the kernel name with both kinds and the most
       runs. (all_gather_matmul with two chunks would compare its M/P-row
-      own GEMM with M/2P-row chunk GEMMs of the same kernel.)
+      own GEMM with M/2P-row chunk GEMMs of the same kernel.) A rank's
+      trace shows its own sends only; the peer's sends into its memory run
+      at the same time by symmetry (the peer's GEMM before its first send
+      is as long), and end before the GEMM that waits for them.
   Transfers (copy-engine memcpys, NVSHMEM put kernels) on the streams that
       run no GEMM (the op's communication stream; matmul_all_reduce's local
       copies run on the compute stream): bandwidth from the memcpy's size in
