@@ -1230,7 +1230,7 @@ const LamportKnobConfig& LamportKnobs() {
         16, static_cast<size_t>(get("JAXOVERLAP_LAMPORT_BLOCK_BYTES", k.block_bytes)));
     k.max_blocks = static_cast<size_t>(get("JAXOVERLAP_LAMPORT_MAX_BLOCKS", 0));
     k.poll_ns = static_cast<unsigned int>(get("JAXOVERLAP_LAMPORT_POLL_NS", 0));
-    if (k.blocks_per_sm != 1 && k.blocks_per_sm != 4) k.blocks_per_sm = 2;
+    if (k.blocks_per_sm != 1 && k.blocks_per_sm != 4) k.blocks_per_sm = kLamportBlocksPerSm;
     if (any) {
       std::fprintf(stderr, "jaxoverlap: Lamport measurement knobs set: %d blocks/SM, %zu B a "
                    "block, max %zu blocks (0: what fits), poll back-off %u ns\n",
@@ -1331,7 +1331,7 @@ cudaError_t Launch(Algorithm algorithm, Protocol protocol, const LaunchConfig& c
       switch (LamportKnobs().blocks_per_sm) {
         case 1: OneShotLamportKernel<T, 1><<<c.blocks, kThreads, 0, stream>>>(p); break;
         case 4: OneShotLamportKernel<T, 4><<<c.blocks, kThreads, 0, stream>>>(p); break;
-        default: OneShotLamportKernel<T, 2><<<c.blocks, kThreads, 0, stream>>>(p);
+        default: OneShotLamportKernel<T, kLamportBlocksPerSm><<<c.blocks, kThreads, 0, stream>>>(p);
       }
     } else {
       OneShotSimpleKernel<T><<<c.blocks, kThreads, 0, stream>>>(p);
@@ -1342,7 +1342,7 @@ cudaError_t Launch(Algorithm algorithm, Protocol protocol, const LaunchConfig& c
     switch (LamportKnobs().blocks_per_sm) {
       case 1: TwoShotLamportKernel<T, 1><<<c.blocks, kThreads, 0, stream>>>(p); break;
       case 4: TwoShotLamportKernel<T, 4><<<c.blocks, kThreads, 0, stream>>>(p); break;
-      default: TwoShotLamportKernel<T, 2><<<c.blocks, kThreads, 0, stream>>>(p);
+      default: TwoShotLamportKernel<T, kLamportBlocksPerSm><<<c.blocks, kThreads, 0, stream>>>(p);
     }
   } else if (protocol == Protocol::kLL) {
     ReduceScatterAllGatherKernel<T, true><<<c.blocks, kThreads, 0, stream>>>(p);
@@ -1358,11 +1358,13 @@ ffi::Error PreloadKernelsOf() {
   JAXOVERLAP_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&a, OneShotLLKernel<T>));
   JAXOVERLAP_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&a, OneShotSimpleKernel<T>));
   JAXOVERLAP_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&a, OneShotLamportKernel<T, 1>));
-  JAXOVERLAP_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&a, OneShotLamportKernel<T, 2>));
+  JAXOVERLAP_CUDA_RETURN_IF_ERROR(
+      cudaFuncGetAttributes(&a, OneShotLamportKernel<T, kLamportBlocksPerSm>));
   JAXOVERLAP_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&a, OneShotLamportKernel<T, 4>));
   JAXOVERLAP_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&a, TwoShotLLKernel<T>));
   JAXOVERLAP_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&a, TwoShotLamportKernel<T, 1>));
-  JAXOVERLAP_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&a, TwoShotLamportKernel<T, 2>));
+  JAXOVERLAP_CUDA_RETURN_IF_ERROR(
+      cudaFuncGetAttributes(&a, TwoShotLamportKernel<T, kLamportBlocksPerSm>));
   JAXOVERLAP_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&a, TwoShotLamportKernel<T, 4>));
   JAXOVERLAP_CUDA_RETURN_IF_ERROR(
       cudaFuncGetAttributes(&a, ReduceScatterAllGatherKernel<T, true>));
@@ -1446,7 +1448,7 @@ ffi::Error LamportBlocksPerSm(int* blocks) {
   switch (LamportKnobs().blocks_per_sm) {
     case 1: return LamportOccupancy<1>(blocks);
     case 4: return LamportOccupancy<4>(blocks);
-    default: return LamportOccupancy<2>(blocks);
+    default: return LamportOccupancy<kLamportBlocksPerSm>(blocks);
   }
 }
 
