@@ -241,6 +241,7 @@ ffi::Error SetUpDevice(RuntimeState& st, Mode mode, int device, char* heap, cons
   JAXOVERLAP_RETURN_IF_ERROR(all_reduce::PreloadKernels());
   JAXOVERLAP_RETURN_IF_ERROR(overlap::PreloadKernels());
   JAXOVERLAP_RETURN_IF_ERROR(all_reduce::LamportBlocksPerSm(&st.lamport_blocks_per_sm));
+  JAXOVERLAP_RETURN_IF_ERROR(all_reduce::NormClustersAtOnce(st.norm_clusters_at_once));
   JAXOVERLAP_CUDA_RETURN_IF_ERROR(
       cudaHostAlloc(&st.error_host, sizeof(DeviceError), cudaHostAllocMapped));
   std::memset(st.error_host, 0, sizeof(DeviceError));

@@ -50,7 +50,10 @@ def launched() -> bool:
 # Settings that change what a run measures; recorded in results' commands.
 SETTINGS = ("FUSED_CMD_BUFFER", "GEMM_ALIGNMENT_CAP", "OVERLAP_HEAP_BYTES", "HEAP_BYTES",
             "RANKS_PER_NODE", "FORCE_NVSHMEM_PUT", "TUNING_FILE", "NET_ALPHA_US",
-            "NET_BETA_GBPS", "TIMEOUT_S")
+            "NET_BETA_GBPS", "TIMEOUT_S",
+            # the kernels' measurement knobs (docs/design.md)
+            "LAMPORT_BLOCKS_PER_SM", "LAMPORT_BLOCK_BYTES", "LAMPORT_MAX_BLOCKS",
+            "LAMPORT_POLL_NS", "NORM_CLUSTER")
 
 
 def reproduce_command(script: str, argv: list[str] | None = None) -> str:

@@ -12,7 +12,8 @@
 #   benchmarks: bench | bench2 | autobench | quickbench | tune | ovbench | ovbenchfull
 #       | ovwindowed | ovcalibrate (CAL_PART=ag_rs or ar) | train | cmdbufcost (train steps with the
 #       fused ops outside, then inside, XLA's CUDA graphs, twice) | normbench (all-reduce +
-#       residual + RMSNorm: the fused kernel against psum + norm and all_reduce + norm)
+#       residual + RMSNorm: the fused kernel against psum + norm and all_reduce + norm;
+#       NORM_CLUSTERS="0 1" also with every row on one block)
 #       | profile | ovprofilegraphs
 #       | decode | decodefloor (one GPU: the TP=2 rank's decode step against its weights-read
 #       roofline, with and without XLA's CUDA graphs; a profile)
@@ -237,8 +238,11 @@ if [ "$WHAT" = decodefloor ]; then  # one GPU is enough: no communication
     ${FLOOR_FLAGS:-}
 fi
 if [ "$WHAT" = normbench ] && [ "$NGPU" -ge 2 ]; then  # all-reduce + residual + RMSNorm per call
-  run normbench 170 $PY -m jaxoverlap.launch --nproc 2 --timeout_s 160 benchmarks/all_reduce_rms_norm.py \
-    --out "$OUT" ${NORM_FLAGS:-}
+  # NORM_CLUSTERS="0 1": the default split, then every row on one block (v1), each into its folder.
+  for c in ${NORM_CLUSTERS:-0}; do
+    run "normbench_c$c" 170 JAXOVERLAP_NORM_CLUSTER=$c $PY -m jaxoverlap.launch --nproc 2 \
+      --timeout_s 160 benchmarks/all_reduce_rms_norm.py --out "$OUT/norm_c$c" ${NORM_FLAGS:-}
+  done
 fi
 if [ "$WHAT" = cmdbufcost ] && [ "$NGPU" -ge 2 ]; then  # fused ops outside vs inside XLA's graphs
   for v in plain cmdbuf plain cmdbuf; do

@@ -37,6 +37,7 @@
 // Every block owns the same sub-range of the data in every phase, so blocks
 // never wait for each other; the last block to finish advances the epochs.
 // (The Lamport kernels number their blocks by start order, LamportSetup.)
+#include <cooperative_groups.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -59,6 +60,8 @@ namespace jaxoverlap::all_reduce {
 
 namespace {
 
+namespace cg = cooperative_groups;
+
 constexpr int kThreads = 512;
 constexpr int kMaxBump = kMaxGroupSize + 8;  // local peers + log2(kMaxNodes) partners + fold
 // Payload per block: small enough that mid-size messages spread over many
@@ -78,6 +81,12 @@ constexpr size_t kLLBytesPerBlock = 4 * 1024;
 // can hold SMs, and then not every block starts at once. Slots are addressed
 // by vector index, not by block, so ranks need not agree on the grid.
 constexpr size_t kLamportBytesPerBlock = 4 * 1024;
+// all_reduce_rms_norm: LL8 lines of a row per block. A row of 8 KiB (4096
+// bf16, 1024 lines) spreads over a cluster of 4 blocks, 16 KiB over 8; each
+// thread handles one line, where the one-block-per-row kernel ran one block of
+// 512 threads with 2-4 lines each in sequence (docs/kernels.md,
+// "all_reduce_rms_norm").
+constexpr size_t kNormLinesPerBlock = 256;
 constexpr int kLamportBlocksPerSm = 2;
 // The word a Lamport slot holds where no payload has arrived (runtime.cu fills
 // the slots with 0xff bytes), and the NaN sent in its place.
@@ -775,14 +784,27 @@ struct NormParams {
   float eps;
 };
 
-// One-shot LL all-reduce whose blocks own whole rows, with the norm in its
-// epilogue. Every thread first pushes the lines of its block's rows to every
-// peer (as OneShotLLKernel); then, row by row, it sums the ranks' lines in rank
-// order in fp32, adds the residual, rounds h to T and stores it, and
-// accumulates the square of the rounded h. A block reduction (warp shuffles,
-// then one value per warp in shared memory) gives the row's sum of squares;
-// each thread re-reads the h lines it stored itself (no barrier needed for
-// those) and writes y = h * rsqrt(sum / hidden + eps) * weight.
+// One-shot LL all-reduce with the norm in its epilogue. A row belongs to a
+// thread block cluster of C blocks (the launch's cluster size, 1-8), each
+// block a contiguous 1/C of the row's lines, so that a row of 8 or 16 KiB
+// spreads over several SMs. Every thread first pushes its lines of its
+// cluster's rows to every peer (as OneShotLLKernel); then, row by row, it
+// loads the residual and the weight, sums the ranks' lines in rank order in
+// fp32, adds the residual, rounds h to T and stores it, and accumulates the
+// square of the rounded h. A block reduction (warp shuffles, then one value per
+// warp in shared memory) gives the block's part of the row's sum of squares;
+// after a cluster barrier thread 0 of every block adds the C parts from the
+// blocks' shared memory (distributed shared memory) in cluster-rank order, so
+// every block gets the same scale; each thread re-reads the h lines it stored
+// itself (no barrier needed for those) and writes y = h * rsqrt(sum / hidden +
+// eps) * weight. The parts are double-buffered by row parity: a block
+// overwrites a part only after the next cluster barrier, which every reader
+// of it passed after reading. The last barrier keeps every block's shared
+// memory alive until the cluster's readers are done.
+//
+// Slots are addressed by line index, not by block, so ranks need not agree
+// on the grid; every block sends before it waits, and the launch keeps the
+// grid within what the GPU holds at once (NormClustersAtOnce).
 template <typename T>
 __global__ void __launch_bounds__(kThreads) OneShotLLRmsNormKernel(NormParams np) {
   constexpr int kLineElems = 8 / sizeof(T);
@@ -796,6 +818,13 @@ __global__ void __launch_bounds__(kThreads) OneShotLLRmsNormKernel(NormParams np
   uint2* hout = static_cast<uint2*>(p.out);
   uint2* yout = static_cast<uint2*>(np.y);
   const size_t L = np.row_lines;
+  cg::cluster_group cluster = cg::this_cluster();
+  const unsigned int parts = cluster.num_blocks();
+  const unsigned int part = cluster.block_rank();
+  const size_t first_row = blockIdx.x / parts;
+  const size_t row_stride = gridDim.x / parts;
+  const size_t lb = L * part / parts;  // this block's lines [lb, le) of every row
+  const size_t le = L * (part + 1) / parts;
 
   uint64_t epoch[kMaxGroupSize];
   uint4* remote[kMaxGroupSize];
@@ -809,8 +838,8 @@ __global__ void __launch_bounds__(kThreads) OneShotLLRmsNormKernel(NormParams np
       local[r] = LlAt(h, epoch[r], kPhaseReduceScatter, pe);
     }
   }
-  for (size_t row = blockIdx.x; row < np.rows; row += gridDim.x) {
-    for (size_t l = threadIdx.x; l < L; l += blockDim.x) {
+  for (size_t row = first_row; row < np.rows; row += row_stride) {
+    for (size_t l = lb + threadIdx.x; l < le; l += blockDim.x) {
       const size_t g = row * L + l;
       const uint2 mine = in[g];
 #pragma unroll
@@ -823,13 +852,16 @@ __global__ void __launch_bounds__(kThreads) OneShotLLRmsNormKernel(NormParams np
   }
 
   __shared__ float warp_sums[kThreads / 32];
+  __shared__ float block_sums[2];  // this block's part of a row's sum of squares, by parity
   __shared__ float row_scale;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int num_warps = (blockDim.x + 31) / 32;
-  for (size_t row = blockIdx.x; row < np.rows; row += gridDim.x) {
+  int parity = 0;
+  for (size_t row = first_row; row < np.rows; row += row_stride, parity ^= 1) {
     float sumsq = 0.0f;
-    for (size_t l = threadIdx.x; l < L; l += blockDim.x) {
+    for (size_t l = lb + threadIdx.x; l < le; l += blockDim.x) {
       const size_t g = row * L + l;
+      const uint2 rv = res[g];  // loaded before the poll, so its latency hides behind it
       float acc[kLineElems];
 #pragma unroll
       for (int i = 0; i < kLineElems; ++i) acc[i] = 0.0f;
@@ -846,7 +878,6 @@ __global__ void __launch_bounds__(kThreads) OneShotLLRmsNormKernel(NormParams np
 #pragma unroll
         for (int i = 0; i < kLineElems; ++i) acc[i] += f[i];
       }
-      const uint2 rv = res[g];
       Words<T>::ToFloat(rv.x, f);
       Words<T>::ToFloat(rv.y, f + kPerWord);
 #pragma unroll
@@ -868,11 +899,17 @@ __global__ void __launch_bounds__(kThreads) OneShotLLRmsNormKernel(NormParams np
     if (threadIdx.x == 0) {
       float total = 0.0f;
       for (int k = 0; k < num_warps; ++k) total += warp_sums[k];
+      block_sums[parity] = total;
+    }
+    cluster.sync();  // every block's part is in its shared memory (and a block barrier)
+    if (threadIdx.x == 0) {
+      float total = 0.0f;
+      for (unsigned int k = 0; k < parts; ++k) total += *cluster.map_shared_rank(&block_sums[parity], k);
       row_scale = rsqrtf(total / static_cast<float>(np.hidden) + np.eps);
     }
     __syncthreads();
     const float scale = row_scale;
-    for (size_t l = threadIdx.x; l < L; l += blockDim.x) {
+    for (size_t l = lb + threadIdx.x; l < le; l += blockDim.x) {
       const size_t g = row * L + l;
       const uint2 hv = hout[g];  // stored by this thread above
       const uint2 wv = wgt[l];
@@ -885,8 +922,10 @@ __global__ void __launch_bounds__(kThreads) OneShotLLRmsNormKernel(NormParams np
       for (int i = 0; i < kLineElems; ++i) f[i] = f[i] * scale * w[i];
       yout[g] = make_uint2(Words<T>::FromFloat(f), Words<T>::FromFloat(f + kPerWord));
     }
-    __syncthreads();  // warp_sums and row_scale are reused by the next row
+    // warp_sums and row_scale are next written after the next row's first
+    // barrier, which every thread reaches only after reading them here.
   }
+  cluster.sync();  // no block leaves while another may still read its block_sums
   Finish(p, /*quiet=*/false);
 }
 
@@ -1452,10 +1491,74 @@ ffi::Error LamportBlocksPerSm(int* blocks) {
   }
 }
 
+namespace {
+
+// all_reduce_rms_norm's blocks per row, JAXOVERLAP_NORM_CLUSTER (1 ..
+// kMaxNormCluster), a measurement knob like the Lamport ones; 0 (unset or 0):
+// from the row's size (kNormLinesPerBlock). Set, the process says so on stderr.
+int NormKnob() {
+  static const int knob = [] {
+    const char* v = std::getenv("JAXOVERLAP_NORM_CLUSTER");
+    if (v == nullptr || *v == '\0' || std::atoi(v) <= 0) return 0;
+    const int k = std::min(std::atoi(v), kMaxNormCluster);
+    std::fprintf(stderr, "jaxoverlap: measurement knob set: all_reduce_rms_norm with %d "
+                 "blocks a row\n", k);
+    return k;
+  }();
+  return knob;
+}
+
+// The launch attribute of clusters of `blocks` blocks.
+cudaLaunchAttribute ClusterOf(int blocks) {
+  cudaLaunchAttribute a{};
+  a.id = cudaLaunchAttributeClusterDimension;
+  a.val.clusterDim.x = static_cast<unsigned int>(blocks);
+  a.val.clusterDim.y = 1;
+  a.val.clusterDim.z = 1;
+  return a;
+}
+
+// The launch of `blocks` blocks of `threads` in clusters (`cluster_dim`).
+cudaLaunchConfig_t NormLaunchConfig(unsigned int blocks, int threads, cudaStream_t stream,
+                                    cudaLaunchAttribute* cluster_dim) {
+  cudaLaunchConfig_t config{};
+  config.gridDim = dim3(blocks);
+  config.blockDim = dim3(static_cast<unsigned int>(threads));
+  config.dynamicSmemBytes = 0;
+  config.stream = stream;
+  config.attrs = cluster_dim;
+  config.numAttrs = 1;
+  return config;
+}
+
+template <typename T>
+ffi::Error NormClustersOf(int c, int* clusters) {
+  cudaLaunchAttribute cluster_dim = ClusterOf(c);
+  const cudaLaunchConfig_t config =
+      NormLaunchConfig(static_cast<unsigned int>(c), kThreads, nullptr, &cluster_dim);
+  JAXOVERLAP_CUDA_RETURN_IF_ERROR(
+      cudaOccupancyMaxActiveClusters(clusters, OneShotLLRmsNormKernel<T>, &config));
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
 ffi::Error PreloadKernels() {
   JAXOVERLAP_RETURN_IF_ERROR(PreloadKernelsOf<float>());
   JAXOVERLAP_RETURN_IF_ERROR(PreloadKernelsOf<__nv_bfloat16>());
   return PreloadKernelsOf<__half>();
+}
+
+ffi::Error NormClustersAtOnce(int* clusters) {
+  clusters[0] = 0;
+  for (int c = 1; c <= kMaxNormCluster; ++c) {
+    int f32 = 0, bf16 = 0, f16 = 0;
+    JAXOVERLAP_RETURN_IF_ERROR(NormClustersOf<float>(c, &f32));
+    JAXOVERLAP_RETURN_IF_ERROR(NormClustersOf<__nv_bfloat16>(c, &bf16));
+    JAXOVERLAP_RETURN_IF_ERROR(NormClustersOf<__half>(c, &f16));
+    clusters[c] = std::min({f32, bf16, f16});
+  }
+  return ffi::Error::Success();
 }
 
 ffi::Error MakeTopology(const int64_t* groups, size_t num_entries, int64_t group_size, int my_pe,
@@ -1732,21 +1835,38 @@ ffi::Error AllReduceRmsNorm(const RuntimeState& s, cudaStream_t stream, ffi::Dat
   np.hidden = hidden;
   np.row_lines = row_lines;
   np.eps = eps;
-  const int blocks = static_cast<int>(std::min<size_t>(rows, kMaxBlocks));
-  // One thread per line of a row, in whole warps, at most kThreads.
-  const int threads = static_cast<int>(std::clamp<size_t>(RoundUp(row_lines, 32), 32, kThreads));
+  // A row's blocks: a cluster of `parts`, each with its 1/parts of the row's
+  // lines, one thread per line in whole warps (at most kThreads); as many
+  // clusters as rows, within kMaxBlocks blocks and what the GPU holds at once.
+  const int parts = NormKnob() != 0 ? NormKnob()
+                                    : static_cast<int>(std::clamp<size_t>(
+                                          CeilDiv(row_lines, kNormLinesPerBlock), 1,
+                                          kMaxNormCluster));
+  const size_t at_once = static_cast<size_t>(s.norm_clusters_at_once[parts]);
+  if (at_once == 0) {
+    return ffi::Error(ffi::ErrorCode::kInternal,
+                      std::string(kWhat) + ": this GPU holds no cluster of " +
+                          std::to_string(parts) + " blocks of the fused kernel");
+  }
+  const size_t clusters = std::min({rows, at_once, static_cast<size_t>(kMaxBlocks / parts)});
+  const int threads = static_cast<int>(
+      std::clamp<size_t>(RoundUp(CeilDiv(row_lines, parts), 32), 32, kThreads));
+  cudaLaunchAttribute cluster_dim = ClusterOf(parts);
+  const cudaLaunchConfig_t config =
+      NormLaunchConfig(static_cast<unsigned int>(clusters * parts), threads, stream, &cluster_dim);
+  cudaError_t err;
   switch (dtype) {
     case ffi::DataType::F32:
-      OneShotLLRmsNormKernel<float><<<blocks, threads, 0, stream>>>(np);
+      err = cudaLaunchKernelEx(&config, OneShotLLRmsNormKernel<float>, np);
       break;
     case ffi::DataType::BF16:
-      OneShotLLRmsNormKernel<__nv_bfloat16><<<blocks, threads, 0, stream>>>(np);
+      err = cudaLaunchKernelEx(&config, OneShotLLRmsNormKernel<__nv_bfloat16>, np);
       break;
     default:
-      OneShotLLRmsNormKernel<__half><<<blocks, threads, 0, stream>>>(np);
+      err = cudaLaunchKernelEx(&config, OneShotLLRmsNormKernel<__half>, np);
       break;
   }
-  const cudaError_t err = cudaGetLastError();
+  if (err == cudaSuccess) err = cudaGetLastError();
   if (err != cudaSuccess) {
     return CudaError(err, "all_reduce_rms_norm kernel launch", __FILE__, __LINE__);
   }

@@ -90,6 +90,11 @@ ffi::Error PreloadKernels();
 // (the CUDA occupancy calculator; the fewest over their instantiations).
 ffi::Error LamportBlocksPerSm(int* blocks);
 
+// Clusters of c blocks of all_reduce_rms_norm's kernel, at its largest block,
+// that the current GPU holds at once, into clusters[c] for c = 1 ..
+// kMaxNormCluster (the CUDA occupancy calculator; the fewest over the dtypes).
+ffi::Error NormClustersAtOnce(int* clusters);
+
 }  // namespace jaxoverlap::all_reduce
 
 XLA_FFI_REGISTER_ENUM_ATTR_DECODING(jaxoverlap::all_reduce::Algorithm);

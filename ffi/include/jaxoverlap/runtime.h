@@ -45,6 +45,7 @@ namespace ffi = xla::ffi;
 
 inline constexpr int kMaxDevices = 16;      // CUDA ordinals a process may drive
 inline constexpr int kMaxBlocks = 128;      // blocks of one collective kernel
+inline constexpr int kMaxNormCluster = 8;   // blocks of one row of all_reduce_rms_norm (portable)
 inline constexpr int kNumParities = 2;      // double buffering by epoch parity
 inline constexpr int kNumPhases = 3;        // reduce-scatter, inter-node, all-gather
 inline constexpr int kMaxGroupSize = 8;     // ranks of one node in one group
@@ -111,6 +112,9 @@ struct RuntimeState {
   int device = -1;
   int num_sms = 0;  // streaming multiprocessors of this GPU (the Lamport grid)
   int lamport_blocks_per_sm = 0;  // Lamport blocks an SM holds at once (the Lamport grid)
+  // Clusters of c blocks of all_reduce_rms_norm's kernel (512 threads) the GPU
+  // holds at once, [c] for c = 1 .. kMaxNormCluster (its grid's cap).
+  int norm_clusters_at_once[kMaxNormCluster + 1] = {};
   size_t heap_bytes = 0;
   size_t slot_bytes = 0;
   size_t ll_slot_bytes = 0;

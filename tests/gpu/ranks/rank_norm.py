@@ -3,8 +3,9 @@
 Run by tests/gpu/test_gpu_norm.py (every rank runs this module; see conftest.py
 for the fixtures and the SPMD rules). What is checked:
 
-* sweep: float32/bfloat16/float16 x rows 1, 5, 64 x hidden 128, 1000, 4096,
-  8192, the fused kernel (algorithm "one_shot"): every element of this rank's
+* sweep: float32/bfloat16/float16 x rows 1, 5, 64 x hidden 128, 1000, 1996,
+  4096, 8192, the fused kernel (algorithm "one_shot"; a row spread over 1-8
+  blocks of a cluster, 1996 split unevenly): every element of this rank's
   h and y against a float64 NumPy reference computed from every rank's
   inputs (each process regenerates all ranks' inputs from seeds); h and y
   compared bit for bit across ranks. Shapes above one launch of the kernel
@@ -45,7 +46,7 @@ pytestmark = pytest.mark.usefixtures("runtime")
 
 DTYPES = {"float32": np.float32, "bfloat16": jnp.bfloat16, "float16": np.float16}
 ROWS = (1, 5, 64)
-HIDDEN = (128, 1000, 4096, 8192)
+HIDDEN = (128, 1000, 1996, 4096, 8192)  # 1996: 499 bf16 lines, blocks of unequal parts
 QUICK = ((1, 4096), (16, 8192), (3, 1000))
 EPS = 1e-6
 
