@@ -148,8 +148,9 @@ def parallel_config(mesh, impl: str, min_matmul_rows: int = 1) -> jnnx.ParallelC
     mesh: the (tp,) mesh.
     impl: ``"xla:psum"`` (``lax.psum``), ``"jaxoverlap:<backend>:<algorithm>"``
       (``jaxoverlap.all_reduce``; ``harness.impl_kwargs``), the same with the
-      suffix ``FUSE_NORM`` (the attention's all-reduce, residual add and the
-      MLP's RMSNorm as one ``jaxoverlap.all_reduce_rms_norm``: ``fuse_norm``)
+      suffix ``FUSE_NORM`` (each all-reduce of a block, the residual add and
+      the RMSNorm after it as one ``jaxoverlap.all_reduce_rms_norm``:
+      ``fuse_norm``, with the blocks chained through ``next_norm``)
       or ``"floor:no_all_reduce"`` (no sum: wrong results, the same compute).
     min_matmul_rows: ``ParallelConfig.min_matmul_rows`` (the same for every
       implementation).
@@ -208,11 +209,15 @@ class Decoder(nnx.Module):
       layer.attn.cache_index[...] = jnp.asarray(pos, jnp.int32)
 
   def __call__(self, tokens_bs: jax.Array) -> jax.Array:
-    """Logits [b, s, vocab] f32 of the next ``s`` tokens [b, s] of every sequence."""
-    x_bsd = self.embed(tokens_bs)
-    for layer in self.layers:
-      x_bsd = layer(x_bsd, decode=True)
-    return self.head(self.final_norm(x_bsd)).astype(jnp.float32)
+    """Logits [b, s, vocab] f32 of the next ``s`` tokens [b, s] of every sequence.
+
+    The blocks run through ``jaxoverlap.nnx.apply_blocks``: with
+    ``fuse_norm`` both reductions of every block run as one
+    ``all_reduce_rms_norm`` with the residual add and the norm that follows.
+    """
+    normed_bsd = jnnx.apply_blocks(self.layers, self.embed(tokens_bs), self.final_norm,
+                                   decode=True)
+    return self.head(normed_bsd).astype(jnp.float32)
 
 
 def sharded_argmax(logits_bv, axis_name: str = AXIS):
@@ -638,8 +643,9 @@ def define_flags():
   flags.DEFINE_string("algorithm", "auto", "jaxoverlap algorithm, with its protocol if any "
                       "(e.g. one_shot_ll)")
   flags.DEFINE_list("batches", ["1", "2", "4", "8", "16", "32", "64"], "batch sizes")
-  flags.DEFINE_bool("fuse_norm", False, "also time the jaxoverlap implementation with the "
-                    "all-reduce + residual + RMSNorm fusion (ParallelConfig.fuse_norm)")
+  flags.DEFINE_bool("fuse_norm", False, "also time the jaxoverlap implementation with every "
+                    "all-reduce fused with the residual add and the RMSNorm after it "
+                    "(ParallelConfig.fuse_norm)")
   define_model_flags(layers=4)
   flags.DEFINE_integer("check_steps", 4, "teacher-forced steps of the per-batch check (0: off)")
   flags.DEFINE_integer("unroll", 1, "lax.fori_loop unroll factor of the timed loop")

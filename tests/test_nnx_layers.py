@@ -30,6 +30,7 @@ from jaxoverlap.nnx import (
     RMSNorm,
     RowParallelLinear,
     TransformerBlock,
+    apply_blocks,
 )
 
 AUTO = jax.sharding.AxisType.Auto
@@ -530,6 +531,71 @@ def test_fuse_norm_decode_equals_unsharded():
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), **tol, err_msg=f"{lo}:{hi}")
 
 
+class _Chain(nnx.Module):
+  """Blocks and a final RMSNorm; ``chain``: through apply_blocks, else one block after another."""
+
+  def __init__(self, config, num_layers, chain, use_bias=False):
+    self.chain = chain
+    self.blocks = nnx.List([
+        TransformerBlock(D, H, F, config=config, num_kv_heads=KV, rope_theta=THETA,
+                         activation="swiglu", norm="rms", use_bias=use_bias, rngs=nnx.Rngs(i))
+        for i in range(num_layers)])
+    self.final_norm = RMSNorm(D, config=config, epsilon=1e-5, rngs=nnx.Rngs(0))
+
+  def __call__(self, x, decode=False):
+    if self.chain:
+      return apply_blocks(self.blocks, x, self.final_norm, decode=decode)
+    for block in self.blocks:
+      x = block(x, decode=decode)
+    return self.final_norm(x)
+
+
+@pytest.mark.parametrize("use_bias", [False, True], ids=["nobias", "bias"])
+def test_fuse_norm_chain_equals_the_unfused_blocks(use_bias):
+  """Blocks chained through next_norm: two fused ops a block, values and grads unchanged."""
+  common = dict(mesh=_mesh(2, 2), backend="xla", row_reduction="all_reduce",
+                all_reduce_algorithm="collective")
+  chained = nnx.jit(lambda: _Chain(ParallelConfig(fuse_norm=True, **common), 3, True,
+                                   use_bias))()
+  plain = nnx.jit(lambda: _Chain(ParallelConfig(**common), 3, False, use_bias))()
+  unfused_chained = nnx.jit(lambda: _Chain(ParallelConfig(**common), 3, True, use_bias))()
+  pure = _random_params(chained, _key())
+  for m in (chained, plain, unfused_chained):
+    _load(m, pure)
+  x = jax.random.normal(_key(), (B, S, D), jnp.float32).at[0, 0, 0].set(8.0)
+  r = jax.random.normal(_key(), (B, S, D), jnp.float32)
+  y_want, g_params_want, g_x_want = _forward_and_grads(plain, x, r)
+  tol = dict(rtol=1e-5, atol=1e-5)
+  for name, model in (("fused", chained), ("unfused, chained", unfused_chained)):
+    y, g_params, g_x = _forward_and_grads(model, x, r)
+    _assert_tree_close(y, y_want, tol, f"{name}: output")
+    _assert_tree_close(g_x, g_x_want, tol, f"{name}: grad x")
+    _assert_tree_close(g_params, g_params_want, tol, f"{name}: grad")
+  graphdef, state = nnx.split(chained)
+  text = str(jax.make_jaxpr(lambda s, x: nnx.merge(graphdef, s)(x))(state, x))
+  assert text.count("jaxoverlap_all_reduce_rms_norm") == 6, text.count("all_reduce_rms_norm")
+
+
+def test_fuse_norm_chain_decodes_as_unsharded():
+  mesh = _mesh(1, 2)
+  config = ParallelConfig(mesh=mesh, dp_axis=None, backend="xla", row_reduction="all_reduce",
+                          fuse_norm=True)
+  chained = nnx.jit(lambda: _Chain(config, 2, True))()
+  ref = _Chain(ParallelConfig(mesh=None), 2, False)
+  _load(ref, pure := _random_params(chained, _key()))
+  _load(chained, pure)
+  b, max_len = 3, 8
+  for model in (chained, ref):
+    for block in model.blocks:
+      block.init_cache((b, max_len, D))
+  x = jax.random.normal(_key(), (b, 6, D), jnp.float32)
+  step = nnx.jit(lambda m, x: m(x, decode=True))
+  for lo, hi in ((0, 4), (4, 5), (5, 6)):
+    got, want = step(chained, x[:, lo:hi]), step(ref, x[:, lo:hi])
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), **_tol(jnp.float32),
+                               err_msg=f"{lo}:{hi}")
+
+
 def test_fuse_norm_refusals():
   with pytest.raises(ValueError, match="fuse_norm fuses the all-reduce of a row-parallel layer"):
     ParallelConfig(mesh=_mesh(2, 2), sequence_parallel=True, fuse_norm=True)
@@ -539,6 +605,13 @@ def test_fuse_norm_refusals():
                      rngs=nnx.Rngs(0))
   with pytest.raises(ValueError, match="row_reduction='none' leaves the all-reduces out"):
     ParallelConfig(mesh=_mesh(2, 2), row_reduction="none", fuse_norm=True)
+  config = ParallelConfig(mesh=_mesh(1, 2), dp_axis=None, backend="xla", fuse_norm=True)
+  block = nnx.jit(lambda: TransformerBlock(D, H, F, config=config, norm="rms",
+                                           rngs=nnx.Rngs(0)))()
+  with pytest.raises(ValueError, match="fuses an RMSNorm; next_norm is a LayerNorm"):
+    block(jnp.zeros((B, S, D)), next_norm=LayerNorm(D, config=config, rngs=nnx.Rngs(0)))
+  with pytest.raises(ValueError, match="apply_blocks needs at least one block"):
+    apply_blocks([], jnp.zeros((B, S, D)), RMSNorm(D, config=config, rngs=nnx.Rngs(0)))
 
 
 @pytest.mark.parametrize("row_reduction,key,algorithm,want", [

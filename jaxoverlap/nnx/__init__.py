@@ -15,6 +15,7 @@ from jaxoverlap.nnx.layers import (
     RMSNorm,
     RowParallelLinear,
     TransformerBlock,
+    apply_blocks,
 )
 
 __all__ = [
@@ -28,4 +29,5 @@ __all__ = [
     "ParallelMLP",
     "ParallelAttention",
     "TransformerBlock",
+    "apply_blocks",
 ]

@@ -112,7 +112,9 @@ class ParallelConfig:
       backend "cuda", "auto" fuses from 4 rows and runs fewer (decode at batch
       1-3) as the all-reduce then the norm (``all_reduce_rms_norm``), and
       "one_shot" forces the fused kernel. Needs a row reduction:
-      ``row_reduction="none"`` is refused.
+      ``row_reduction="none"`` is refused. Blocks chained through
+      ``next_norm`` (``jaxoverlap.nnx.apply_blocks``) fuse the MLP's
+      reduction too, with the next block's or the final norm.
     min_matmul_rows: the layers' local GEMMs pad their rows, all dimensions
       of ``x`` but the last, with zeros to at least this many and drop the
       padding from the product; values and gradients are those of the

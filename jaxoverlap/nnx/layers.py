@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Sequence
 from typing import Any, Callable
 
 import jax
@@ -663,8 +664,13 @@ class ParallelMLP(nnx.Module):
     self.down = RowParallelLinear(mlp_features, num_features, kernel_axes=("mlp", "embed"),
                                   **common)
 
-  def __call__(self, x_bsd: jax.Array) -> jax.Array:
-    """Applies the MLP to ``x_bsd: [b, s, d]``; returns ``[b, s, d]`` in the same layout."""
+  def __call__(self, x_bsd: jax.Array, *, partial: bool = False):
+    """Applies the MLP to ``x_bsd: [b, s, d]``; returns ``[b, s, d]`` in the same layout.
+
+    ``partial=True``: returns the down projection's unreduced partial products
+    and bias instead (``RowParallelLinear.partial``), for a reduction fused
+    with what follows (``TransformerBlock``'s ``config.fuse_norm``).
+    """
     h_bsf = self.up(x_bsd)
     if self.activation == "gelu":
       act = lambda h: jax.nn.gelu(h)
@@ -674,7 +680,7 @@ class ParallelMLP(nnx.Module):
         return jax.nn.silu(h[..., 0]) * h[..., 1]
     hidden = self.config.spec("batch", None, "mlp")
     h_bsf = _shard_map(act, self.config, (hidden,), hidden)(h_bsf)
-    return self.down(h_bsf)
+    return self.down.partial(h_bsf) if partial else self.down(h_bsf)
 
 
 def _rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
@@ -1004,35 +1010,63 @@ class TransformerBlock(nnx.Module):
     """Creates the attention's KV cache (``ParallelAttention.init_cache``)."""
     self.attn.init_cache(input_shape, dtype)
 
-  def __call__(self, x_bsd: jax.Array, *, decode: bool = False) -> jax.Array:
+  def __call__(self, x_bsd: jax.Array, *, decode: bool = False, normed: jax.Array | None = None,
+               next_norm: RMSNorm | LayerNorm | None = None):
     """Applies the block to ``x_bsd: [b, s, d]``; returns ``[b, s, d]`` in the same layout.
 
-    ``decode=True``: the attention runs on its KV cache (``ParallelAttention``).
+    Args:
+      x_bsd: the input.
+      decode: the attention runs on its KV cache (``ParallelAttention``).
+      normed: ``self.attn_norm(x_bsd)``, where the caller has it (the previous
+        block's ``next_norm``); the block then does not compute it.
+      next_norm: a norm of the block's output for what follows it: the next
+        block's ``attn_norm`` (pass the result as its ``normed``) or a final
+        norm. With ``config.fuse_norm`` the MLP's reduction, the residual add
+        and this norm run as one ``all_reduce_rms_norm``, as the attention's
+        reduction does with ``mlp_norm``; a chain of blocks then ends every
+        row-parallel layer with one fused op (two a block).
+
+    Returns:
+      The output, or ``(output, next_norm(output))`` with ``next_norm``.
+
+    Raises:
+      ValueError: ``config.fuse_norm`` with a ``next_norm`` that is not an
+        ``RMSNorm``.
     """
-    if self.config.fuse_norm and self.config.mesh is not None:
-      x_bsd, normed_bsd = self._attn_residual_norm(x_bsd, decode)
-      return x_bsd + self.mlp(normed_bsd)
-    x_bsd = x_bsd + self.attn(self.attn_norm(x_bsd), decode=decode)
-    return x_bsd + self.mlp(self.mlp_norm(x_bsd))
+    if not (self.config.fuse_norm and self.config.mesh is not None):
+      x_bsd = x_bsd + self.attn(self.attn_norm(x_bsd) if normed is None else normed,
+                                decode=decode)
+      x_bsd = x_bsd + self.mlp(self.mlp_norm(x_bsd))
+      return x_bsd if next_norm is None else (x_bsd, next_norm(x_bsd))
+    if next_norm is not None and not isinstance(next_norm, RMSNorm):
+      raise ValueError("config.fuse_norm fuses an RMSNorm; next_norm is a "
+                       f"{type(next_norm).__name__}")
+    if normed is None:
+      normed = self.attn_norm(x_bsd)
+    x_bsd, normed = self._reduce_residual_norm(
+        self.attn(normed, decode=decode, partial=True), x_bsd, self.mlp_norm)
+    if next_norm is None:
+      return x_bsd + self.mlp(normed)
+    return self._reduce_residual_norm(self.mlp(normed, partial=True), x_bsd, next_norm)
 
-  def _attn_residual_norm(self, x_bsd: jax.Array, decode: bool):
-    """``h = x + attn(norm(x))`` and ``mlp_norm(h)`` through one ``all_reduce_rms_norm``.
+  def _reduce_residual_norm(self, partial, x_bsd: jax.Array, norm: RMSNorm):
+    """``h = x + the sum of the partials`` and ``norm(h)`` through one ``all_reduce_rms_norm``.
 
-    The attention's output projection returns its partial products; the
-    all-reduce of the partials, the residual add and the MLP's RMSNorm run as
-    one op (one kernel on backend "cuda"). A bias of the projection joins the
-    residual before the sum. Computed in the dtype of ``x + attn(...)`` (the
+    ``partial``: a row-parallel layer's ``(p_tbsd, bias)`` (its ``partial``
+    output). The all-reduce of the partials, the residual add and the
+    RMSNorm run as one op (one kernel on backend "cuda"). A bias joins the
+    residual before the sum. Computed in the dtype of ``x + layer(...)`` (the
     norm's scale cast to it), as the unfused block does when the norm's
     ``dtype`` is None or that dtype.
     """
     cfg = self.config
-    p_tbsd, bias = self.attn(self.attn_norm(x_bsd), decode=decode, partial=True)
+    p_tbsd, bias = partial
     dtype = jnp.result_type(x_bsd.dtype, p_tbsd.dtype)
     residual = x_bsd.astype(dtype)
     if bias is not None:
       residual = residual + bias.astype(dtype)
-    scale = self.mlp_norm.scale[...].astype(dtype)
-    eps, tp = self.epsilon, cfg.tp_axis
+    scale = norm.scale[...].astype(dtype)
+    eps, tp = norm.epsilon, cfg.tp_axis
     # The reduction's algorithm as the config names it, where the fused op has it
     # (collective, ppermute, one_shot); "auto" otherwise (ParallelConfig.fuse_norm).
     named = cfg.all_reduce_algorithm if cfg.row_reduction == "all_reduce" else cfg.algorithm
@@ -1046,3 +1080,37 @@ class TransformerBlock(nnx.Module):
     p_spec = jax.sharding.PartitionSpec(tp, *cfg.spec("batch", None, "embed"))
     return _shard_map(local, cfg, (p_spec, act, cfg.spec("embed")), (act, act))(
         p_tbsd, residual, scale)
+
+
+def apply_blocks(blocks: Sequence[TransformerBlock], x_bsd: jax.Array,
+                 final_norm: RMSNorm | LayerNorm, *, decode: bool = False) -> jax.Array:
+  """``final_norm(blocks[-1](... blocks[0](x_bsd)))``, each block handing the next its norm.
+
+  Every block gets the next block's ``attn_norm`` (the last one
+  ``final_norm``) as its ``next_norm`` and passes the result on as the next
+  block's ``normed``. The value is that of calling the blocks one after the
+  other and then the norm; with ``config.fuse_norm`` every row-parallel
+  layer's reduction then runs as one ``all_reduce_rms_norm`` with the
+  residual add and the norm after it, two a block, where calling the blocks
+  one by one fuses only the attention's.
+
+  Args:
+    blocks: the blocks, in order (at least one).
+    x_bsd: ``[b, s, d]``, the first block's input.
+    final_norm: the norm after the last block (an ``RMSNorm`` with
+      ``fuse_norm``).
+    decode: passed to every block (``TransformerBlock``).
+
+  Returns:
+    ``[b, s, d]``: the final norm of the last block's output.
+
+  Raises:
+    ValueError: no blocks; ``fuse_norm`` with a ``LayerNorm``.
+  """
+  if len(blocks) == 0:
+    raise ValueError("apply_blocks needs at least one block")
+  normed = None
+  for i, block in enumerate(blocks):
+    nxt = blocks[i + 1].attn_norm if i + 1 < len(blocks) else final_norm
+    x_bsd, normed = block(x_bsd, decode=decode, normed=normed, next_norm=nxt)
+  return normed

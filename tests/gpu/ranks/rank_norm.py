@@ -23,12 +23,16 @@ for the fixtures and the SPMD rules). What is checked:
   the pair epochs), inputs changing every iteration, float32: h equals
   ``residual + all_reduce(p)`` bit for bit (both one fp32 add in rank order,
   then one add) and y the JAX norm of it within 1e-5.
+* nnx: decode through NNX blocks chained by ``jaxoverlap.nnx.apply_blocks``
+  with ``fuse_norm`` (two fused ops a block, forced onto the kernel at one row)
+  against the same blocks unsharded in this process.
 * grads: jax.grad through the op equals jax.grad through the pure expression
   with lax.psum (NCCL).
 """
 
 from __future__ import annotations
 
+import math
 import time
 
 import jax
@@ -306,6 +310,74 @@ def test_stress_interleaved_with_all_reduce(norm, mesh, ops, nproc, rank):
 
 
 # ---------------------------------------------------------------------------- grads
+
+
+@pytest.mark.quick
+def test_nnx_blocks_decode_as_unsharded(ops, nproc):
+  """Decode through Llama-style blocks chained by jaxoverlap.nnx.apply_blocks with fuse_norm.
+
+  Two fused ops a block (attention: the MLP's norm; MLP: the next block's or the
+  final norm), forced onto the fused kernel ("one_shot") at 1 row, on tp = every
+  rank, against the same blocks unsharded in this process (no NCCL needed):
+  a prompt of 3 tokens, then 2 single tokens; every element, float32.
+  """
+  from flax import nnx
+
+  from jaxoverlap import nnx as jnnx
+
+  d, layers, b, max_len = 256, 2, 1, 8
+  auto = jax.sharding.AxisType.Auto
+  tp_mesh = jax.make_mesh((1, nproc), ("dp", "tp"), axis_types=(auto, auto))
+  algorithm = "auto" if ops.dry_run else "one_shot"
+
+  class Stack(nnx.Module):
+    def __init__(self, config):
+      self.blocks = nnx.List([
+          jnnx.TransformerBlock(d, 2 * nproc, 64 * nproc, config=config, num_kv_heads=nproc,
+                                rope_theta=10000.0, activation="swiglu", norm="rms",
+                                use_bias=False, rngs=nnx.Rngs(i))
+          for i in range(layers)])
+      self.final_norm = jnnx.RMSNorm(d, config=config, rngs=nnx.Rngs(0))
+
+  config = jnnx.ParallelConfig(mesh=tp_mesh, backend=ops.backend, row_reduction="all_reduce",
+                               all_reduce_algorithm=algorithm, fuse_norm=True)
+  sharded = nnx.jit(lambda: Stack(config))()
+  ref = Stack(jnnx.ParallelConfig(mesh=None))
+  # The same random weights in both, from seeds (every process makes every value).
+  state, ref_state = nnx.state(sharded, nnx.Param), nnx.state(ref, nnx.Param)
+  pure, ref_pure = nnx.to_pure_dict(state), nnx.to_pure_dict(ref_state)
+  values = {}
+  for i, (path, a) in enumerate(jax.tree_util.tree_flatten_with_path(pure)[0]):
+    scale = 1.0 / math.sqrt(a.shape[0]) if a.ndim == 2 else 0.5
+    values[jax.tree_util.keystr(path)] = _inputs((90, i), -1, a.shape, np.float32) * scale
+  put = lambda path, a: jax.make_array_from_callback(  # noqa: E731
+      a.shape, a.sharding, lambda idx, v=values[jax.tree_util.keystr(path)]: v[idx])
+  nnx.replace_by_pure_dict(state, jax.tree_util.tree_map_with_path(put, pure))
+  nnx.replace_by_pure_dict(ref_state, jax.tree_util.tree_map_with_path(
+      lambda path, a: jnp.asarray(values[jax.tree_util.keystr(path)]), ref_pure))
+  nnx.update(sharded, state)
+  nnx.update(ref, ref_state)
+  for model in (sharded, ref):
+    for block in model.blocks:
+      block.init_cache((b, max_len, d))
+
+  step = nnx.jit(lambda m, x: jnnx.apply_blocks(m.blocks, x, m.final_norm, decode=True))
+  x = _inputs(91, -1, (b, 5, d), np.float32)
+  with jax.default_matmul_precision("highest"):
+    jaxoverlap.clear_decisions()
+    for lo, hi in ((0, 3), (3, 4), (4, 5)):
+      xs = x[:, lo:hi]
+      got = step(sharded, jax.make_array_from_callback(
+          xs.shape, NamedSharding(tp_mesh, P()), lambda idx, v=xs: v[idx]))
+      want = np.asarray(step(ref, jnp.asarray(x[:, lo:hi])), np.float64)
+      for shard in got.addressable_shards:
+        err = np.abs(_f64(shard.data) - want[shard.index]).max()
+        assert err <= 1e-4, f"tokens {lo}:{hi}: max |diff| {err:.3g}"
+  plans = jaxoverlap.decisions("all_reduce_rms_norm")
+  assert plans  # one a distinct call (tests/test_nnx_layers.py counts two a block)
+  if not ops.dry_run:
+    assert all(p.backend == "cuda" and p.algorithm == "one_shot" for p in plans), [
+        p.summary() for p in plans]
 
 
 @pytest.mark.quick
