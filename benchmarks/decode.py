@@ -110,6 +110,8 @@ class DecoderConfig:
     num_layers: decoder blocks. vocab: vocabulary size.
     max_len: KV cache length, tokens. dtype: storage and activation type.
     rope_theta: RoPE base. norm_eps: RMSNorm epsilon.
+    attention: the attention core of a decode step
+      (``ParallelConfig.attention_implementation``: "xla" or "cudnn").
   """
   d_model: int = 4096
   d_ff: int = 14336
@@ -122,6 +124,7 @@ class DecoderConfig:
   rope_theta: float = 500000.0
   norm_eps: float = 1e-5
   head_features: int | None = None
+  attention: str = "xla"
 
   @property
   def head_dim(self) -> int:
@@ -247,7 +250,9 @@ def sharded_argmax(logits_bv, axis_name: str = AXIS):
 def _graphdef(cfg: DecoderConfig, mesh, impl: str, min_matmul_rows: int = 1):
   """The model's structure under ``impl``'s ParallelConfig (weights: ``make_params``)."""
   def build():
-    model = Decoder(cfg, parallel_config(mesh, impl, min_matmul_rows), rngs=nnx.Rngs(0))
+    parallel = dataclasses.replace(parallel_config(mesh, impl, min_matmul_rows),
+                                   attention_implementation=cfg.attention)
+    model = Decoder(cfg, parallel, rngs=nnx.Rngs(0))
     model.init_cache(1)
     return model
 
@@ -624,13 +629,15 @@ def define_model_flags(layers: int) -> None:
   flags.DEFINE_integer("max_len", 1024, "KV cache length, tokens")
   flags.DEFINE_integer("prompt_len", 128, "prefilled prompt length, tokens")
   flags.DEFINE_integer("tokens", 32, "decode steps per timed call")
+  flags.DEFINE_enum("attention", "xla", ["xla", "cudnn"], "attention core of a decode step "
+                    "(ParallelConfig.attention_implementation)")
 
 
 def config_from_flags(fl) -> DecoderConfig:
   """The DecoderConfig of ``define_model_flags``'s flags (and ``--dtype``)."""
   return DecoderConfig(d_model=fl.d_model, d_ff=fl.d_ff, num_heads=fl.heads,
                        num_kv_heads=fl.kv_heads, num_layers=fl.layers, vocab=fl.vocab,
-                       max_len=fl.max_len, dtype=fl.dtype)
+                       max_len=fl.max_len, dtype=fl.dtype, attention=fl.attention)
 
 
 def define_flags():

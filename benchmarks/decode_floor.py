@@ -22,11 +22,13 @@ What runs (one GPU, one process, no communication):
       lax.fori_loop of --tokens greedy steps, the KV cache donated) for each
       variant of ``variants()``: XLA's compile options
       (``jax.jit(...).lower(...).compile(compiler_options=...)``, the same
-      options a user passes through XLA_FLAGS), or the layers'
-      ``min_matmul_rows``.
+      options a user passes through XLA_FLAGS), the layers'
+      ``min_matmul_rows``, or the attention core (XLA's or cuDNN's).
     * matmuls/<variant>: the same loop over tokens with only the weight matmuls of each
       layer (qkv, attention output, MLP up, MLP down) and the LM head, on the
-      model's own weight arrays: what XLA's GEMMs take to read the weights.
+      model's own weight arrays: what XLA's GEMMs take to read the weights
+      (not for the cuDNN-attention variants: their matmuls are those of the
+      variant without it).
     * roofline: (weight bytes + KV-cache bytes read per token) / the HBM read
       bandwidth measured in the same run (the faster of two float32 sums over
       a --hbm_gib GiB bf16 array, all elements or rows of 8192; best of
@@ -98,8 +100,8 @@ def default_command_buffer_types() -> list[str]:
     return list(_DEFAULT_TYPES)
 
 
-def variants(names: list[str]) -> dict[str, tuple[dict[str, Any], int]]:
-  """Compile options and ``min_matmul_rows`` of each variant name.
+def variants(names: list[str]) -> dict[str, tuple[dict[str, Any], int, str]]:
+  """Compile options, ``min_matmul_rows`` and attention core of each variant name.
 
   ``xla_default``: none; ``no_graphs``: no command buffers at all;
   ``graphs_while``: the defaults plus WHILE (the whole fori_loop becomes one
@@ -107,18 +109,21 @@ def variants(names: list[str]) -> dict[str, tuple[dict[str, Any], int]]:
   ``cublas``: XLA's Triton GEMM fusions off (``xla_gpu_enable_triton_gemm``),
   so the autotuner picks among cuBLAS/cuBLASLt algorithms only;
   ``rows4``: XLA's defaults, the layers' GEMMs padded to at least 4 rows
-  (``ParallelConfig.min_matmul_rows=4``).
+  (``ParallelConfig.min_matmul_rows=4``); ``cudnn`` and ``rows4_cudnn``: as
+  ``xla_default`` and ``rows4`` with the attention core of each decode step
+  as one cuDNN kernel (``ParallelConfig.attention_implementation="cudnn"``).
 
   Returns:
-    name -> (compile options, min_matmul_rows).
+    name -> (compile options, min_matmul_rows, attention implementation).
 
   Raises:
     ValueError: an unknown name.
   """
   types = default_command_buffer_types()
-  table = {"xla_default": ({}, 1), "no_graphs": ({CMDBUF: ""}, 1),
-           "graphs_while": ({CMDBUF: ",".join(sorted(set(types) | {"WHILE"}))}, 1),
-           "cublas": ({"xla_gpu_enable_triton_gemm": False}, 1), "rows4": ({}, 4)}
+  table = {"xla_default": ({}, 1, "xla"), "no_graphs": ({CMDBUF: ""}, 1, "xla"),
+           "graphs_while": ({CMDBUF: ",".join(sorted(set(types) | {"WHILE"}))}, 1, "xla"),
+           "cublas": ({"xla_gpu_enable_triton_gemm": False}, 1, "xla"), "rows4": ({}, 4, "xla"),
+           "cudnn": ({}, 1, "cudnn"), "rows4_cudnn": ({}, 4, "cudnn")}
   unknown = [n for n in names if n not in table]
   if unknown:
     raise ValueError(f"unknown variants {unknown}; known: {sorted(table)}")
@@ -279,9 +284,10 @@ def run(cfg: decode.DecoderConfig, mesh, *, batches: list[int], variant_names: l
                          decode._global(mesh, prompt))  # noqa: SLF001
     pos = decode._global(mesh, np.int32(prompt_len))  # noqa: SLF001
     lowered = {}
-    for rows in sorted({r for _, r in opts.values()}):
-      gen = decode.make_generate_fn(cfg, mesh, decode.FLOOR, num_tokens, min_matmul_rows=rows)
-      lowered[rows] = gen.lower(params, cache, tok, pos)
+    for rows, attention in sorted({(r, a) for _, r, a in opts.values()}):
+      gen = decode.make_generate_fn(dataclasses.replace(cfg, attention=attention), mesh,
+                                    decode.FLOOR, num_tokens, min_matmul_rows=rows)
+      lowered[rows, attention] = gen.lower(params, cache, tok, pos)
     state = {"cache": cache}
 
     def call(fn):
@@ -289,12 +295,15 @@ def run(cfg: decode.DecoderConfig, mesh, *, batches: list[int], variant_names: l
       return toks
 
     calls = {}
-    for name, (o, rows) in opts.items():
+    for name, (o, rows, attention) in opts.items():
       t0 = time.perf_counter()
-      calls[f"step/{name}"] = functools.partial(call, lowered[rows].compile(compiler_options=o))
+      calls[f"step/{name}"] = functools.partial(
+          call, lowered[rows, attention].compile(compiler_options=o))
       log(f"batch {batch}: compiled step/{name} in {time.perf_counter() - t0:.1f} s")
     x = jnp.asarray(rng.standard_normal((batch, cfg.d_model)), cfg.dtype)
-    for name, (o, rows) in opts.items():
+    for name, (o, rows, attention) in opts.items():
+      if attention != "xla":  # the same matmuls as the variant without it
+        continue
       mm = make_matmuls_fn(num_tokens, rows).lower(mats, x).compile(compiler_options=o)
       calls[f"matmuls/{name}"] = functools.partial(mm, mats, x)
     times = harness.time_interleaved(calls, reps=reps, warmup=warmup)
@@ -311,9 +320,9 @@ def run(cfg: decode.DecoderConfig, mesh, *, batches: list[int], variant_names: l
                     "shape": shape, "time_us": round(roof_us, 2), "vs_roofline": 1.0})
     log(f"batch {batch:>3}: us/token roofline={roof_us:.1f} " + " ".join(line))
     for name in profile_variants if profile_tokens > 0 else []:
-      o, rows = opts[name]
-      prof_gen = decode.make_generate_fn(cfg, mesh, decode.FLOOR, profile_tokens,
-                                         min_matmul_rows=rows)
+      o, rows, attention = opts[name]
+      prof_gen = decode.make_generate_fn(dataclasses.replace(cfg, attention=attention), mesh,
+                                         decode.FLOOR, profile_tokens, min_matmul_rows=rows)
       compiled = prof_gen.lower(params, state["cache"], tok, pos).compile(
           compiler_options={**o, "xla_enable_command_buffers_during_profiling": True})
       key = f"{name} b{batch}"
@@ -325,8 +334,8 @@ def run(cfg: decode.DecoderConfig, mesh, *, batches: list[int], variant_names: l
           f"({p.get('source', '')})")
   extra = {"hbm_read_gbs": hbm, "weight_bytes": weight_bytes,
            "command_buffer_types": default_command_buffer_types(),
-           "variants": {n: {"compile_options": o, "min_matmul_rows": r}
-                        for n, (o, r) in opts.items()},
+           "variants": {n: {"compile_options": o, "min_matmul_rows": r, "attention": a}
+                        for n, (o, r, a) in opts.items()},
            "profile": profiles}
   return records, extra
 

@@ -24,10 +24,11 @@ def test_shard_config_divides_the_sharded_sizes_and_keeps_head_dim():
 
 
 def test_variants_and_their_errors():
-  v = decode_floor.variants(["xla_default", "no_graphs", "graphs_while", "rows4"])
-  assert v["xla_default"] == ({}, 1) and v["no_graphs"] == ({decode_floor.CMDBUF: ""}, 1)
+  v = decode_floor.variants(["xla_default", "no_graphs", "graphs_while", "rows4", "rows4_cudnn"])
+  assert v["xla_default"] == ({}, 1, "xla")
+  assert v["no_graphs"] == ({decode_floor.CMDBUF: ""}, 1, "xla")
   assert "WHILE" in v["graphs_while"][0][decode_floor.CMDBUF].split(",")
-  assert v["rows4"] == ({}, 4)
+  assert v["rows4"] == ({}, 4, "xla") and v["rows4_cudnn"] == ({}, 4, "cudnn")
   assert "FUSION" in decode_floor.default_command_buffer_types()
   with pytest.raises(ValueError, match="unknown variants"):
     decode_floor.variants(["fast"])
@@ -54,7 +55,8 @@ def test_run_times_every_variant_against_the_roofline(tmp_path):
     assert r["time_us"] > 0 and r["vs_roofline"] == pytest.approx(
         r["time_us"] / roof[r["shape"]["batch"]], rel=1e-2)
   assert extra["weight_bytes"] > 0 and extra["hbm_read_gbs"]["best"] > 0
-  assert extra["variants"]["rows4"] == {"compile_options": {}, "min_matmul_rows": 4}
+  assert extra["variants"]["rows4"] == {"compile_options": {}, "min_matmul_rows": 4,
+                                       "attention": "xla"}
   assert set(extra["profile"]) == {"rows4 b1", "rows4 b2"}
   for p in extra["profile"].values():  # host threads on CPU; the fields are there
     assert "error" in p or p["kernels_per_token"] > 0

@@ -467,6 +467,15 @@ def test_decode_errors_and_new_options():
     layer(x[:, :2], decode=True)
   with pytest.raises(ValueError, match="x has batch size 1, the KV cache 2"):
     layer(x[:1, :1], decode=True)
+  with pytest.raises(ValueError, match="attention_implementation must be one of"):
+    ParallelConfig(attention_implementation="flash")
+  cudnn = ParallelAttention(D, H, config=ParallelConfig(attention_implementation="cudnn"),
+                            rngs=nnx.Rngs(0))
+  cudnn.init_cache((2, 4, D))
+  with pytest.raises(ValueError, match="'cudnn' needs bfloat16 or float16 activations, got "
+                                       "float32"):
+    cudnn(x[:, :1], decode=True)
+  cudnn(x[:, :2], decode=True)  # a prompt runs the XLA expression
 
 
 # ----------------------------------------------------------------------------

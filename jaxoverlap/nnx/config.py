@@ -52,6 +52,7 @@ LOGICAL_AXES = ("batch", "seq", "embed", "mlp", "heads", "kv", "vocab")
 # How a row-parallel layer without SP sums its partial products over tp
 # (``ParallelConfig.row_reduction``).
 ROW_REDUCTIONS = ("matmul_all_reduce", "all_reduce", "none")
+ATTENTION_IMPLEMENTATIONS = ("xla", "cudnn")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,6 +128,15 @@ class ParallelConfig:
       32-layer decode step at batch 1 takes 3.88 ms per token unpadded and
       2.66 ms with 4 (docs/decode.md). 1 (the default) never pads; 4 is the
       measured setting for decode at batch 1.
+    attention_implementation: ``ParallelAttention``'s core in a decode step
+      of one token (``decode=True``, one new token per sequence): ``"xla"``
+      (the default) the softmax expression of ``layers._attention``, which XLA
+      compiles into several kernels a layer; ``"cudnn"``
+      ``jax.nn.dot_product_attention(implementation="cudnn")``, one cuDNN
+      fused attention kernel, the cached positions beyond the token masked by
+      ``key_value_seq_lengths``. cuDNN needs an NVIDIA GPU and bfloat16 or
+      float16 activations (a ``ValueError`` otherwise). Prompts, several
+      tokens at once and training run the XLA expression either way.
     logical_axis_rules: pairs ``(logical name, mesh axis or None)``. None (the
       default) derives them from ``dp_axis``, ``tp_axis`` and
       ``sequence_parallel`` as in the module docstring. Given rules replace
@@ -148,6 +158,7 @@ class ParallelConfig:
   row_reduction: str = "matmul_all_reduce"
   fuse_norm: bool = False
   min_matmul_rows: int = 1
+  attention_implementation: str = "xla"
   logical_axis_rules: tuple[tuple[str, str | None], ...] | None = None
 
   def __post_init__(self):
@@ -156,6 +167,9 @@ class ParallelConfig:
           f"row_reduction must be one of {ROW_REDUCTIONS}, got {self.row_reduction!r}")
     if not isinstance(self.min_matmul_rows, int) or self.min_matmul_rows < 1:
       raise ValueError(f"min_matmul_rows must be an int >= 1, got {self.min_matmul_rows!r}")
+    if self.attention_implementation not in ATTENTION_IMPLEMENTATIONS:
+      raise ValueError(f"attention_implementation must be one of {ATTENTION_IMPLEMENTATIONS}, "
+                       f"got {self.attention_implementation!r}")
     if self.fuse_norm and self.row_reduction == "none":
       raise ValueError("fuse_norm fuses the attention's all-reduce with the residual add and "
                        "the norm; row_reduction='none' leaves the all-reduces out")

@@ -728,6 +728,24 @@ def _attention(q_bsngk: jax.Array, k_btnk: jax.Array, v_btnk: jax.Array,
   return out.reshape(*out.shape[:2], -1).astype(q_bsngk.dtype)
 
 
+def _attention_cudnn(q_b1ngk: jax.Array, k_btnk: jax.Array, v_btnk: jax.Array,
+                     index: jax.Array) -> jax.Array:
+  """``_attention`` of one query token at position ``index``, as one cuDNN kernel.
+
+  ``jax.nn.dot_product_attention(implementation="cudnn")`` over the query heads
+  ``(n, g)`` flattened n-major (query head ``i`` uses key/value head
+  ``i // g``, as in ``_attention``); the keys at positions above ``index``
+  are masked by ``key_value_seq_lengths = index + 1``. Returns
+  ``[b, 1, n * g * k]`` in the dtype of ``q``.
+  """
+  b, s, n, g, k = q_b1ngk.shape
+  lengths = jnp.full((b,), index + 1, jnp.int32)
+  out = jax.nn.dot_product_attention(
+      q_b1ngk.reshape(b, s, n * g, k), k_btnk.astype(q_b1ngk.dtype),
+      v_btnk.astype(q_b1ngk.dtype), key_value_seq_lengths=lengths, implementation="cudnn")
+  return out.reshape(b, s, n * g * k).astype(q_b1ngk.dtype)
+
+
 class ParallelAttention(nnx.Module):
   """Causal self-attention, heads sharded over tp: multi-head or grouped-query, RoPE, KV cache.
 
@@ -878,7 +896,9 @@ class ParallelAttention(nnx.Module):
       ValueError: decode without a cache, a batch other than the cache's, or
         (where ``cache_index`` is known, i.e. outside jit) more tokens than
         the cache has room for. Under jit, tokens past ``max_length`` are not
-        detected (``lax.dynamic_update_slice`` clamps the position).
+        detected (``lax.dynamic_update_slice`` clamps the position). A decode
+        step of one token with ``attention_implementation="cudnn"`` (config)
+        in a dtype other than bfloat16 or float16.
     """
     qkv_bsn = self.qkv(x_bsd)  # n = kv heads * (g + 2) * k, sharded over tp
     group, theta = self.num_heads // self.num_kv_heads, self.rope_theta
@@ -915,11 +935,18 @@ class ParallelAttention(nnx.Module):
       raise ValueError(f"ParallelAttention: {s} tokens from position {start} do not fit in "
                        f"the KV cache of max_length {max_length}")
 
+    cudnn = self.config.attention_implementation == "cudnn" and s == 1
+    if cudnn and jnp.dtype(qkv_bsn.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+      raise ValueError("ParallelAttention: attention_implementation='cudnn' needs bfloat16 or "
+                       f"float16 activations, got {jnp.dtype(qkv_bsn.dtype).name}")
+
     def cached_core(qkv_bsn, ck_btnk, cv_btnk, index):
       positions = index + jnp.arange(qkv_bsn.shape[1], dtype=index.dtype)
       q, k, v = split(qkv_bsn, positions)
       ck_btnk = lax.dynamic_update_slice(ck_btnk, k.astype(ck_btnk.dtype), (0, index, 0, 0))
       cv_btnk = lax.dynamic_update_slice(cv_btnk, v.astype(cv_btnk.dtype), (0, index, 0, 0))
+      if cudnn:
+        return _attention_cudnn(q, ck_btnk, cv_btnk, index), ck_btnk, cv_btnk
       return _attention(q, ck_btnk, cv_btnk, positions), ck_btnk, cv_btnk
 
     cache = self.config.spec("batch", None, "heads", "kv")
