@@ -657,7 +657,7 @@ def define_flags():
   flags.DEFINE_integer("check_steps", 4, "teacher-forced steps of the per-batch check (0: off)")
   flags.DEFINE_integer("unroll", 1, "lax.fori_loop unroll factor of the timed loop")
   flags.DEFINE_integer("min_matmul_rows", 1, "ParallelConfig.min_matmul_rows of every "
-                       "implementation (4: batch 1 reads the weights at the batch-4 speed)")
+                       "implementation (2 or 4: batch 1 reads the weights at the batch-4 speed)")
   harness.define_flags("out", "machine", "seed", "host_devices",
                        dtype=(("bfloat16", "weights and activations")),
                        reps=(20, "timed calls per implementation (median)"),

@@ -111,7 +111,8 @@ def variants(names: list[str]) -> dict[str, tuple[dict[str, Any], int, str]]:
   ``rows4``: XLA's defaults, the layers' GEMMs padded to at least 4 rows
   (``ParallelConfig.min_matmul_rows=4``); ``cudnn`` and ``rows4_cudnn``: as
   ``xla_default`` and ``rows4`` with the attention core of each decode step
-  as one cuDNN kernel (``ParallelConfig.attention_implementation="cudnn"``).
+  as one cuDNN kernel (``ParallelConfig.attention_implementation="cudnn"``);
+  ``rows2_cudnn``: the GEMMs padded to 2 rows, cuDNN attention.
 
   Returns:
     name -> (compile options, min_matmul_rows, attention implementation).
@@ -123,7 +124,8 @@ def variants(names: list[str]) -> dict[str, tuple[dict[str, Any], int, str]]:
   table = {"xla_default": ({}, 1, "xla"), "no_graphs": ({CMDBUF: ""}, 1, "xla"),
            "graphs_while": ({CMDBUF: ",".join(sorted(set(types) | {"WHILE"}))}, 1, "xla"),
            "cublas": ({"xla_gpu_enable_triton_gemm": False}, 1, "xla"), "rows4": ({}, 4, "xla"),
-           "cudnn": ({}, 1, "cudnn"), "rows4_cudnn": ({}, 4, "cudnn")}
+           "cudnn": ({}, 1, "cudnn"), "rows4_cudnn": ({}, 4, "cudnn"),
+           "rows2_cudnn": ({}, 2, "cudnn")}
   unknown = [n for n in names if n not in table]
   if unknown:
     raise ValueError(f"unknown variants {unknown}; known: {sorted(table)}")

@@ -126,8 +126,9 @@ class ParallelConfig:
       product of one row into kernels that read the weights at about 2.4
       TB/s, where four rows read them at the HBM roofline: one TP=2 rank's
       32-layer decode step at batch 1 takes 3.88 ms per token unpadded and
-      2.66 ms with 4 (docs/decode.md). 1 (the default) never pads; 4 is the
-      measured setting for decode at batch 1.
+      2.66 ms with 4 (docs/decode.md). 1 (the default) never pads; 2 is the
+      measured setting for decode at batch 1 (as fast as 4 there, and it
+      leaves batches 2-3 alone, where 4 cost 4%).
     attention_implementation: ``ParallelAttention``'s core in a decode step
       of one token (``decode=True``, one new token per sequence): ``"xla"``
       (the default) the softmax expression of ``layers._attention``, which XLA
