@@ -18,6 +18,7 @@
 #include "xla/ffi/api/ffi.h"
 
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxoverlapLaunchFloor);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxoverlapLaunchFloorPdl);
 
 namespace nb = nanobind;
 
@@ -75,6 +76,7 @@ NB_MODULE(_jaxoverlap_cuda, m) {
     d["jaxoverlap_all_reduce_all_gather"] = EncapsulateFfiHandler(JaxoverlapAllReduceAllGather);
     d["jaxoverlap_all_reduce_rms_norm"] = EncapsulateFfiHandler(JaxoverlapAllReduceRmsNorm);
     d["jaxoverlap_launch_floor"] = EncapsulateFfiHandler(JaxoverlapLaunchFloor);
+    d["jaxoverlap_launch_floor_pdl"] = EncapsulateFfiHandler(JaxoverlapLaunchFloorPdl);
     d["jaxoverlap_all_gather_matmul"] = EncapsulateFfiHandler(JaxoverlapAllGatherMatmul);
     d["jaxoverlap_all_gather_matmul_gathered"] =
         EncapsulateFfiHandler(JaxoverlapAllGatherMatmulGathered);

@@ -89,11 +89,13 @@ def fused(ctx, args, plan, *, gathered: bool = False):
       outer=np.int64(g.outer), rows=np.int64(g.rows), k=np.int64(g.k), n=np.int64(g.n))
 
 
-def launch_floor(x: jax.Array) -> jax.Array:
+def launch_floor(x: jax.Array, *, pdl: bool = False) -> jax.Array:
   """A custom call that copies ``x`` with one kernel and no communication.
 
   A benchmark aid: timed in the same chain as the all-reduces, it is the cost
-  any single-kernel FFI call pays inside XLA.
+  any single-kernel FFI call pays inside XLA. ``pdl=True`` launches the kernel
+  with programmatic dependent launch (ffi/launch_floor.cu).
   """
   _ffi.load()
-  return jax.ffi.ffi_call("jaxoverlap_launch_floor", jax.typeof(x))(x)
+  target = "jaxoverlap_launch_floor_pdl" if pdl else "jaxoverlap_launch_floor"
+  return jax.ffi.ffi_call(target, jax.typeof(x))(x)

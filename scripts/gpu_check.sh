@@ -23,6 +23,8 @@
 #       profiler traces) | ovrepeat (AG and RS at 16384x4096x4096 three times, one process, beside
 #       the local GEMM and the Pallas collective matmul)
 #       | lamportab (the Lamport grid variants side by side; AB_CONFIGS, AB_SIZES)
+#       | pdlfloor (one GPU: the custom-call launch floor with and without programmatic
+#       dependent launch)
 #       | retune (1 x 2 bench of every kernel, a tuning table built from it and the committed
 #       2 x 1 run, then auto with that table beside psum, in two and in one process); 4/8 GPUs:
 #       multigpu_bench | multigpu_fused
@@ -39,7 +41,7 @@ WHAT=${1:-}
 VERBS=" build suite bench bench2 autobench quickbench tune ovbench ovbenchfull ovwindowed"
 VERBS="$VERBS ovcalibrate train cmdbufcost profile ovprofilegraphs decode procbench multigpu_bench"
 VERBS="$VERBS multigpu_fused normbench decodefloor pallasbench retune lamportab contention"
-VERBS="$VERBS ovrepeat "
+VERBS="$VERBS ovrepeat pdlfloor "
 if [ -z "$WHAT" ] || [[ "$VERBS" != *" $WHAT "* ]]; then
   echo "usage: bash scripts/gpu_check.sh <verb> (verbs:$VERBS)" >&2
   exit 2
@@ -232,6 +234,9 @@ if [ "$WHAT" = train ] && [ "$NGPU" -ge 2 ]; then
   T=${TRAIN_TIMEOUT:-300}
   run train_step "$T" $PY -m jaxoverlap.launch --nproc 2 --timeout_s $((T - 10)) benchmarks/train_step.py \
     --out "$OUT" --presets ${TRAIN_PRESETS:-gpu_small} ${TRAIN_FLAGS:-}
+fi
+if [ "$WHAT" = pdlfloor ]; then  # one GPU: what PDL saves a one-kernel custom call in XLA's graphs
+  run launch_floor_pdl 200 $PY benchmarks/launch_floor_pdl.py --out "$OUT" ${PDL_FLAGS:-}
 fi
 if [ "$WHAT" = decodefloor ]; then  # one GPU is enough: no communication
   run decode_floor 400 $PY benchmarks/decode_floor.py --out "$OUT" --batches ${FLOOR_BATCHES:-1,16} \
