@@ -26,7 +26,9 @@ namespace {
 template <bool kPdl>
 __global__ void CopyKernel(const uint4* in, uint4* out, size_t num_vectors, const char* in_tail,
                            char* out_tail, size_t tail_bytes) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900  // PDL is Hopper's; a plain launch before it
   if constexpr (kPdl) asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
   for (size_t i = blockIdx.x * blockDim.x + threadIdx.x; i < num_vectors;
        i += static_cast<size_t>(gridDim.x) * blockDim.x) {
     out[i] = in[i];

@@ -476,6 +476,12 @@ def test_decode_errors_and_new_options():
                                        "float32"):
     cudnn(x[:, :1], decode=True)
   cudnn(x[:, :2], decode=True)  # a prompt runs the XLA expression
+  cudnn16 = ParallelAttention(D, H, config=ParallelConfig(attention_implementation="cudnn"),
+                              dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+  cudnn16.init_cache((2, 4, D), dtype=jnp.float32)
+  with pytest.raises(ValueError, match="reads the KV cache in the activations' dtype "
+                                       r"\(bfloat16\); the cache is float32"):
+    cudnn16(x[:, :1].astype(jnp.bfloat16), decode=True)
 
 
 # ----------------------------------------------------------------------------
@@ -547,9 +553,11 @@ class _Chain(nnx.Module):
     self.chain = chain
     self.blocks = nnx.List([
         TransformerBlock(D, H, F, config=config, num_kv_heads=KV, rope_theta=THETA,
-                         activation="swiglu", norm="rms", use_bias=use_bias, rngs=nnx.Rngs(i))
+                         activation="swiglu", norm="rms", use_bias=use_bias, epsilon=0.25,
+                         rngs=nnx.Rngs(i))
         for i in range(num_layers)])
-    self.final_norm = RMSNorm(D, config=config, epsilon=1e-5, rngs=nnx.Rngs(0))
+    # Epsilons far apart, so that a norm computed with another's epsilon shows.
+    self.final_norm = RMSNorm(D, config=config, epsilon=0.5, rngs=nnx.Rngs(0))
 
   def __call__(self, x, decode=False):
     if self.chain:
@@ -621,6 +629,13 @@ def test_fuse_norm_refusals():
     block(jnp.zeros((B, S, D)), next_norm=LayerNorm(D, config=config, rngs=nnx.Rngs(0)))
   with pytest.raises(ValueError, match="apply_blocks needs at least one block"):
     apply_blocks([], jnp.zeros((B, S, D)), RMSNorm(D, config=config, rngs=nnx.Rngs(0)))
+  # A norm that computes in another dtype than the activations (the unfused one would).
+  bf16 = nnx.jit(lambda: TransformerBlock(D, H, F, config=config, norm="rms", dtype=jnp.bfloat16,
+                                          rngs=nnx.Rngs(0)))()
+  wide = RMSNorm(D, config=config, dtype=jnp.float32, rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match="the fused norm computes in the activations' dtype "
+                                       r"\(bfloat16\), this RMSNorm in float32"):
+    bf16(jnp.zeros((B, S, D), jnp.bfloat16), next_norm=wide)
 
 
 @pytest.mark.parametrize("row_reduction,key,algorithm,want", [

@@ -35,7 +35,8 @@
 // call that reads it, before its next kernel starts.
 //
 // Every block owns the same sub-range of the data in every phase, so blocks
-// never wait for each other; the last block to finish advances the epochs.
+// never wait for each other (except within a cluster, whose blocks run at
+// once: all_reduce_rms_norm's); the last block to finish advances the epochs.
 // (The Lamport kernels number their blocks by start order, LamportSetup.)
 #include <cooperative_groups.h>
 #include <cuda_bf16.h>
@@ -784,6 +785,42 @@ struct NormParams {
   float eps;
 };
 
+// Thread block clusters exist from sm_90 (Hopper). Below it the norm kernel
+// runs with a "cluster" of one block: these are then the block's own rank,
+// barrier and shared memory, and the launch never asks for more.
+__device__ __forceinline__ unsigned int ClusterBlocks() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  return cg::this_cluster().num_blocks();
+#else
+  return 1;
+#endif
+}
+
+__device__ __forceinline__ unsigned int ClusterRank() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  return cg::this_cluster().block_rank();
+#else
+  return 0;
+#endif
+}
+
+__device__ __forceinline__ void ClusterSync() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  cg::this_cluster().sync();
+#else
+  __syncthreads();
+#endif
+}
+
+// `*local` as held in the shared memory of the cluster's block `rank`.
+__device__ __forceinline__ float ClusterRead(float* local, unsigned int rank) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  return *cg::this_cluster().map_shared_rank(local, rank);
+#else
+  return *local;
+#endif
+}
+
 // One-shot LL all-reduce with the norm in its epilogue. A row belongs to a
 // thread block cluster of C blocks (the launch's cluster size, 1-8), each
 // block a contiguous 1/C of the row's lines, so that a row of 8 or 16 KiB
@@ -818,9 +855,8 @@ __global__ void __launch_bounds__(kThreads) OneShotLLRmsNormKernel(NormParams np
   uint2* hout = static_cast<uint2*>(p.out);
   uint2* yout = static_cast<uint2*>(np.y);
   const size_t L = np.row_lines;
-  cg::cluster_group cluster = cg::this_cluster();
-  const unsigned int parts = cluster.num_blocks();
-  const unsigned int part = cluster.block_rank();
+  const unsigned int parts = ClusterBlocks();
+  const unsigned int part = ClusterRank();
   const size_t first_row = blockIdx.x / parts;
   const size_t row_stride = gridDim.x / parts;
   const size_t lb = L * part / parts;  // this block's lines [lb, le) of every row
@@ -901,10 +937,10 @@ __global__ void __launch_bounds__(kThreads) OneShotLLRmsNormKernel(NormParams np
       for (int k = 0; k < num_warps; ++k) total += warp_sums[k];
       block_sums[parity] = total;
     }
-    cluster.sync();  // every block's part is in its shared memory (and a block barrier)
+    ClusterSync();  // every block's part is in its shared memory (and a block barrier)
     if (threadIdx.x == 0) {
       float total = 0.0f;
-      for (unsigned int k = 0; k < parts; ++k) total += *cluster.map_shared_rank(&block_sums[parity], k);
+      for (unsigned int k = 0; k < parts; ++k) total += ClusterRead(&block_sums[parity], k);
       row_scale = rsqrtf(total / static_cast<float>(np.hidden) + np.eps);
     }
     __syncthreads();
@@ -922,10 +958,12 @@ __global__ void __launch_bounds__(kThreads) OneShotLLRmsNormKernel(NormParams np
       for (int i = 0; i < kLineElems; ++i) f[i] = f[i] * scale * w[i];
       yout[g] = make_uint2(Words<T>::FromFloat(f), Words<T>::FromFloat(f + kPerWord));
     }
-    // warp_sums and row_scale are next written after the next row's first
-    // barrier, which every thread reaches only after reading them here.
+    // Thread 0 read warp_sums before this row's ClusterSync and the barrier
+    // after it, which every thread passes before the next row writes it;
+    // row_scale is next written after the next row's ClusterSync, which every
+    // thread reaches only after reading it here.
   }
-  cluster.sync();  // no block leaves while another may still read its block_sums
+  ClusterSync();  // no block leaves while another may still read its block_sums
   Finish(p, /*quiet=*/false);
 }
 
@@ -1550,9 +1588,25 @@ ffi::Error PreloadKernels() {
 }
 
 ffi::Error NormClustersAtOnce(int* clusters) {
+  int device = 0, cluster_launch = 0, sms = 0;
+  JAXOVERLAP_CUDA_RETURN_IF_ERROR(cudaGetDevice(&device));
+  JAXOVERLAP_CUDA_RETURN_IF_ERROR(
+      cudaDeviceGetAttribute(&cluster_launch, cudaDevAttrClusterLaunch, device));
+  JAXOVERLAP_CUDA_RETURN_IF_ERROR(
+      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
   clusters[0] = 0;
-  for (int c = 1; c <= kMaxNormCluster; ++c) {
-    int f32 = 0, bf16 = 0, f16 = 0;
+  // One block: the plain occupancy (the launch then has no cluster attribute).
+  int f32 = 0, bf16 = 0, f16 = 0;
+  JAXOVERLAP_CUDA_RETURN_IF_ERROR(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+      &f32, OneShotLLRmsNormKernel<float>, kThreads, 0));
+  JAXOVERLAP_CUDA_RETURN_IF_ERROR(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+      &bf16, OneShotLLRmsNormKernel<__nv_bfloat16>, kThreads, 0));
+  JAXOVERLAP_CUDA_RETURN_IF_ERROR(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+      &f16, OneShotLLRmsNormKernel<__half>, kThreads, 0));
+  clusters[1] = std::min({f32, bf16, f16}) * sms;
+  for (int c = 2; c <= kMaxNormCluster; ++c) {
+    clusters[c] = 0;
+    if (!cluster_launch) continue;  // before Hopper: rows on one block each
     JAXOVERLAP_RETURN_IF_ERROR(NormClustersOf<float>(c, &f32));
     JAXOVERLAP_RETURN_IF_ERROR(NormClustersOf<__nv_bfloat16>(c, &bf16));
     JAXOVERLAP_RETURN_IF_ERROR(NormClustersOf<__half>(c, &f16));
@@ -1838,22 +1892,24 @@ ffi::Error AllReduceRmsNorm(const RuntimeState& s, cudaStream_t stream, ffi::Dat
   // A row's blocks: a cluster of `parts`, each with its 1/parts of the row's
   // lines, one thread per line in whole warps (at most kThreads); as many
   // clusters as rows, within kMaxBlocks blocks and what the GPU holds at once.
-  const int parts = NormKnob() != 0 ? NormKnob()
-                                    : static_cast<int>(std::clamp<size_t>(
-                                          CeilDiv(row_lines, kNormLinesPerBlock), 1,
-                                          kMaxNormCluster));
+  // Fewer where the GPU holds no cluster of that many (before Hopper: one).
+  int parts = NormKnob() != 0 ? NormKnob()
+                              : static_cast<int>(std::clamp<size_t>(
+                                    CeilDiv(row_lines, kNormLinesPerBlock), 1, kMaxNormCluster));
+  while (parts > 1 && s.norm_clusters_at_once[parts] == 0) --parts;
   const size_t at_once = static_cast<size_t>(s.norm_clusters_at_once[parts]);
   if (at_once == 0) {
     return ffi::Error(ffi::ErrorCode::kInternal,
-                      std::string(kWhat) + ": this GPU holds no cluster of " +
-                          std::to_string(parts) + " blocks of the fused kernel");
+                      std::string(kWhat) + ": the occupancy calculator found no room for one "
+                                           "block of the fused kernel on this GPU");
   }
   const size_t clusters = std::min({rows, at_once, static_cast<size_t>(kMaxBlocks / parts)});
   const int threads = static_cast<int>(
       std::clamp<size_t>(RoundUp(CeilDiv(row_lines, parts), 32), 32, kThreads));
   cudaLaunchAttribute cluster_dim = ClusterOf(parts);
-  const cudaLaunchConfig_t config =
+  cudaLaunchConfig_t config =
       NormLaunchConfig(static_cast<unsigned int>(clusters * parts), threads, stream, &cluster_dim);
+  if (parts == 1) config.numAttrs = 0;  // no cluster: also where the GPU has none
   cudaError_t err;
   switch (dtype) {
     case ffi::DataType::F32:
@@ -1866,7 +1922,8 @@ ffi::Error AllReduceRmsNorm(const RuntimeState& s, cudaStream_t stream, ffi::Dat
       err = cudaLaunchKernelEx(&config, OneShotLLRmsNormKernel<__half>, np);
       break;
   }
-  if (err == cudaSuccess) err = cudaGetLastError();
+  const cudaError_t last = cudaGetLastError();  // also clears an error the launch left
+  if (err == cudaSuccess) err = last;
   if (err != cudaSuccess) {
     return CudaError(err, "all_reduce_rms_norm kernel launch", __FILE__, __LINE__);
   }

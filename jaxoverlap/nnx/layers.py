@@ -740,9 +740,8 @@ def _attention_cudnn(q_b1ngk: jax.Array, k_btnk: jax.Array, v_btnk: jax.Array,
   """
   b, s, n, g, k = q_b1ngk.shape
   lengths = jnp.full((b,), index + 1, jnp.int32)
-  out = jax.nn.dot_product_attention(
-      q_b1ngk.reshape(b, s, n * g, k), k_btnk.astype(q_b1ngk.dtype),
-      v_btnk.astype(q_b1ngk.dtype), key_value_seq_lengths=lengths, implementation="cudnn")
+  out = jax.nn.dot_product_attention(q_b1ngk.reshape(b, s, n * g, k), k_btnk, v_btnk,
+                                     key_value_seq_lengths=lengths, implementation="cudnn")
   return out.reshape(b, s, n * g * k).astype(q_b1ngk.dtype)
 
 
@@ -939,6 +938,10 @@ class ParallelAttention(nnx.Module):
     if cudnn and jnp.dtype(qkv_bsn.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
       raise ValueError("ParallelAttention: attention_implementation='cudnn' needs bfloat16 or "
                        f"float16 activations, got {jnp.dtype(qkv_bsn.dtype).name}")
+    if cudnn and self.cached_key.dtype != qkv_bsn.dtype:
+      raise ValueError("ParallelAttention: attention_implementation='cudnn' reads the KV cache "
+                       f"in the activations' dtype ({jnp.dtype(qkv_bsn.dtype).name}); the cache "
+                       f"is {jnp.dtype(self.cached_key.dtype).name} (init_cache's dtype)")
 
     def cached_core(qkv_bsn, ck_btnk, cv_btnk, index):
       positions = index + jnp.arange(qkv_bsn.shape[1], dtype=index.dtype)
@@ -1038,7 +1041,8 @@ class TransformerBlock(nnx.Module):
     self.attn.init_cache(input_shape, dtype)
 
   def __call__(self, x_bsd: jax.Array, *, decode: bool = False, normed: jax.Array | None = None,
-               next_norm: RMSNorm | LayerNorm | None = None):
+               next_norm: RMSNorm | LayerNorm | None = None
+               ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Applies the block to ``x_bsd: [b, s, d]``; returns ``[b, s, d]`` in the same layout.
 
     Args:
@@ -1057,8 +1061,9 @@ class TransformerBlock(nnx.Module):
       The output, or ``(output, next_norm(output))`` with ``next_norm``.
 
     Raises:
-      ValueError: ``config.fuse_norm`` with a ``next_norm`` that is not an
-        ``RMSNorm``.
+      ValueError: ``config.fuse_norm`` (on a mesh) with a ``next_norm`` that is
+        not an ``RMSNorm``, or with a norm that computes in a dtype other than
+        the activations' (``_reduce_residual_norm``).
     """
     if not (self.config.fuse_norm and self.config.mesh is not None):
       x_bsd = x_bsd + self.attn(self.attn_norm(x_bsd) if normed is None else normed,
@@ -1083,12 +1088,23 @@ class TransformerBlock(nnx.Module):
     output). The all-reduce of the partials, the residual add and the
     RMSNorm run as one op (one kernel on backend "cuda"). A bias joins the
     residual before the sum. Computed in the dtype of ``x + layer(...)`` (the
-    norm's scale cast to it), as the unfused block does when the norm's
-    ``dtype`` is None or that dtype.
+    norm's scale cast to it), the dtype the unfused norm computes in when its
+    ``dtype`` is that dtype, or None with a scale no wider.
+
+    Raises:
+      ValueError: the unfused norm would compute in another dtype (its
+        ``dtype``, or the promotion of the activations and a wider scale).
     """
     cfg = self.config
     p_tbsd, bias = partial
     dtype = jnp.result_type(x_bsd.dtype, p_tbsd.dtype)
+    norm_dtype = jnp.dtype(norm.dtype or jnp.result_type(dtype, norm.scale[...].dtype))
+    if norm_dtype != jnp.dtype(dtype):
+      raise ValueError(
+          f"config.fuse_norm: the fused norm computes in the activations' dtype "
+          f"({jnp.dtype(dtype).name}), this RMSNorm in {norm_dtype.name} (its dtype, or its "
+          f"scale's {jnp.dtype(norm.scale[...].dtype).name} promoted with the activations); "
+          f"give the norm dtype={jnp.dtype(dtype).name} or turn fuse_norm off")
     residual = x_bsd.astype(dtype)
     if bias is not None:
       residual = residual + bias.astype(dtype)
@@ -1132,7 +1148,9 @@ def apply_blocks(blocks: Sequence[TransformerBlock], x_bsd: jax.Array,
     ``[b, s, d]``: the final norm of the last block's output.
 
   Raises:
-    ValueError: no blocks; ``fuse_norm`` with a ``LayerNorm``.
+    ValueError: no blocks; ``fuse_norm`` (on a mesh) with a ``LayerNorm`` or a
+      norm that computes in a dtype other than the activations'
+      (``TransformerBlock.__call__``).
   """
   if len(blocks) == 0:
     raise ValueError("apply_blocks needs at least one block")

@@ -1,4 +1,4 @@
-"""ParallelAttention's cuDNN core of a decode step, on one GPU (tests/gpu/ranks/rank_attention.py)."""
+"""ParallelAttention's cuDNN core of a decode step, on one GPU (ranks/rank_attention.py)."""
 
 import pytest
 

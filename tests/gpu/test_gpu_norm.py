@@ -18,8 +18,8 @@ from _harness import Case, World
 
 pytestmark = [pytest.mark.gpu, _harness.requires_gpus]
 
-# Timeouts: about 2.5x the expected time (world 2 on 2x H200: start-up ~20 s, the sweep's 36
-# compilations ~45 s, the stress loop ~10 s).
+# Timeouts: about 2.5x the expected time (world 2 on 2x H200: start-up ~20 s, the sweep's
+# 54 compilations ~50 s, the stress loop ~10 s).
 CASES = [
     Case(World(2, 2), timeout_s=240),                   # everything, 1 node x 2
     Case(World(4, 4), ("-m", "quick"), timeout_s=180),  # 1 node x 4 (2 GPUs: 2 per GPU)

@@ -93,6 +93,8 @@ ffi::Error LamportBlocksPerSm(int* blocks);
 // Clusters of c blocks of all_reduce_rms_norm's kernel, at its largest block,
 // that the current GPU holds at once, into clusters[c] for c = 1 ..
 // kMaxNormCluster (the CUDA occupancy calculator; the fewest over the dtypes).
+// clusters[1] counts plain blocks; on a GPU without cluster launch (before
+// Hopper) clusters[2 ..] are 0.
 ffi::Error NormClustersAtOnce(int* clusters);
 
 }  // namespace jaxoverlap::all_reduce

@@ -113,7 +113,8 @@ struct RuntimeState {
   int num_sms = 0;  // streaming multiprocessors of this GPU (the Lamport grid)
   int lamport_blocks_per_sm = 0;  // Lamport blocks an SM holds at once (the Lamport grid)
   // Clusters of c blocks of all_reduce_rms_norm's kernel (512 threads) the GPU
-  // holds at once, [c] for c = 1 .. kMaxNormCluster (its grid's cap).
+  // holds at once, [c] for c = 1 .. kMaxNormCluster (its grid's cap; 0 where
+  // the GPU has no clusters of c, as before Hopper for c > 1).
   int norm_clusters_at_once[kMaxNormCluster + 1] = {};
   size_t heap_bytes = 0;
   size_t slot_bytes = 0;
