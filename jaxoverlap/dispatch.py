@@ -212,7 +212,9 @@ def decisions(op: str | None = None) -> list[Plan]:
   Returns:
     A list of ``Plan``; each says what ran (backend, algorithm, protocol,
     transport, chunks) and why. A plan is made when a call is lowered (once per
-    compilation), not at every execution.
+    compilation), not at every execution; identical calls in one program (the
+    same op, shapes and options, e.g. in every layer) may be lowered once and
+    leave one plan.
   """
   with _lock:
     return [p for p in _log if op is None or p.op == op]

@@ -257,6 +257,11 @@ def main(argv):
 
   rank = info["process_id"]
   rt = jaxoverlap.runtime_info()
+  if jax.default_backend() != "gpu":
+    # The table is read by backend "cuda" only; one measured here would hold psum alone and
+    # would replace any real table at the default path.
+    raise app.UsageError(f"jaxoverlap.tune measures the CUDA kernels and needs NVIDIA GPUs; "
+                         f"JAX runs on {jax.default_backend()!r} here")
   world = jax.device_count()
   ranks_per_node = FLAGS.ranks_per_node or rt.get("ranks_per_node") or world
   if world % ranks_per_node:

@@ -472,16 +472,21 @@ def test_decode_errors_and_new_options():
   cudnn = ParallelAttention(D, H, config=ParallelConfig(attention_implementation="cudnn"),
                             rngs=nnx.Rngs(0))
   cudnn.init_cache((2, 4, D))
-  with pytest.raises(ValueError, match="'cudnn' needs bfloat16 or float16 activations, got "
-                                       "float32"):
+  with pytest.raises(ValueError, match="'cudnn' runs cuDNN's fused attention, which needs "
+                                       "NVIDIA GPUs; this model runs on 'cpu'"):
     cudnn(x[:, :1], decode=True)
   cudnn(x[:, :2], decode=True)  # a prompt runs the XLA expression
+  # The dtype checks come next: reach them by reporting a GPU backend (mesh=None asks JAX).
   cudnn16 = ParallelAttention(D, H, config=ParallelConfig(attention_implementation="cudnn"),
                               dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
   cudnn16.init_cache((2, 4, D), dtype=jnp.float32)
-  with pytest.raises(ValueError, match="reads the KV cache in the activations' dtype "
-                                       r"\(bfloat16\); the cache is float32"):
-    cudnn16(x[:, :1].astype(jnp.bfloat16), decode=True)
+  with pytest.MonkeyPatch.context() as mp:
+    mp.setattr(jax, "default_backend", lambda: "gpu")
+    with pytest.raises(ValueError, match="needs bfloat16 or float16 activations, got float32"):
+      cudnn(x[:, :1], decode=True)
+    with pytest.raises(ValueError, match="reads the KV cache in the activations' dtype "
+                                         r"\(bfloat16\); the cache is float32"):
+      cudnn16(x[:, :1].astype(jnp.bfloat16), decode=True)
 
 
 # ----------------------------------------------------------------------------

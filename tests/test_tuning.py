@@ -2,6 +2,7 @@
 
 import json
 import math
+import os
 
 import numpy as np
 import pytest
@@ -441,3 +442,17 @@ def test_the_model_alone_never_picks_an_excluded_kernel():
           for impl, us in (("xla:psum", 20.0), ("jaxoverlap:one_shot_ll", 15.0),
                            ("jaxoverlap:one_shot_lamport", 12.0))]
   assert tuning.Policy(recs).choose(1 << 20, 2, 2, 1)[:2] == ("one_shot", "lamport")
+
+
+def test_tune_refuses_to_measure_without_gpus(tmp_path):
+  """On a CPU it stops with a usage error and writes no table (it would hold psum alone)."""
+  import subprocess
+  import sys
+
+  out = tmp_path / "table.json"
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  proc = subprocess.run([sys.executable, "-m", "jaxoverlap.tune", "--out", str(out)],
+                        capture_output=True, text=True, env=env, timeout=120)
+  assert proc.returncode != 0
+  assert "needs NVIDIA GPUs; JAX runs on 'cpu' here" in proc.stderr + proc.stdout
+  assert not out.exists()

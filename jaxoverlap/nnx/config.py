@@ -135,10 +135,10 @@ class ParallelConfig:
       compiles into several kernels a layer; ``"cudnn"``
       ``jax.nn.dot_product_attention(implementation="cudnn")``, one cuDNN
       fused attention kernel, the cached positions beyond the token masked by
-      ``key_value_seq_lengths``. cuDNN needs bfloat16 or float16 activations
-      and a KV cache of the same dtype (a ``ValueError`` otherwise) and an
-      NVIDIA GPU (elsewhere JAX raises its own error while tracing). Prompts,
-      several tokens at once and training run the XLA expression either way.
+      ``key_value_seq_lengths``. cuDNN needs NVIDIA GPUs, bfloat16 or float16
+      activations and a KV cache of the same dtype (a ``ValueError`` at the
+      first one-token step otherwise). Prompts, several tokens at once and
+      training run the XLA expression either way.
     logical_axis_rules: pairs ``(logical name, mesh axis or None)``. None (the
       default) derives them from ``dp_axis``, ``tp_axis`` and
       ``sequence_parallel`` as in the module docstring. Given rules replace

@@ -897,7 +897,8 @@ class ParallelAttention(nnx.Module):
         the cache has room for. Under jit, tokens past ``max_length`` are not
         detected (``lax.dynamic_update_slice`` clamps the position). A decode
         step of one token with ``attention_implementation="cudnn"`` (config)
-        in a dtype other than bfloat16 or float16.
+        off NVIDIA GPUs, in a dtype other than bfloat16 or float16, or with a
+        KV cache of another dtype.
     """
     qkv_bsn = self.qkv(x_bsd)  # n = kv heads * (g + 2) * k, sharded over tp
     group, theta = self.num_heads // self.num_kv_heads, self.rope_theta
@@ -935,6 +936,12 @@ class ParallelAttention(nnx.Module):
                        f"the KV cache of max_length {max_length}")
 
     cudnn = self.config.attention_implementation == "cudnn" and s == 1
+    platform = (self.config.mesh.devices.flat[0].platform if self.config.mesh is not None
+                else jax.default_backend())
+    if cudnn and platform != "gpu":
+      raise ValueError("ParallelAttention: attention_implementation='cudnn' runs cuDNN's fused "
+                       f"attention, which needs NVIDIA GPUs; this model runs on {platform!r} "
+                       "(use attention_implementation='xla')")
     if cudnn and jnp.dtype(qkv_bsn.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
       raise ValueError("ParallelAttention: attention_implementation='cudnn' needs bfloat16 or "
                        f"float16 activations, got {jnp.dtype(qkv_bsn.dtype).name}")
