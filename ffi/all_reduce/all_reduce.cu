@@ -862,18 +862,19 @@ __global__ void __launch_bounds__(kThreads) OneShotLLRmsNormKernel(NormParams np
   const size_t lb = L * part / parts;  // this block's lines [lb, le) of every row
   const size_t le = L * (part + 1) / parts;
 
-  uint64_t epoch[kMaxGroupSize];
-  uint4* remote[kMaxGroupSize];
-  const uint4* local[kMaxGroupSize];
-#pragma unroll
-  for (int r = 0; r < kMaxGroupSize; ++r) {
-    if (r < t.local_size && r != t.local_rank) {
-      const int pe = t.local_pes[r];
-      epoch[r] = EpochWith(p, pe);
-      remote[r] = PeerPtr(h, LlAt(h, epoch[r], kPhaseReduceScatter, p.my_pe), pe);
-      local[r] = LlAt(h, epoch[r], kPhaseReduceScatter, pe);
-    }
+  // The per-peer state in shared memory, filled by one thread per peer (in
+  // registers, next to a row's values, it took the kernel past 128 registers).
+  __shared__ uint32_t flag[kMaxGroupSize];  // the pair epoch, as LL8 cells carry it
+  __shared__ uint4* remote[kMaxGroupSize];
+  __shared__ const uint4* local[kMaxGroupSize];
+  if (const int r = threadIdx.x; r < t.local_size && r != t.local_rank) {
+    const int pe = t.local_pes[r];
+    const uint64_t epoch = EpochWith(p, pe);
+    flag[r] = static_cast<uint32_t>(epoch);
+    remote[r] = PeerPtr(h, LlAt(h, epoch, kPhaseReduceScatter, p.my_pe), pe);
+    local[r] = LlAt(h, epoch, kPhaseReduceScatter, pe);
   }
+  __syncthreads();
   for (size_t row = first_row; row < np.rows; row += row_stride) {
     for (size_t l = lb + threadIdx.x; l < le; l += blockDim.x) {
       const size_t g = row * L + l;
@@ -881,7 +882,7 @@ __global__ void __launch_bounds__(kThreads) OneShotLLRmsNormKernel(NormParams np
 #pragma unroll
       for (int r = 0; r < kMaxGroupSize; ++r) {
         if (r < t.local_size && r != t.local_rank) {
-          StoreLL(remote[r] + g, mine, static_cast<uint32_t>(epoch[r]));
+          StoreLL(remote[r] + g, mine, flag[r]);
         }
       }
     }
@@ -892,10 +893,17 @@ __global__ void __launch_bounds__(kThreads) OneShotLLRmsNormKernel(NormParams np
   __shared__ float row_scale;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int num_warps = (blockDim.x + 31) / 32;
+  // A thread's first line of every row (with the grid's split, usually its
+  // only one): its weight is loaded once, before any wait, and its h is kept
+  // in registers for the epilogue, so that after the row's barriers the
+  // thread touches memory only to store y.
+  const size_t first = lb + threadIdx.x;
+  const uint2 first_w = first < le ? wgt[first] : make_uint2(0u, 0u);
+  uint2 first_h = make_uint2(0u, 0u);
   int parity = 0;
   for (size_t row = first_row; row < np.rows; row += row_stride, parity ^= 1) {
     float sumsq = 0.0f;
-    for (size_t l = lb + threadIdx.x; l < le; l += blockDim.x) {
+    for (size_t l = first; l < le; l += blockDim.x) {
       const size_t g = row * L + l;
       const uint2 rv = res[g];  // loaded before the poll, so its latency hides behind it
       float acc[kLineElems];
@@ -907,7 +915,7 @@ __global__ void __launch_bounds__(kThreads) OneShotLLRmsNormKernel(NormParams np
         if (r >= t.local_size) break;
         const uint2 v = r == t.local_rank
                             ? in[g]
-                            : LoadLL(local[r] + g, static_cast<uint32_t>(epoch[r]), p,
+                            : LoadLL(local[r] + g, flag[r], p,
                                      t.local_pes[r], /*step=*/0);
         Words<T>::ToFloat(v.x, f);
         Words<T>::ToFloat(v.y, f + kPerWord);
@@ -920,6 +928,7 @@ __global__ void __launch_bounds__(kThreads) OneShotLLRmsNormKernel(NormParams np
       for (int i = 0; i < kLineElems; ++i) acc[i] += f[i];
       const uint2 hv = make_uint2(Words<T>::FromFloat(acc), Words<T>::FromFloat(acc + kPerWord));
       hout[g] = hv;
+      if (l == first) first_h = hv;
       // The norm sees h as stored (rounded to T), like the unfused expression.
       Words<T>::ToFloat(hv.x, f);
       Words<T>::ToFloat(hv.y, f + kPerWord);
@@ -945,10 +954,10 @@ __global__ void __launch_bounds__(kThreads) OneShotLLRmsNormKernel(NormParams np
     }
     __syncthreads();
     const float scale = row_scale;
-    for (size_t l = lb + threadIdx.x; l < le; l += blockDim.x) {
+    for (size_t l = first; l < le; l += blockDim.x) {
       const size_t g = row * L + l;
-      const uint2 hv = hout[g];  // stored by this thread above
-      const uint2 wv = wgt[l];
+      const uint2 hv = l == first ? first_h : hout[g];  // stored by this thread above
+      const uint2 wv = l == first ? first_w : wgt[l];
       float f[kLineElems], w[kLineElems];
       Words<T>::ToFloat(hv.x, f);
       Words<T>::ToFloat(hv.y, f + kPerWord);
