@@ -101,7 +101,8 @@ def all_reduce(x, axis_name, *, backend="auto", algorithm="auto", protocol="auto
       one node (``"one_shot"``, ``"two_shot"``), ``"lamport"`` (data alone,
       into slots that read as an empty pattern until it arrives; a NaN input
       stays NaN, maybe with another payload).
-    transport: ``"auto"`` or the runtime's transport, ``"nvshmem"``.
+    transport: ``"auto"`` or the runtime's transport: ``"nvshmem"`` (one
+      process per GPU) or ``"peer"`` (one process driving several GPUs).
 
   Returns:
     An array of x's shape and dtype: the sum over all ranks, the same on each.

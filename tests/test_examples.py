@@ -88,4 +88,5 @@ def test_train_writes_outputs_and_resumes(tmp_path, capsys):
   done = train.train_and_evaluate(longer, workdir)
   assert done["start_step"] == 8 and done["step_time_ms"] is None
   assert done["val_loss"] == pytest.approx(second["val_loss"])
-  assert "already holds a checkpoint at step 8 of 8: nothing to train" in capsys.readouterr().out
+  assert ("already holds a checkpoint at step 8, and this run asks for 8 steps: nothing to train"
+          in capsys.readouterr().out)

@@ -469,6 +469,8 @@ def test_decode_errors_and_new_options():
     layer(x[:1, :1], decode=True)
   with pytest.raises(ValueError, match="attention_implementation must be one of"):
     ParallelConfig(attention_implementation="flash")
+  with pytest.raises(ValueError, match="backend must be one of .*got 'gpu'"):
+    ParallelConfig(backend="gpu")
   cudnn = ParallelAttention(D, H, config=ParallelConfig(attention_implementation="cudnn"),
                             rngs=nnx.Rngs(0))
   cudnn.init_cache((2, 4, D))

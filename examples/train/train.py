@@ -278,9 +278,9 @@ def train_and_evaluate(config: Config, workdir: str) -> dict[str, Any]:
     if start_step:
       print(f"resumed from {manager.directory} at step {start_step}")
     if start_step >= config.steps:
-      print(f"WARNING: {workdir} already holds a checkpoint at step {start_step} of "
-            f"{config.steps}: nothing to train; this run only evaluates it. Use a new "
-            "--workdir for a fresh run, or --steps to train on.", flush=True)
+      print(f"WARNING: {workdir} already holds a checkpoint at step {start_step}, and this "
+            f"run asks for {config.steps} steps: nothing to train; this run only evaluates "
+            "it. Use a new --workdir for a fresh run, or more --steps to train on.", flush=True)
 
   if start_step == 0:
     history["val"].append((0, evaluate(state)))

@@ -44,6 +44,8 @@ import dataclasses
 import jax
 from jax.sharding import PartitionSpec
 
+from jaxoverlap import names as op_names
+
 __all__ = ["LOGICAL_AXES", "ROW_REDUCTIONS", "ParallelConfig"]
 
 # Logical axis names the layers use. Rules may name others (for user layers).
@@ -73,7 +75,8 @@ class ParallelConfig:
       MLP hidden layer are sharded on the sequence over ``tp_axis``
       (Megatron-SP, arXiv 2205.05198); all-reduces become all-gather +
       reduce-scatter pairs fused with the adjacent GEMMs.
-    backend: ``"auto" | "xla" | "cuda"``, passed to every functional op.
+    backend: ``"auto" | "xla" | "cuda"``, passed to every functional op
+      (another value raises ``ValueError`` here).
     algorithm: passed to the overlap ops (``all_gather_matmul``,
       ``matmul_reduce_scatter``, ``matmul_all_reduce``): ``"auto"``,
       ``"collective"`` or ``"ppermute"`` (backend "xla"), ``"fused"``
@@ -164,6 +167,8 @@ class ParallelConfig:
   logical_axis_rules: tuple[tuple[str, str | None], ...] | None = None
 
   def __post_init__(self):
+    if self.backend not in op_names.BACKENDS:
+      raise ValueError(f"backend must be one of {op_names.BACKENDS}, got {self.backend!r}")
     if self.row_reduction not in ROW_REDUCTIONS:
       raise ValueError(
           f"row_reduction must be one of {ROW_REDUCTIONS}, got {self.row_reduction!r}")
