@@ -832,9 +832,9 @@ __device__ __forceinline__ float ClusterRead(float* local, unsigned int rank) {
 // warp in shared memory) gives the block's part of the row's sum of squares;
 // after a cluster barrier thread 0 of every block adds the C parts from the
 // blocks' shared memory (distributed shared memory) in cluster-rank order, so
-// every block gets the same scale; each thread re-reads the h lines it stored
-// itself (no barrier needed for those) and writes y = h * rsqrt(sum / hidden +
-// eps) * weight. The parts are double-buffered by row parity: a block
+// every block gets the same scale; each thread takes the h lines it stored
+// itself (the first from registers, any others re-read; no barrier needed for
+// those) and writes y = h * rsqrt(sum / hidden + eps) * weight. The parts are double-buffered by row parity: a block
 // overwrites a part only after the next cluster barrier, which every reader
 // of it passed after reading. The last barrier keeps every block's shared
 // memory alive until the cluster's readers are done.
