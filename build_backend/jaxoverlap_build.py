@@ -1,0 +1,89 @@
+"""The package's build backend: scikit-build-core's, asking for the CUDA build requirements only
+where the CUDA backend is built.
+
+Problem:
+  Building the CUDA backend needs jaxlib's FFI headers, NVSHMEM and cuBLAS in the build
+  environment (about 700 MB of wheels). A CPU-only install does not build it, yet static
+  ``build-system.requires`` would download them on every install.
+
+Algorithm:
+  The CUDA backend is built unless ``JAXOVERLAP_CUDA`` is off (``-Ccmake.define.JAXOVERLAP_CUDA=OFF``
+  or ``SKBUILD_CMAKE_DEFINE`` holding ``JAXOVERLAP_CUDA=OFF``) or no ``nvcc`` is found
+  (``CUDACXX``, ``PATH``, ``/usr/local/cuda/bin``). Only then are the CUDA build requirements
+  asked for; otherwise the build is told ``JAXOVERLAP_CUDA=OFF`` too, so that this choice and
+  CMake's agree (CMakeLists.txt). Everything else is scikit-build-core's (PEP 517 hooks
+  passed through, ``pyproject.toml``'s ``backend-path``).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Mapping
+
+from scikit_build_core import build as _skbuild
+from scikit_build_core.build import build_sdist, get_requires_for_build_sdist  # noqa: F401
+
+CUDA_BUILD_REQUIRES = ("jax>=0.11.2", "jaxlib>=0.11.2", "nvidia-nvshmem-cu13>=3.4",
+                       "nvidia-cublas>=13,<14")
+_SETTING = "cmake.define.JAXOVERLAP_CUDA"
+_OFF = {"off", "0", "false", "no", "n"}
+
+
+def _values(config_settings: Mapping | None, key: str) -> list[str]:
+  value = (config_settings or {}).get(key)
+  if value is None:
+    return []
+  return [value] if isinstance(value, str) else list(value)
+
+
+def cuda_build(config_settings: Mapping | None = None, env: Mapping[str, str] | None = None,
+               which=shutil.which, exists=os.path.exists) -> bool:
+  """Whether this build compiles the CUDA backend (module docstring)."""
+  env = os.environ if env is None else env
+  settings = _values(config_settings, _SETTING)
+  defines = [d.split("=", 1) for d in env.get("SKBUILD_CMAKE_DEFINE", "").split(";") if "=" in d]
+  choices = settings + [v for k, v in defines if k.strip() == "JAXOVERLAP_CUDA"]
+  if any(c.strip().lower() in _OFF for c in choices):
+    return False
+  return bool(env.get("CUDACXX") or which("nvcc") or exists("/usr/local/cuda/bin/nvcc"))
+
+
+def _settings(config_settings: Mapping | None) -> dict:
+  """``config_settings`` with ``JAXOVERLAP_CUDA=OFF`` where the CUDA backend is not built."""
+  out = dict(config_settings or {})
+  if not cuda_build(config_settings):
+    out[_SETTING] = "OFF"
+  return out
+
+
+def _requires(config_settings: Mapping | None) -> list[str]:
+  return list(CUDA_BUILD_REQUIRES) if cuda_build(config_settings) else []
+
+
+def get_requires_for_build_wheel(config_settings=None):
+  return [*_skbuild.get_requires_for_build_wheel(_settings(config_settings)),
+          *_requires(config_settings)]
+
+
+def get_requires_for_build_editable(config_settings=None):
+  return [*_skbuild.get_requires_for_build_editable(_settings(config_settings)),
+          *_requires(config_settings)]
+
+
+def prepare_metadata_for_build_wheel(metadata_directory, config_settings=None):
+  return _skbuild.prepare_metadata_for_build_wheel(metadata_directory,
+                                                   _settings(config_settings))
+
+
+def prepare_metadata_for_build_editable(metadata_directory, config_settings=None):
+  return _skbuild.prepare_metadata_for_build_editable(metadata_directory,
+                                                      _settings(config_settings))
+
+
+def build_wheel(wheel_directory, config_settings=None, metadata_directory=None):
+  return _skbuild.build_wheel(wheel_directory, _settings(config_settings), metadata_directory)
+
+
+def build_editable(wheel_directory, config_settings=None, metadata_directory=None):
+  return _skbuild.build_editable(wheel_directory, _settings(config_settings), metadata_directory)
