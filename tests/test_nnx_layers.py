@@ -709,3 +709,14 @@ def test_min_matmul_rows_decode_equals_unsharded():
 def test_min_matmul_rows_refuses_bad_values(bad):
   with pytest.raises(ValueError, match="min_matmul_rows must be an int >= 1"):
     ParallelConfig(min_matmul_rows=bad)
+
+
+def test_forward_mode_through_the_layers_names_the_layer():
+  """jax.jvp through a sharded block, eagerly: the layer and the way out, not JAX's internals."""
+  block = nnx.jit(lambda: TransformerBlock(D, H, F, config=ParallelConfig(mesh=_mesh(2, 2)),
+                                           rngs=nnx.Rngs(0)))()
+  graphdef, state = nnx.split(block)
+  x = jnp.ones((B, S, D))
+  with pytest.raises(TypeError, match="ColumnParallelLinear: forward-mode differentiation .* "
+                                      "use jax.grad, jax.vjp or jax.jacrev"):
+    jax.jvp(lambda x: nnx.merge(graphdef, state)(x), (x,), (x,))

@@ -63,7 +63,7 @@ from flax import nnx
 from flax.nnx.nn import dtypes as nnx_dtypes
 from jax import lax
 
-from jaxoverlap import names
+from jaxoverlap import _checks, names
 from jaxoverlap.collectives import all_reduce, all_reduce_rms_norm
 from jaxoverlap.nnx.config import ParallelConfig
 from jaxoverlap.overlap import all_gather_matmul, matmul_all_reduce, matmul_reduce_scatter
@@ -318,6 +318,9 @@ class ColumnParallelLinear(nnx.Module):
             x_bsd, w_df, cfg.tp_axis, gather_dimension=1, backend=cfg.backend,
             algorithm=cfg.algorithm, transport=cfg.transport)
       else:
+        # Its gradient is an all_reduce, reverse mode only; in eager shard_map forward mode
+        # would fail inside JAX ("unhashable type"), so say what failed.
+        _checks.refuse_forward_mode("ColumnParallelLinear", x_bsd)
         x_bsd = _copy_to_tp(x_bsd, cfg.tp_axis, cfg.backend, cfg.all_reduce_algorithm,
                             cfg.all_reduce_protocol)
         y_bsf = _matmul(x_bsd, w_df, cfg.min_matmul_rows)
