@@ -267,7 +267,7 @@ def all_reduce_rms_norm(p, residual, weight, axis_name, *, eps=1e-6, backend="au
       one launch of the one-shot LL all-reduce, a row a whole number of
       8-byte lines) or ``"unfused"`` (``all_reduce`` with its own automatic
       choice, then the residual add and the norm in XLA). "auto" on backend
-      "cuda" fuses from 4 rows of at most 8 KiB, where the fused kernel was
+      "cuda" fuses rows of at most 8 KiB, where the fused kernel was
       measured faster (``jaxoverlap.tuning.policy.fuse_norm``), and runs
       "unfused" otherwise.
 

@@ -547,9 +547,8 @@ def _norm_plan(r, shapes, dtype, group, local_size, num_nodes, facts, cuda) -> P
     unfused = f"the fused kernel cannot take this call: {cannot}"
   elif not _policy.fuse_norm(rows, hidden * dtype.itemsize):
     unfused = (f"rule: {rows} rows of {hidden * dtype.itemsize} bytes; the fused kernel is "
-               f"faster from {_policy.NORM_FUSED_MIN_ROWS} rows of at most "
-               f"{_policy.NORM_FUSED_MAX_ROW_BYTES} bytes (jaxoverlap.tuning.policy.fuse_norm, "
-               "measured on 2x H200)")
+               f"faster for rows of at most {_policy.NORM_FUSED_MAX_ROW_BYTES} bytes "
+               "(jaxoverlap.tuning.policy.fuse_norm, measured on 2x H200)")
   else:
     unfused = None
   if unfused is not None:

@@ -113,8 +113,8 @@ class ParallelConfig:
       ``algorithm`` is ``all_reduce_algorithm`` (row_reduction "all_reduce")
       or ``algorithm`` (row_reduction "matmul_all_reduce") where the fused op
       has that name ("collective", "ppermute", "one_shot"), else "auto"; on
-      backend "cuda", "auto" fuses from 4 rows and runs fewer (decode at batch
-      1-3) as the all-reduce then the norm (``all_reduce_rms_norm``), and
+      backend "cuda", "auto" fuses rows of at most 8 KiB and runs wider ones
+      as the all-reduce then the norm (``all_reduce_rms_norm``), and
       "one_shot" forces the fused kernel. Needs a row reduction:
       ``row_reduction="none"`` is refused. Blocks chained through
       ``next_norm`` (``jaxoverlap.nnx.apply_blocks``) fuse the MLP's

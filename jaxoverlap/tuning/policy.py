@@ -440,16 +440,17 @@ def fuse_all_reduce(out_bytes: int) -> bool:
   return out_bytes >= FUSED_ALL_REDUCE_MIN_BYTES
 
 
-# all_reduce_rms_norm: the fused kernel gives each row to one block of 512
-# threads. Against the CUDA all_reduce then the norm in XLA, on 2x H200, bf16
-# (benchmarks/results/all_reduce_rms_norm-2x_H200_NV18.json and -run2.json,
-# 20 reps each): faster at 4-64 rows of 4096 (8 KiB rows) in both runs; at one
-# row of 4096 and at rows of 8192 (16 KiB: one SM pushes and polls a whole
-# row, four lines per thread in sequence) slower on average over the two runs
-# (12.1 against 11.1 us; 14.6 against 13.0 us), with single cells either way:
-# the run-to-run spread is as large as the differences (docs/kernels.md).
-# 2 and 3 rows were not measured; they go with the one-row case.
-NORM_FUSED_MIN_ROWS = 4
+# all_reduce_rms_norm, kernel v2 (a row over a cluster of 1-8 blocks): against
+# the CUDA all_reduce then the norm in XLA, on 2x H200, bf16, rows of 4096
+# (8 KiB): alone (benchmarks/results/all_reduce_rms_norm-2x_H200_NV18-v2.json,
+# one run) 8.3 against 9.2 us at 1 row and 8.1 against 9.7 at 2; 8.5 against 7.9
+# at 4 and 10.5 against 10.3 at 16, within that run's spread. Inside a 32-layer
+# decode step (decode_chain_cudnn_32layers-2x_H200_NV18.json), 64 fused calls a
+# token took 15, 73 and 52 us a token less than the unfused chain at batch 1, 4
+# and 16. So the fused kernel runs from one row. Rows of 8192 (16 KiB) were
+# slower with kernel v1 (one block a row: 14.6 against 13.0 us) and are not yet
+# measured with v2; they stay unfused (docs/kernels.md).
+NORM_FUSED_MIN_ROWS = 1
 NORM_FUSED_MAX_ROW_BYTES = 8 << 10
 
 
