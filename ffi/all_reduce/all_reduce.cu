@@ -1624,6 +1624,21 @@ ffi::Error NormClustersAtOnce(int* clusters) {
   return ffi::Error::Success();
 }
 
+ffi::Error CheckLocalPeers(const RuntimeState& s, const Topology& t, const char* op) {
+  for (int r = 0; r < t.local_size; ++r) {
+    const int pe = t.local_pes[r];
+    if (pe == s.my_pe || PeerAddress(s.peers, s.heap, pe) != nullptr) continue;
+    return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
+                      std::string(op) + ": PE " + std::to_string(s.my_pe) + " cannot load/store "
+                      "PE " + std::to_string(pe) + "'s memory (no NVLink or PCIe peer access "
+                      "between their GPUs), and the intra-node steps need it; with "
+                      "ranks_per_node=" + std::to_string(s.ranks_per_node) + " both count as "
+                      "one node. Set JAXOVERLAP_RANKS_PER_NODE to the GPUs that reach each "
+                      "other, or use backend 'xla'");
+  }
+  return ffi::Error::Success();
+}
+
 ffi::Error MakeTopology(const int64_t* groups, size_t num_entries, int64_t group_size, int my_pe,
                         int num_pes, int ranks_per_node, Topology* topo) {
   if (group_size < 1 || num_entries % group_size != 0) {
@@ -1774,7 +1789,14 @@ ffi::Error AllReduce(const RuntimeState& s, cudaStream_t stream, Algorithm algor
         err = Launch<__half>(algorithm, protocol, c, p, stream);
         break;
     }
-    if (err != cudaSuccess) return CudaError(err, "all_reduce kernel launch", __FILE__, __LINE__);
+    if (err != cudaSuccess) {
+      const std::string what = std::string("all_reduce kernel launch (") +
+                               AlgorithmName(algorithm) + ", " + ProtocolName(protocol) + ", " +
+                               std::to_string(n) + " elements of " + std::to_string(elem) +
+                               " bytes from element " + std::to_string(offset) + ", " +
+                               std::to_string(c.blocks) + " blocks)";
+      return CudaError(err, what.c_str(), __FILE__, __LINE__);
+    }
   }
   return ffi::Error::Success();
 }
@@ -1934,7 +1956,11 @@ ffi::Error AllReduceRmsNorm(const RuntimeState& s, cudaStream_t stream, ffi::Dat
   const cudaError_t last = cudaGetLastError();  // also clears an error the launch left
   if (err == cudaSuccess) err = last;
   if (err != cudaSuccess) {
-    return CudaError(err, "all_reduce_rms_norm kernel launch", __FILE__, __LINE__);
+    const std::string what = "all_reduce_rms_norm kernel launch (" + std::to_string(rows) +
+                             " rows of " + std::to_string(hidden) + ", " +
+                             std::to_string(clusters) + " clusters of " + std::to_string(parts) +
+                             " blocks of " + std::to_string(threads) + " threads)";
+    return CudaError(err, what.c_str(), __FILE__, __LINE__);
   }
   return ffi::Error::Success();
 }

@@ -30,6 +30,7 @@ ffi::Error AllReduceExecute(cudaStream_t stream, int32_t device, ffi::AnyBuffer 
   JAXOVERLAP_RETURN_IF_ERROR(MakeTopology(attrs.groups.begin(), attrs.groups.size(),
                                           attrs.group_size, s.my_pe, s.num_pes, s.ranks_per_node,
                                           &topo));
+  JAXOVERLAP_RETURN_IF_ERROR(CheckLocalPeers(s, topo, "all_reduce"));
   return AllReduce(s, stream, attrs.algorithm, attrs.protocol, x.element_type(),
                    x.untyped_data(), out->untyped_data(), x.element_count(), topo);
 }
@@ -53,6 +54,7 @@ ffi::Error StageExecute(cudaStream_t stream, int32_t device, ffi::AnyBuffer x,
   Topology topo;
   JAXOVERLAP_RETURN_IF_ERROR(MakeTopology(groups.begin(), groups.size(), group_size, s.my_pe,
                                           s.num_pes, s.ranks_per_node, &topo));
+  JAXOVERLAP_RETURN_IF_ERROR(CheckLocalPeers(s, topo, op));
   return AllReduceStage(s, stream, kStage, full.element_type(), x.untyped_data(),
                         out->untyped_data(), full.element_count(), shard.element_count(), topo);
 }
@@ -87,6 +89,7 @@ ffi::Error AllReduceRmsNormExecute(cudaStream_t stream, int32_t device, ffi::Any
   Topology topo;
   JAXOVERLAP_RETURN_IF_ERROR(MakeTopology(groups.begin(), groups.size(), group_size, s.my_pe,
                                           s.num_pes, s.ranks_per_node, &topo));
+  JAXOVERLAP_RETURN_IF_ERROR(CheckLocalPeers(s, topo, kOp));
   return AllReduceRmsNorm(s, stream, dtype, p.untyped_data(), residual.untyped_data(),
                           weight.untyped_data(), h->untyped_data(), y->untyped_data(),
                           hidden == 0 ? 0 : count / hidden, hidden, eps, topo);

@@ -559,10 +559,11 @@ ffi::Error CheckDtype(const char* op, ffi::DataType dtype) {
 ffi::Error MakeGroup(const RuntimeState& s, const char* op, ffi::Span<const int64_t> groups,
                      int64_t group_size, Group* group) {
   const size_t entries = groups.size();
-  if (group_size < 1 || group_size > kMaxGroupSize || entries % group_size != 0) {
+  if (group_size < 2 || group_size > kMaxGroupSize || entries % group_size != 0) {
+    // One rank has nothing to send: the dispatcher plans the plain GEMM there.
     return ffi::Error::InvalidArgument(std::string(op) + ": group size " +
                                        std::to_string(group_size) + " with " +
-                                       std::to_string(entries) + " PE entries; 1.." +
+                                       std::to_string(entries) + " PE entries; 2.." +
                                        std::to_string(kMaxGroupSize) + " ranks are supported");
   }
   for (size_t start = 0; start < entries; start += group_size) {

@@ -52,6 +52,11 @@ struct Topology {
 ffi::Error MakeTopology(const int64_t* groups, size_t num_entries, int64_t group_size, int my_pe,
                         int num_pes, int ranks_per_node, Topology* topo);
 
+// kFailedPrecondition naming the pair when a PE of this PE's node in `t`
+// cannot be reached by load/store (the kernels store through PeerAddress; a
+// null address would be an illegal access on the device).
+ffi::Error CheckLocalPeers(const RuntimeState& s, const Topology& t, const char* op);
+
 // All-reduce of `num_elements` elements of `dtype` from `in` to `out` over the
 // group, on `stream`, by the GPU whose runtime is `s`. Messages larger than
 // one launch's capacity go through in chunks; every launch depends only on the
