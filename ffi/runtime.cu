@@ -18,6 +18,7 @@
 #include <cstring>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "jaxoverlap/all_reduce.h"
 #include "jaxoverlap/check.h"
@@ -217,6 +218,14 @@ ffi::Error SetUpDevice(RuntimeState& st, Mode mode, int device, char* heap, cons
   st.force_put = force_put != nullptr && std::string(force_put) == "1";
   JAXOVERLAP_CUDA_RETURN_IF_ERROR(cudaMalloc(&st.pair_epochs, sizeof(uint64_t) * num_pes));
   JAXOVERLAP_CUDA_RETURN_IF_ERROR(cudaMemset(st.pair_epochs, 0, sizeof(uint64_t) * num_pes));
+  // Testing only (the same value on every PE): start every pair's call count
+  // here instead of 0, to reach the 32-bit LL flags' wrap in a few calls.
+  if (const char* start = std::getenv("JAXOVERLAP_TEST_PAIR_EPOCH")) {
+    const std::vector<uint64_t> epochs(num_pes, std::strtoull(start, nullptr, 10));
+    JAXOVERLAP_CUDA_RETURN_IF_ERROR(cudaMemcpy(st.pair_epochs, epochs.data(),
+                                               sizeof(uint64_t) * num_pes,
+                                               cudaMemcpyHostToDevice));
+  }
   JAXOVERLAP_CUDA_RETURN_IF_ERROR(cudaMalloc(&st.done_counter, 2 * sizeof(unsigned int)));
   JAXOVERLAP_CUDA_RETURN_IF_ERROR(cudaMemset(st.done_counter, 0, 2 * sizeof(unsigned int)));
   JAXOVERLAP_CUDA_RETURN_IF_ERROR(cudaMalloc(&st.overlap_epochs, sizeof(uint64_t) * num_pes));
@@ -568,6 +577,16 @@ ffi::Error CheckExecution(const char* op, cudaStream_t stream, int device) {
 
 ffi::Error DeviceErrorToFfi(const DeviceError& e, int pe) {
   const std::string peer = std::to_string(e.peer_pe);
+  if (e.code == 2) {
+    return ffi::Error(
+        ffi::ErrorCode::kOutOfRange,
+        std::string("jaxoverlap: ") + OpName(e.op) + " stopped on PE " + std::to_string(pe) +
+            " (rank " + std::to_string(e.rank) + " of its group): it has made 2^32 - 1 calls "
+            "with peer PE " + peer + " since the runtime started, and the LL protocol's cells "
+            "carry the low 32 bits of the call count, so the next call could read a line left "
+            "2^32 calls earlier as new. The GPU context is lost (the kernel trapped); restart "
+            "the processes, which starts the count again.");
+  }
   const double timeout_s = static_cast<double>(State().timeout_ns) * 1e-9;
   char timeout[32];
   std::snprintf(timeout, sizeof(timeout), "%g", timeout_s);

@@ -341,7 +341,14 @@ __device__ __forceinline__ void Finish(const Params& p, bool quiet) {
     // before its atomicAdd, and the last block writes them only after all adds.
     const unsigned int finished = atomicAdd(p.done_counter, 1u);
     if (finished == gridDim.x - 1) {
-      for (int i = 0; i < p.num_bump; ++i) p.pair_epochs[p.bump[i]] += 1;
+      for (int i = 0; i < p.num_bump; ++i) {
+        // The next call with this peer runs at epoch + 1; its LL flag is the
+        // low 32 bits, which must not wrap to 0 (docs/kernels.md, assumptions).
+        const uint64_t epoch = ++p.pair_epochs[p.bump[i]];
+        if (static_cast<uint32_t>(epoch + 1) == 0u) {
+          ReportEpochWrapAndTrap(p.error, OpId::kAllReduce, p.topo.rank, p.bump[i], epoch + 1);
+        }
+      }
       p.done_counter[0] = 0;
       p.done_counter[1] = 0;  // every block took its ticket before it finished
       __threadfence();

@@ -39,3 +39,13 @@ def test_mismatched_sizes_are_named(tmp_path):
   run.check()
   # The watchdog's line reaches stderr before the process ends.
   assert "jaxoverlap: all_reduce timed out on PE" in run.output(), run.tail()
+
+
+def test_ll_flag_wrap_stops_loudly(tmp_path):
+  """Issue: after 2^32 calls a pair's 32-bit LL flags wrapped and could read stale lines."""
+  run = _harness.run_ranks(tmp_path, "rank_errors.py", World(2, 2),
+                           select=("-k", "test_ll_flag_wrap_stops_loudly"), timeout_s=150,
+                           env={"JAXOVERLAP_TEST_PAIR_EPOCH": str(2**32 - 3)})
+  run.print_summary()
+  run.check()
+  assert "has made 2^32 - 1 calls with peer PE" in run.output(), run.tail()  # the watchdog

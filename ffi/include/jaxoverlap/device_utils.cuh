@@ -67,6 +67,27 @@ static __device__ __noinline__ void ReportTimeoutAndTrap(DeviceError* error, OpI
   __trap();
 }
 
+// Records that the calls with `peer_pe` reached `epoch`, whose low 32 bits
+// wrapped to 0 (the LL protocol's flags are those 32 bits, so a stale line
+// would read as new), prints it and traps: the run stops instead of summing a
+// stale line. Code 2 in `error`.
+static __device__ __noinline__ void ReportEpochWrapAndTrap(DeviceError* error, OpId op, int rank,
+                                                           int peer_pe, uint64_t epoch) {
+  if (atomicCAS(&error->code, 0, 2) == 0) {
+    error->op = static_cast<int32_t>(op);
+    error->rank = rank;
+    error->peer_pe = peer_pe;
+    error->step = 0;
+    error->block = static_cast<int>(blockIdx.x);
+    error->epoch = epoch;
+    error->seen = 0;
+    __threadfence_system();
+  }
+  printf("jaxoverlap: rank %d made 2^32 - 1 calls with peer PE %d: the 32-bit LL flags would "
+         "wrap at the next; stopping\n", rank, peer_pe);
+  __trap();
+}
+
 // Waits until *flag >= expected, or reports and traps after timeout_ns.
 __device__ __forceinline__ void WaitFlagOrTrap(const uint64_t* flag, uint64_t expected,
                                                uint64_t timeout_ns, DeviceError* error, OpId op,

@@ -12,6 +12,10 @@ conftest.py):
   error names peer PE 1 and the step. The GPU context is lost after the trap,
   so the test is marked ``ends_process``: the conftest writes the report and
   ends the process with ``os._exit``.
+* wrap: every pair's call count starts 3 below 2^32
+  (``JAXOVERLAP_TEST_PAIR_EPOCH``, set by the outer test): the first LL call,
+  with flags 0xFFFFFFFE, is checked against the sum; the second would leave the
+  next call's 32-bit flag at 0, so it stops the run with an error that says so.
 """
 
 from __future__ import annotations
@@ -114,3 +118,43 @@ def test_mismatched_sizes_are_named(runtime, topology, mesh, ops, rank, nproc, k
       assert part in msg, f"{part!r} missing from the recorded error: {msg}"
   if err:
     assert raised is not None, "the rank that timed out returned from its call"
+
+
+@pytest.mark.ends_process
+def test_ll_flag_wrap_stops_loudly(runtime, topology, mesh, ops, rank, nproc, kv):
+  ops.require_cuda("the LL flags' wrap")
+  import os
+
+  import jaxoverlap
+
+  if os.environ.get("JAXOVERLAP_TEST_PAIR_EPOCH") != str(2**32 - 3):
+    pytest.skip("run with JAXOVERLAP_TEST_PAIR_EPOCH=2**32 - 3 (tests/gpu/test_gpu_errors.py)")
+  if nproc != 2 or topology.num_nodes != 1:
+    pytest.skip("2 processes on one node")
+  f = jax.jit(jax.shard_map(
+      lambda x: jax.lax.pcast(ops.all_reduce(x, "x", algorithm="one_shot", protocol="ll"), "x",
+                              to="varying"),
+      mesh=mesh, in_specs=P("x"), out_specs=P("x")))
+  rng = np.random.default_rng([7, rank])
+  mine = rng.standard_normal(4096).astype(np.float32)
+  parts = [np.random.default_rng([7, r]).standard_normal(4096).astype(np.float32)
+           for r in range(nproc)]
+  want = np.sum(np.stack(parts).astype(np.float64), axis=0)
+  x = jax.make_array_from_process_local_data(NamedSharding(mesh, P("x")), mine, (4096 * nproc,))
+  first = np.asarray(f(x).addressable_data(0), np.float64)  # epoch 2^32 - 2: flag 0xFFFFFFFE
+  first_ok = bool(np.all(np.abs(first - want) <= 1e-5 * (np.abs(want) + 1)))
+  try:
+    f(x).block_until_ready()  # epoch 2^32 - 1; the next would be 2^32: stops here
+    raised = None
+  except Exception as e:  # noqa: BLE001 - XLA reports the trapped kernel as a runtime error
+    raised = e
+  time.sleep(1.0)  # the watchdog polls every 20 ms
+  err = jaxoverlap.runtime_info()["device_error"]
+  outcomes = kv.gather(f"{first_ok}|{raised is not None}|{err or ''}")
+  jax.distributed.shutdown()
+  for r, o in enumerate(outcomes):
+    ok, stopped, msg = o.split("|", 2)
+    assert ok == "True", f"rank {r}: the first call (flags 0xFFFFFFFE) summed wrongly"
+    assert stopped == "True", f"rank {r}: the call before the wrap returned without an error"
+    for part in ("2^32 - 1 calls", "peer PE", "restart the processes"):
+      assert part in msg, f"rank {r}: {part!r} missing from the recorded error: {msg!r}"
