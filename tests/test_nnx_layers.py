@@ -12,6 +12,7 @@ unsharded module and against the full-sequence forward pass.
 """
 
 import itertools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -317,6 +318,126 @@ def test_layers_reject_bad_sizes():
     layer(jnp.zeros((B, 6, D)))
   with pytest.raises(ValueError, match="expects x: \\[b, s, d\\]"):
     layer(jnp.zeros((B, D)))
+
+
+@pytest.mark.parametrize("norm_cls", [RMSNorm, LayerNorm])
+@pytest.mark.parametrize("sharded", [False, True], ids=["unsharded", "tp"])
+def test_norms_check_the_feature_width(norm_cls, sharded):
+  """A wrong feature width names the norm, where JAX's broadcasting error named nothing."""
+  config = ParallelConfig(mesh=_mesh(1, 2) if sharded else None)
+  norm = norm_cls(D, config=config, rngs=nnx.Rngs(0))
+  name = norm_cls.__name__
+  for width in (D - 1, D + 1, 1):
+    with pytest.raises(ValueError, match=re.escape(
+        f"{name}: x has {width} features, expected num_features={D}")):
+      norm(jnp.zeros((B, S, width)))
+  x = jax.random.normal(_key(), (B, S, D), jnp.float32)
+  assert norm(x).shape == (B, S, D)  # the right width still runs
+
+
+
+def test_layers_exports_what_the_package_exports():
+  from jaxoverlap import nnx as jnnx
+  from jaxoverlap.nnx import config as config_module, layers
+
+  assert "apply_blocks" in layers.__all__
+  assert set(jnnx.__all__) == set(layers.__all__) | set(config_module.__all__)
+  for name in layers.__all__:
+    assert getattr(layers, name) is getattr(jnnx, name)
+
+
+# ----------------------------------------------------------------------------
+# ParallelConfig: names, types, the mesh
+# ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kw,msg", [
+    (dict(algorithm="one_shot"),
+     "algorithm='one_shot' is not an algorithm of the ops this config passes it to "
+     "(all_reduce_rms_norm's: passed to it with fuse_norm=True"),
+    (dict(algorithm="fuse"),
+     "algorithm='fuse' is not an algorithm of the ops this config passes it to; valid: 'auto' "
+     "or, on backend 'auto', matmul_all_reduce: 'collective', 'ppermute', 'fused', 'unfused'"),
+    (dict(algorithm="copy_engine"), "now spelled algorithm='fused', transport='copy_engine'"),
+    (dict(algorithm="unfused", sequence_parallel=True),
+     "(an algorithm of matmul_all_reduce, all_reduce_rms_norm, which this config does not use)"
+     "; valid: 'auto' or, on backend 'auto', all_gather_matmul: 'collective', 'ppermute', "
+     "'fused'; matmul_reduce_scatter: 'collective', 'ppermute', 'fused'"),
+    (dict(algorithm="ppermute", backend="cuda"),
+     "valid: 'auto' or, on backend 'cuda', matmul_all_reduce: 'fused', 'unfused'"),
+    (dict(algorithm="fused", backend="xla", fuse_norm=True),
+     "matmul_all_reduce: 'collective', 'ppermute'; all_reduce_rms_norm: 'collective', "
+     "'ppermute'"),
+    (dict(transport="peer"),
+     "transport='peer' is unknown; valid: 'auto', 'copy_engine', 'nvshmem' (backend 'cuda')"),
+    (dict(transport="nvshmem", backend="xla"),
+     "transport='nvshmem' applies to backend 'cuda' only; backend='xla' was given"),
+    (dict(all_reduce_algorithm="fused"),
+     "all_reduce_algorithm='fused' is not an algorithm of all_reduce; valid: 'auto' or, on "
+     "backend 'auto', 'collective', 'ppermute', 'one_shot', 'two_shot', 'hierarchical'"),
+    (dict(all_reduce_algorithm="one_shot_ll"),
+     "now spelled all_reduce_algorithm='one_shot', all_reduce_protocol='ll'"),
+    (dict(all_reduce_algorithm="collective", backend="cuda"),
+     "on backend 'cuda', 'one_shot', 'two_shot', 'hierarchical'"),
+    (dict(all_reduce_protocol="ll8"),
+     "all_reduce_protocol='ll8' is unknown; valid: 'auto', 'll', 'simple', 'lamport'"),
+    (dict(all_reduce_protocol="lamport", all_reduce_algorithm="hierarchical"),
+     "all_reduce_protocol='lamport': all_reduce_algorithm='hierarchical' has 'll', 'simple'"),
+    (dict(all_reduce_protocol="ll", all_reduce_algorithm="collective"),
+     "all_reduce_protocol='ll' applies to backend 'cuda' only"),
+    (dict(all_reduce_protocol="simple", backend="xla"),
+     "all_reduce_protocol='simple' applies to backend 'cuda' only"),
+    (dict(algorithm=None), "algorithm must be a str, got None"),
+])
+def test_config_checks_the_names_against_the_vocabulary(kw, msg):
+  """Every name field is checked when the config is made; the message lists the valid names."""
+  with pytest.raises(ValueError, match=re.escape(msg)):
+    ParallelConfig(mesh=_mesh(1, 2), dp_axis=None, **kw)
+
+
+@pytest.mark.parametrize("kw", [
+    dict(algorithm="fused", transport="nvshmem"),
+    dict(algorithm="unfused", backend="cuda"),
+    dict(algorithm="fused", sequence_parallel=True, transport="copy_engine"),
+    dict(algorithm="ppermute", backend="xla", sequence_parallel=True),
+    dict(algorithm="one_shot", fuse_norm=True),
+    dict(algorithm="unfused", fuse_norm=True, backend="cuda"),
+    dict(algorithm="fused", row_reduction="all_reduce"),
+    dict(all_reduce_algorithm="two_shot", all_reduce_protocol="lamport", backend="cuda"),
+    dict(all_reduce_algorithm="hierarchical", all_reduce_protocol="simple"),
+    dict(all_reduce_protocol="ll"),
+    dict(all_reduce_algorithm="ppermute", backend="xla", row_reduction="all_reduce",
+         fuse_norm=True),
+])
+def test_config_accepts_every_valid_combination(kw):
+  config = ParallelConfig(mesh=_mesh(1, 2), dp_axis=None, **kw)
+  for key, value in kw.items():
+    assert getattr(config, key) == value
+
+
+def test_config_checks_types_and_the_mesh():
+  with pytest.raises(TypeError, match="sequence_parallel must be a bool, got str 'False'"):
+    ParallelConfig(sequence_parallel="False")
+  with pytest.raises(TypeError, match="sequence_parallel must be a bool, got int 1"):
+    ParallelConfig(sequence_parallel=1)
+  with pytest.raises(TypeError, match="fuse_norm must be a bool, got str 'True'"):
+    ParallelConfig(fuse_norm="True")
+  with pytest.raises(TypeError, match="mesh must be a jax.sharding.Mesh or None, got str 'abc'"):
+    ParallelConfig(mesh="abc")
+  with pytest.raises(TypeError, match="mesh must be a jax.sharding.Mesh or None, got tuple"):
+    ParallelConfig(mesh=(2, 4))
+  config = ParallelConfig(mesh=_mesh(1, 2), sequence_parallel=np.bool_(True))
+  assert config.sequence_parallel is True and config.spec("seq") == P("tp")
+
+
+def test_config_min_matmul_rows_takes_numpy_integers_not_bools():
+  for value in (np.int64(3), np.int32(3), np.uint8(3), 3):
+    config = ParallelConfig(min_matmul_rows=value)
+    assert config.min_matmul_rows == 3 and type(config.min_matmul_rows) is int
+  for bad in (True, np.bool_(True), 0, -1, 2.0, np.float32(2), "2"):
+    with pytest.raises(ValueError, match=re.escape(
+        f"min_matmul_rows must be an int >= 1, got {bad!r}")):
+      ParallelConfig(min_matmul_rows=bad)
 
 
 # ----------------------------------------------------------------------------
@@ -665,6 +786,37 @@ def test_fuse_norm_follows_the_configured_algorithm(row_reduction, key, algorith
   jax.jit(lambda s, x: nnx.merge(graphdef, s)(x)).lower(state, x)
   (plan,) = jaxoverlap.decisions("all_reduce_rms_norm")
   assert plan.algorithm == want, plan.summary()
+
+
+def _requested_algorithms(block, x):
+  """(op, algorithm) of every jaxoverlap op the block's forward pass binds, in trace order."""
+  graphdef, state = nnx.split(block)
+  text = str(jax.make_jaxpr(lambda s, x: nnx.merge(graphdef, s)(x))(state, x))
+  return re.findall(r"request=Request\(op='(\w+)'[^)]*?algorithm='(\w+)'", text)
+
+
+@pytest.mark.parametrize("dp_axis", [None, "dp"])
+def test_fuse_norm_one_shot_goes_to_the_fused_norm_only(dp_axis):
+  """algorithm="one_shot" reaches all_reduce_rms_norm; the MLP's matmul_all_reduce gets "auto".
+
+  A block without next_norm reduces its MLP with matmul_all_reduce, which has no "one_shot"
+  (it raised "matmul_all_reduce: algorithm='one_shot' is unknown").
+  """
+  mesh = _mesh(1, 2) if dp_axis is None else _mesh(2, 2)
+  config = ParallelConfig(mesh=mesh, dp_axis=dp_axis, algorithm="one_shot", fuse_norm=True)
+  assert config.algorithm_for("all_reduce_rms_norm") == "one_shot"
+  assert config.algorithm_for("matmul_all_reduce") == "auto"
+  block = nnx.jit(lambda: TransformerBlock(D, H, F, config=config, activation="swiglu",
+                                           norm="rms", rngs=nnx.Rngs(0)))()
+  x = jax.random.normal(_key(), (B, S, D), jnp.float32)
+  assert _requested_algorithms(block, x) == [("all_reduce_rms_norm", "one_shot"),
+                                             ("matmul_all_reduce", "auto")]
+  # A name both have goes to both.
+  config = ParallelConfig(mesh=mesh, dp_axis=dp_axis, algorithm="ppermute", fuse_norm=True)
+  block = nnx.jit(lambda: TransformerBlock(D, H, F, config=config, norm="rms",
+                                           rngs=nnx.Rngs(0)))()
+  assert _requested_algorithms(block, x) == [("all_reduce_rms_norm", "ppermute"),
+                                             ("matmul_all_reduce", "ppermute")]
 
 
 # ----------------------------------------------------------------------------

@@ -40,8 +40,10 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import operator
 
 import jax
+import numpy as np
 from jax.sharding import PartitionSpec
 
 from jaxoverlap import names as op_names
@@ -55,6 +57,16 @@ LOGICAL_AXES = ("batch", "seq", "embed", "mlp", "heads", "kv", "vocab")
 # (``ParallelConfig.row_reduction``).
 ROW_REDUCTIONS = ("matmul_all_reduce", "all_reduce", "none")
 ATTENTION_IMPLEMENTATIONS = ("xla", "cudnn")
+
+
+def _as_int(value) -> int | None:
+  """``value`` as an int where it is an integer (Python or NumPy), not a bool; else None."""
+  if isinstance(value, bool):  # NumPy's bool has no __index__
+    return None
+  try:
+    return int(operator.index(value))
+  except TypeError:
+    return None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,10 +89,17 @@ class ParallelConfig:
       reduce-scatter pairs fused with the adjacent GEMMs.
     backend: ``"auto" | "xla" | "cuda"``, passed to every functional op
       (another value raises ``ValueError`` here).
-    algorithm: passed to the overlap ops (``all_gather_matmul``,
-      ``matmul_reduce_scatter``, ``matmul_all_reduce``): ``"auto"``,
-      ``"collective"`` or ``"ppermute"`` (backend "xla"), ``"fused"``
-      (backend "cuda"); see ``jaxoverlap.names``.
+    algorithm: passed to the overlap ops (``all_gather_matmul`` and
+      ``matmul_reduce_scatter`` with SP, else ``matmul_all_reduce``) and, with
+      ``fuse_norm``, to ``all_reduce_rms_norm``: ``"auto"``, ``"collective"``
+      or ``"ppermute"`` (backend "xla"), ``"fused"`` (backend "cuda", every
+      overlap op), ``"unfused"`` (backend "cuda": ``matmul_all_reduce``'s
+      GEMM, then the CUDA ``all_reduce``; with ``fuse_norm`` also
+      ``all_reduce_rms_norm``'s) or, with ``fuse_norm``, ``"one_shot"``
+      (``all_reduce_rms_norm``'s fused kernel; ``matmul_all_reduce`` then
+      runs ``"auto"``). A name must belong to at least one op the config
+      passes it to (``algorithm_for``), on ``backend`` unless that is
+      "auto"; see ``jaxoverlap.names``.
     transport: passed to the overlap ops: ``"auto"``, ``"copy_engine"`` or
       ``"nvshmem"`` (backend "cuda").
     all_reduce_algorithm: passed to ``all_reduce``: the backward all-reduce
@@ -90,7 +109,8 @@ class ParallelConfig:
       (backend "xla"), ``"one_shot"``, ``"two_shot"`` or ``"hierarchical"``
       (backend "cuda").
     all_reduce_protocol: passed to ``all_reduce`` with it: ``"auto"``,
-      ``"ll"``, ``"simple"`` or ``"lamport"`` (one_shot, two_shot; backend "cuda").
+      ``"ll"``, ``"simple"`` or ``"lamport"`` (backend "cuda"; ``"lamport"``
+      with ``"one_shot"`` and ``"two_shot"`` only).
     row_reduction: how a row-parallel layer without SP sums its partial
       products over tp (one of ``ROW_REDUCTIONS``; with SP the sum is always
       ``matmul_reduce_scatter``'s):
@@ -112,13 +132,15 @@ class ParallelConfig:
       the row-parallel layer's own reduction, the add and the norm. Its
       ``algorithm`` is ``all_reduce_algorithm`` (row_reduction "all_reduce")
       or ``algorithm`` (row_reduction "matmul_all_reduce") where the fused op
-      has that name ("collective", "ppermute", "one_shot"), else "auto"; on
-      backend "cuda", "auto" fuses rows of at most 8 KiB and runs wider ones
-      as the all-reduce then the norm (``all_reduce_rms_norm``), and
-      "one_shot" forces the fused kernel. Needs a row reduction:
-      ``row_reduction="none"`` is refused. Blocks chained through
-      ``next_norm`` (``jaxoverlap.nnx.apply_blocks``) fuse the MLP's
-      reduction too, with the next block's or the final norm.
+      has that name ("collective", "ppermute", "one_shot", "unfused"), else
+      "auto" (``algorithm_for``); on backend "cuda", "auto" fuses rows of at
+      most 8 KiB and runs wider ones as the all-reduce then the norm
+      (``all_reduce_rms_norm``), and "one_shot" forces the fused kernel
+      ("one_shot", a name ``matmul_all_reduce`` lacks, leaves the MLP's
+      ``matmul_all_reduce`` on "auto" where a block has no ``next_norm``).
+      Needs a row reduction: ``row_reduction="none"`` is refused. Blocks
+      chained through ``next_norm`` (``jaxoverlap.nnx.apply_blocks``) fuse
+      the MLP's reduction too, with the next block's or the final norm.
     min_matmul_rows: the layers' local GEMMs pad their rows, all dimensions
       of ``x`` but the last, with zeros to at least this many and drop the
       padding from the product; values and gradients are those of the
@@ -149,6 +171,18 @@ class ParallelConfig:
       required mapping (``mlp`` and ``heads`` on ``tp_axis``, ``embed`` and
       ``kv`` unsharded, ``seq`` on ``tp_axis`` exactly when SP), ``batch``
       may be ``dp_axis`` or None.
+
+  Raises:
+    TypeError: ``mesh`` is neither a ``jax.sharding.Mesh`` nor None, or
+      ``sequence_parallel`` or ``fuse_norm`` is not a bool.
+    ValueError: ``backend``, ``algorithm``, ``transport``,
+      ``all_reduce_algorithm``, ``all_reduce_protocol``, ``row_reduction`` or
+      ``attention_implementation`` is not one of its names (the message lists
+      them), or contradicts ``backend``; ``min_matmul_rows`` is not an
+      integer >= 1; ``fuse_norm`` with ``sequence_parallel`` or
+      ``row_reduction="none"``; an axis missing from the mesh, mesh axes not
+      of type ``AxisType.Auto``, or logical-axis rules that break the
+      layers' layout.
   """
 
   mesh: jax.sharding.Mesh | None = None
@@ -167,13 +201,23 @@ class ParallelConfig:
   logical_axis_rules: tuple[tuple[str, str | None], ...] | None = None
 
   def __post_init__(self):
+    if self.mesh is not None and not isinstance(self.mesh, jax.sharding.Mesh):
+      raise TypeError(f"mesh must be a jax.sharding.Mesh or None, got "
+                      f"{type(self.mesh).__name__} {self.mesh!r}")
+    for name in ("sequence_parallel", "fuse_norm"):
+      value = getattr(self, name)
+      if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__} {value!r}")
+      object.__setattr__(self, name, bool(value))
     if self.backend not in op_names.BACKENDS:
       raise ValueError(f"backend must be one of {op_names.BACKENDS}, got {self.backend!r}")
     if self.row_reduction not in ROW_REDUCTIONS:
       raise ValueError(
           f"row_reduction must be one of {ROW_REDUCTIONS}, got {self.row_reduction!r}")
-    if not isinstance(self.min_matmul_rows, int) or self.min_matmul_rows < 1:
+    rows = _as_int(self.min_matmul_rows)
+    if rows is None or rows < 1:
       raise ValueError(f"min_matmul_rows must be an int >= 1, got {self.min_matmul_rows!r}")
+    object.__setattr__(self, "min_matmul_rows", rows)
     if self.attention_implementation not in ATTENTION_IMPLEMENTATIONS:
       raise ValueError(f"attention_implementation must be one of {ATTENTION_IMPLEMENTATIONS}, "
                        f"got {self.attention_implementation!r}")
@@ -183,6 +227,7 @@ class ParallelConfig:
     if self.fuse_norm and self.sequence_parallel:
       raise ValueError("fuse_norm fuses the all-reduce of a row-parallel layer; with "
                        "sequence_parallel=True the layers reduce-scatter instead")
+    self._check_algorithms()
     rules = dict(self._default_rules())
     if self.logical_axis_rules is not None:
       for pair in self.logical_axis_rules:
@@ -228,6 +273,102 @@ class ParallelConfig:
     for name, axis in rules.items():
       if axis is not None and axis not in names:
         raise ValueError(f"logical axis {name!r} maps to {axis!r}, not an axis of {names}")
+
+  def _algorithm_ops(self) -> tuple[str, ...]:
+    """The ops the layers pass ``algorithm`` to under this config."""
+    if self.sequence_parallel:
+      return (op_names.ALL_GATHER_MATMUL, op_names.MATMUL_REDUCE_SCATTER)
+    if self.row_reduction == "matmul_all_reduce":
+      return ((op_names.MATMUL_ALL_REDUCE, op_names.ALL_REDUCE_RMS_NORM) if self.fuse_norm
+              else (op_names.MATMUL_ALL_REDUCE,))
+    return op_names.FUSED_OPS  # no layer passes it on; any overlap op's name is kept
+
+  def _check_algorithms(self) -> None:
+    """Checks algorithm, transport, all_reduce_algorithm and all_reduce_protocol.
+
+    Raises:
+      ValueError: a value that is not a str, or not a name of the ops it is
+        passed to (on ``backend``, unless that is "auto"); the message lists
+        the valid names.
+    """
+    auto = op_names.AUTO
+    on = None if self.backend == auto else self.backend
+    for key in ("algorithm", "transport", "all_reduce_algorithm", "all_reduce_protocol"):
+      if not isinstance(getattr(self, key), str):
+        raise ValueError(f"{key} must be a str, got {getattr(self, key)!r}")
+
+    ops = self._algorithm_ops()
+    valid = {op: op_names.algorithms(op, on) for op in ops}
+    if self.algorithm != auto and not any(self.algorithm in v for v in valid.values()):
+      renamed = [r for r in (op_names.renamed_value(op, self.algorithm) for op in ops) if r]
+      others = [op for op in op_names.FUSED_OPS + (op_names.ALL_REDUCE_RMS_NORM,)
+                if op not in ops and self.algorithm in op_names.algorithms(op, on)]
+      hint = ""
+      if renamed:
+        hint = f" (now spelled {renamed[0]})"
+      elif others == [op_names.ALL_REDUCE_RMS_NORM]:
+        hint = (" (all_reduce_rms_norm's: passed to it with fuse_norm=True and "
+                "row_reduction='matmul_all_reduce'; the all-reduces of "
+                "row_reduction='all_reduce' take all_reduce_algorithm)")
+      elif others:
+        hint = f" (an algorithm of {', '.join(others)}, which this config does not use)"
+      listed = "; ".join(f"{op}: {', '.join(map(repr, v))}" for op, v in valid.items())
+      raise ValueError(
+          f"algorithm={self.algorithm!r} is not an algorithm of the ops this config passes it "
+          f"to{hint}; valid: 'auto' or, on backend {self.backend!r}, {listed}")
+
+    transports = tuple(dict.fromkeys(
+        t for op in ops if op in op_names.FUSED_OPS for t in op_names.transports(op)))
+    if self.transport != auto:
+      if self.transport not in transports:
+        raise ValueError(f"transport={self.transport!r} is unknown; valid: 'auto', "
+                         f"{', '.join(map(repr, transports))} (backend 'cuda')")
+      if self.backend == op_names.XLA:
+        raise ValueError(f"transport={self.transport!r} applies to backend 'cuda' only; "
+                         "backend='xla' was given")
+
+    ar = op_names.ALL_REDUCE
+    alg = self.all_reduce_algorithm
+    if alg != auto and alg not in op_names.algorithms(ar, on):
+      renamed = op_names.renamed_value(ar, alg)  # e.g. "algorithm='one_shot', protocol='ll'"
+      hint = ("" if renamed is None else
+              " (now spelled all_reduce_" + renamed.replace(", ", ", all_reduce_") + ")")
+      raise ValueError(
+          f"all_reduce_algorithm={alg!r} is not an algorithm of all_reduce{hint}; valid: "
+          f"'auto' or, on backend {self.backend!r}, "
+          f"{', '.join(map(repr, op_names.algorithms(ar, on)))}")
+    protocol = self.all_reduce_protocol
+    if protocol != auto:
+      if protocol not in op_names.protocols():
+        raise ValueError(f"all_reduce_protocol={protocol!r} is unknown; valid: 'auto', "
+                         f"{', '.join(map(repr, op_names.protocols()))} (backend 'cuda')")
+      if (self.backend == op_names.XLA
+          or op_names.backend_of_algorithm(ar, alg) == op_names.XLA):
+        raise ValueError(f"all_reduce_protocol={protocol!r} applies to backend 'cuda' only "
+                         f"(backend={self.backend!r}, all_reduce_algorithm={alg!r})")
+      if alg != auto and protocol not in op_names.protocols(alg):
+        raise ValueError(f"all_reduce_protocol={protocol!r}: all_reduce_algorithm={alg!r} has "
+                         f"{', '.join(map(repr, op_names.protocols(alg)))}")
+
+  def algorithm_for(self, op: str) -> str:
+    """The algorithm the layers pass to ``op`` (one of ``jaxoverlap.names.OPS``).
+
+    ``all_reduce_rms_norm`` (``fuse_norm``): ``all_reduce_algorithm`` with
+    ``row_reduction="all_reduce"``, else ``algorithm``, where the op has that
+    name, else "auto". ``all_reduce``: ``all_reduce_algorithm``. The overlap
+    ops: ``algorithm`` where the op has that name, else "auto" (a name of
+    another op the config passes it to, e.g. ``"one_shot"``, which only
+    ``all_reduce_rms_norm`` has).
+
+    Raises:
+      ValueError: an unknown op.
+    """
+    if op == op_names.ALL_REDUCE:
+      return self.all_reduce_algorithm
+    named = (self.all_reduce_algorithm
+             if op == op_names.ALL_REDUCE_RMS_NORM and self.row_reduction == "all_reduce"
+             else self.algorithm)
+    return named if named in op_names.algorithms(op) else op_names.AUTO
 
   def _default_rules(self) -> tuple[tuple[str, str | None], ...]:
     tp = self.tp_axis

@@ -76,6 +76,7 @@ __all__ = [
     "ParallelMLP",
     "ParallelAttention",
     "TransformerBlock",
+    "apply_blocks",
 ]
 
 Dtype = Any
@@ -306,6 +307,8 @@ class ColumnParallelLinear(nnx.Module):
     Raises:
       ValueError: ``x_bsd`` is not rank 3, its last dimension is not ``d``,
         ``b`` is not divisible by the dp size, or (SP) ``s`` not by the tp size.
+      TypeError: without SP, a forward-mode tangent on ``x_bsd`` (the
+        gradient is an ``all_reduce``, which has a reverse-mode rule only).
     """
     x_bsd, w_df, bias = _linear_inputs(self, x_bsd, "ColumnParallelLinear", "bsd")
     cfg = self.config
@@ -316,7 +319,7 @@ class ColumnParallelLinear(nnx.Module):
       elif cfg.sequence_parallel:
         y_bsf = all_gather_matmul(
             x_bsd, w_df, cfg.tp_axis, gather_dimension=1, backend=cfg.backend,
-            algorithm=cfg.algorithm, transport=cfg.transport)
+            algorithm=cfg.algorithm_for(names.ALL_GATHER_MATMUL), transport=cfg.transport)
       else:
         # Its gradient is an all_reduce, reverse mode only; in eager shard_map forward mode
         # would fail inside JAX ("unhashable type"), so say what failed.
@@ -432,11 +435,12 @@ class RowParallelLinear(nnx.Module):
       elif cfg.sequence_parallel:
         y_bsd = matmul_reduce_scatter(
             x_bsf, w_fd, cfg.tp_axis, scatter_dimension=1, backend=cfg.backend,
-            algorithm=cfg.algorithm, transport=cfg.transport)
+            algorithm=cfg.algorithm_for(names.MATMUL_REDUCE_SCATTER), transport=cfg.transport)
       elif cfg.row_reduction == "matmul_all_reduce":
+        # algorithm_for: "auto" for a name only the fused norm has ("one_shot", fuse_norm).
         y_bsd = matmul_all_reduce(
-            x_bsf, w_fd, cfg.tp_axis, backend=cfg.backend, algorithm=cfg.algorithm,
-            transport=cfg.transport)
+            x_bsf, w_fd, cfg.tp_axis, backend=cfg.backend,
+            algorithm=cfg.algorithm_for(names.MATMUL_ALL_REDUCE), transport=cfg.transport)
       else:
         y_bsd = _matmul(x_bsf, w_fd, cfg.min_matmul_rows)
         if cfg.row_reduction == "all_reduce":
@@ -486,6 +490,15 @@ class RowParallelLinear(nnx.Module):
 # ----------------------------------------------------------------------------
 
 
+def _check_norm_input(x: jax.Array, norm: RMSNorm | LayerNorm, layer: str):
+  """A norm's input: rank 3, ``norm.num_features`` features, a shape that fits the mesh."""
+  _check_rank3(x, layer, "bsd")
+  if x.shape[-1] != norm.num_features:
+    raise ValueError(f"{layer}: x has {x.shape[-1]} features, expected "
+                     f"num_features={norm.num_features}")
+  _check_activation_shape(x, norm.config, layer)
+
+
 class RMSNorm(nnx.Module):
   """RMS normalization over the features, on activations in their TP/SP layout.
 
@@ -493,6 +506,9 @@ class RMSNorm(nnx.Module):
   blocks: sharded on ``s`` over tp with SP, else replicated over tp. Per-token,
   so it needs no communication; the gradient of ``scale: [d]`` (replicated) is
   summed over dp (and tp under SP) by JAX. Statistics in fp32.
+
+  Source: Zhang & Sennrich, "Root Mean Square Layer Normalization", NeurIPS
+  2019 (arXiv 1910.07467).
   """
 
   def __init__(
@@ -525,9 +541,14 @@ class RMSNorm(nnx.Module):
             jax.random.key(0), (num_features,), param_dtype))
 
   def __call__(self, x_bsd: jax.Array) -> jax.Array:
-    """Normalizes ``x_bsd: [b, s, d]``; returns ``[b, s, d]`` in the same layout."""
-    _check_rank3(x_bsd, "RMSNorm", "bsd")
-    _check_activation_shape(x_bsd, self.config, "RMSNorm")
+    """Normalizes ``x_bsd: [b, s, d]``; returns ``[b, s, d]`` in the same layout.
+
+    Raises:
+      ValueError: ``x_bsd`` is not rank 3, its last dimension is not
+        ``num_features``, ``b`` is not divisible by the dp size, or (SP) ``s``
+        not by the tp size.
+    """
+    _check_norm_input(x_bsd, self, "RMSNorm")
     x_bsd, scale_d = nnx_dtypes.promote_dtype((x_bsd, self.scale[...]), dtype=self.dtype)
     eps = self.epsilon
 
@@ -545,6 +566,8 @@ class LayerNorm(nnx.Module):
 
   As ``RMSNorm`` (layout, no communication, fp32 statistics), with mean
   subtraction and a ``bias: [d]``.
+
+  Source: Ba, Kiros & Hinton, "Layer Normalization" (arXiv 1607.06450).
   """
 
   def __init__(
@@ -580,9 +603,14 @@ class LayerNorm(nnx.Module):
             jax.random.key(0), (num_features,), param_dtype))
 
   def __call__(self, x_bsd: jax.Array) -> jax.Array:
-    """Normalizes ``x_bsd: [b, s, d]``; returns ``[b, s, d]`` in the same layout."""
-    _check_rank3(x_bsd, "LayerNorm", "bsd")
-    _check_activation_shape(x_bsd, self.config, "LayerNorm")
+    """Normalizes ``x_bsd: [b, s, d]``; returns ``[b, s, d]`` in the same layout.
+
+    Raises:
+      ValueError: ``x_bsd`` is not rank 3, its last dimension is not
+        ``num_features``, ``b`` is not divisible by the dp size, or (SP) ``s``
+        not by the tp size.
+    """
+    _check_norm_input(x_bsd, self, "LayerNorm")
     x_bsd, scale_d, bias_d = nnx_dtypes.promote_dtype(
         (x_bsd, self.scale[...], self.bias[...]), dtype=self.dtype)
     eps = self.epsilon
@@ -673,6 +701,13 @@ class ParallelMLP(nnx.Module):
     ``partial=True``: returns the down projection's unreduced partial products
     and bias instead (``RowParallelLinear.partial``), for a reduction fused
     with what follows (``TransformerBlock``'s ``config.fuse_norm``).
+
+    Raises:
+      ValueError: ``x_bsd`` is not rank 3, its last dimension is not ``d``,
+        ``b`` is not divisible by the dp size, or (SP) ``s`` not by the tp
+        size (``ColumnParallelLinear``, the up projection, names itself).
+      TypeError: without SP, a forward-mode tangent on ``x_bsd``
+        (``ColumnParallelLinear``).
     """
     h_bsf = self.up(x_bsd)
     if self.activation == "gelu":
@@ -1121,9 +1156,8 @@ class TransformerBlock(nnx.Module):
     scale = norm.scale[...].astype(dtype)
     eps, tp = norm.epsilon, cfg.tp_axis
     # The reduction's algorithm as the config names it, where the fused op has it
-    # (collective, ppermute, one_shot); "auto" otherwise (ParallelConfig.fuse_norm).
-    named = cfg.all_reduce_algorithm if cfg.row_reduction == "all_reduce" else cfg.algorithm
-    algorithm = named if named in names.algorithms(names.ALL_REDUCE_RMS_NORM) else names.AUTO
+    # (collective, ppermute, one_shot, unfused); "auto" otherwise (ParallelConfig.fuse_norm).
+    algorithm = cfg.algorithm_for(names.ALL_REDUCE_RMS_NORM)
 
     def local(p_tbsd, residual_bsd, scale_d):
       return all_reduce_rms_norm(p_tbsd[0].astype(dtype), residual_bsd, scale_d, tp, eps=eps,
