@@ -16,7 +16,9 @@ Algorithm:
   1. Hard checks: the request against the runtime and the devices. A CUDA
      requirement that fails sends ``backend="auto"`` to XLA (logged once per
      reason, and said in the plan) and makes ``backend="cuda"`` raise.
-     Workspace that is too small always raises.
+     Workspace that is too small always raises. A call with nothing to
+     communicate (empty operands, or a group of one rank) runs the xla
+     expression with either backend, and its plan says why.
   2. Heuristics: for the all-reduce, the tuning policy (the measured table,
      then the cost model; it may hand the call to ``lax.psum``); the protocol
      rule; for the fused ops, the chunk rule, the fused-or-unfused rule of
@@ -120,8 +122,8 @@ class Plan:
     axis_name: the mesh axis (or axes) of the collective.
     shapes: the per-rank shapes of the operands (x, and w for the GEMM ops).
     dtype: the operands' dtype name.
-    nbytes: all_reduce: the message size per rank, bytes; fused ops: the
-      slot bytes one sender needs.
+    nbytes: the bytes of the operand x per rank (all_reduce: the message
+      size; the fused ops' slot need per sender is ``geometry.payload_bytes``).
     num_ranks: ranks in the group.
     ranks_per_node, num_nodes: the group's topology (backend "cuda").
     groups: the PE groups of the collective, each in rank order (backend "cuda").
@@ -142,6 +144,10 @@ class Plan:
     node_groups: with ``inter_node="xla"``, the groups of that all-reduce:
       for every group and local rank, the mesh positions (XLA's logical
       device ids) of the GPUs with that local rank on each node.
+    pieces: with ``inter_node="xla"``, how the intra-node steps cut the
+      message: ``(start, length, shard)`` in elements per launch of the
+      reduce-scatter and the all-gather (``stage_pieces``: each shard fits
+      one slot of the heap); else None.
     why: (choice, reason) pairs: why each choice was made ("requested", a
       fallback's cause, "measured (...)", "cost model (...)", a rule).
   """
@@ -207,7 +213,7 @@ def decisions(op: str | None = None) -> list[Plan]:
   """The plans of the calls lowered in this process, oldest first (the last 1000).
 
   Args:
-    op: only the plans of this op (None: all).
+    op: only the plans of this op (None: all); one of ``jaxoverlap.names.OPS``.
 
   Returns:
     A list of ``Plan``; each says what ran (backend, algorithm, protocol,
@@ -215,7 +221,12 @@ def decisions(op: str | None = None) -> list[Plan]:
     compilation), not at every execution; identical calls in one program (the
     same op, shapes and options, e.g. in every layer) may be lowered once and
     leave one plan.
+
+  Raises:
+    ValueError: ``op`` is not None and not an op's name.
   """
+  if op is not None and op not in names.OPS:
+    raise ValueError(f"decisions: op={op!r} is not an op; expected None or one of {names.OPS}")
   with _lock:
     return [p for p in _log if op is None or p.op == op]
 
@@ -374,6 +385,11 @@ def make_plan(request: Request, avals: Sequence[Any], mesh, facts: runtime.Facts
     # Nothing moves; the xla expression gives the (empty or zero) result.
     return _xla_plan(r, base, "empty operands: nothing to communicate (the xla expression, "
                      "no kernel)", chunks_ok=True)
+  if num_ranks == 1:
+    # Nothing moves either: the xla expression is the local GEMM (or x itself, or the norm).
+    # The CUDA kernels assume peers: the fused ones would wait on a slot nobody writes.
+    return _xla_plan(r, base, "a group of one rank: nothing to communicate (the xla "
+                     "expression, no kernel)", chunks_ok=True)
   try:
     return _cuda_plan(r, shapes, dtype, mesh, facts, num_ranks, base)
   except _Fallback as f:
@@ -501,7 +517,8 @@ def norm_capacity(itemsize: int, ll_slot_bytes: int) -> int:
   """Elements one launch of the fused all-reduce + RMSNorm carries per rank.
 
   The kernel is the one-shot LL all-reduce in one launch: every 8 bytes of the
-  message travel as one 16-byte LL8 line in the receiver's slot per sender.
+  message travel as one 16-byte LL8 line, two 8-byte LL cells (4 bytes of data
+  + a 4-byte flag each), in the receiver's slot per sender.
   """
   return (ll_slot_bytes // 16) * (8 // itemsize)
 
@@ -530,7 +547,8 @@ def _norm_plan(r, shapes, dtype, group, local_size, num_nodes, facts, cuda) -> P
   cannot = None  # why the fused kernel cannot take this call
   if (hidden * dtype.itemsize) % 8:
     cannot = (f"a row of hidden={hidden} {dtype.name} elements is not a whole number of "
-              "8-byte LL lines (the kernel's blocks own whole rows)")
+              "LL8 lines (8 bytes of data each, as two 8-byte LL cells of 4 bytes of data + "
+              "a 4-byte flag; the kernel's blocks own whole rows)")
   elif n > capacity:
     cannot = (f"the message ({cuda['nbytes']} bytes per rank) exceeds one launch of the "
               f"one-shot LL all-reduce ({capacity * dtype.itemsize} bytes: the LL slot of "

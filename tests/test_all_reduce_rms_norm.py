@@ -395,6 +395,37 @@ def test_plan_empty_rows_run_the_expression(one_process_per_device):
   assert p.backend == "xla" and p.reason("backend").startswith("empty operands")
 
 
+
+@pytest.mark.parametrize("backend,algorithm", [("auto", "auto"), ("cuda", "auto"),
+                                               ("auto", "one_shot"), ("cuda", "unfused")])
+def test_plan_a_group_of_one_rank_runs_the_expression(one_process_per_device, backend,
+                                                      algorithm):
+  """Nothing to communicate over one rank: the xla expression, as for empty operands."""
+  p = plan((4, 4096), mesh_shape=(1,), backend=backend, algorithm=algorithm)
+  assert (p.backend, p.algorithm, p.num_ranks, p.protocol) == ("xla", "collective", 1, None)
+  assert p.reason("backend") == ("a group of one rank: nothing to communicate (the xla "
+                                 "expression, no kernel)")
+  assert plan((4, 4096), mesh_shape=(2,), backend=backend, algorithm=algorithm).backend == "cuda"
+
+
+@pytest.mark.parametrize("algorithm", ["auto", "one_shot"])
+def test_a_group_of_one_rank_runs_on_cpu_with_the_runtime_up(one_process_per_device,
+                                                             monkeypatch, rng, algorithm):
+  """The simulated runtime would plan the kernel over two ranks; over one the values are right."""
+  monkeypatch.setattr(runtime, "facts", lambda: facts())
+  jaxoverlap.clear_decisions()
+  h, y, p64, r64, w64 = run(1, (3, 256), jnp.float32, rng, backend="cuda", algorithm=algorithm)
+  check_outputs(h[0], y[0], p64, r64, w64, jnp.float32, "one rank")
+  (p,) = jaxoverlap.decisions(names.ALL_REDUCE_RMS_NORM)
+  assert (p.backend, p.num_ranks) == ("xla", 1), p.summary()
+
+
+def test_plan_a_row_that_is_not_whole_ll8_lines_says_what_a_line_is(one_process_per_device):
+  why = plan((4, 1001)).reason("algorithm")
+  assert ("is not a whole number of LL8 lines (8 bytes of data each, as two 8-byte LL cells of "
+          "4 bytes of data + a 4-byte flag" in why), why
+
+
 needs_extension = pytest.mark.skipif(_ffi.unavailable_reason() is not None,
                                      reason="the CUDA extension is not built")
 

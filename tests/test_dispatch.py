@@ -278,6 +278,72 @@ def test_xla_requests_are_plain(one_process_per_device):
   assert (p.algorithm, p.reason("algorithm")) == ("collective", "default of backend 'xla'")
 
 
+
+# ---------------------------------------------------------------------------- a group of one rank
+
+ONE_RANK = "a group of one rank: nothing to communicate (the xla expression, no kernel)"
+_ONE_RANK_CASES = {
+    # op: (shapes, the CUDA-only choices it takes)
+    AG: ([(16, 64), (64, 8)], dict(algorithm="fused", transport="nvshmem", chunks=2, dim=0)),
+    RS: ([(16, 64), (64, 8)], dict(algorithm="fused", transport="copy_engine", chunks=2, dim=0)),
+    AR: ([(16, 64), (64, 8)], dict(algorithm="fused", chunks=2)),
+    "all_reduce": ([(4096,)], dict(algorithm="one_shot", protocol="ll")),
+    "all_reduce_rms_norm": ([(4, 512), (4, 512), (512,)], dict(algorithm="one_shot")),
+}
+
+
+@pytest.mark.parametrize("op", list(_ONE_RANK_CASES))
+@pytest.mark.parametrize("ask", ["auto", "cuda", "cuda_only_choices"])
+def test_a_group_of_one_rank_plans_the_xla_expression(one_process_per_device, op, ask):
+  """Over one rank every op runs the xla expression, whatever was asked, as empty operands do.
+
+  The CUDA kernels assume peers (the fused ones would wait on a slot no rank writes).
+  """
+  shapes, cuda_only = _ONE_RANK_CASES[op]
+  dim = {"dim": cuda_only["dim"]} if "dim" in cuda_only else {}
+  kw = {"auto": dim, "cuda": dict(dim, backend="cuda"), "cuda_only_choices": cuda_only}[ask]
+  p = plan(Request(op, "tp", **kw), shapes, mesh_shape=(4, 1), axes=("dp", "tp"))
+  assert (p.backend, p.algorithm, p.num_ranks) == ("xla", "collective", 1), p.summary()
+  assert p.reason("backend") == ONE_RANK
+  assert (p.groups, p.protocol, p.transport, p.chunks) == (None, None, None, None)
+  # The same call over two ranks still plans the kernels.
+  p = plan(Request(op, "tp", **kw), shapes, mesh_shape=(2, 2), axes=("dp", "tp"))
+  assert p.backend == "cuda" and p.num_ranks == 2, p.summary()
+
+
+@pytest.mark.parametrize("backend", ["auto", "cuda"])
+def test_a_group_of_one_rank_runs_and_equals_the_reference(cuda_runtime, rng, backend):
+  """With the runtime up (simulated), a tp axis of one rank runs on CPU: no custom call."""
+  mesh = make_mesh((4, 1), ("dp", "tp"))
+  x = rng.standard_normal((4, 6, 16)).astype(np.float32)  # each dp rank's [6, 16]
+  w = rng.standard_normal((16, 12)).astype(np.float32)
+  gemm_kw = {} if backend == "auto" else dict(algorithm="fused", chunks=2)
+  ar_kw = {} if backend == "auto" else dict(algorithm="one_shot", protocol="ll")
+
+  def body(x, w):
+    x = x[0]
+    outs = (overlap.all_gather_matmul(x, w, "tp", backend=backend, **gemm_kw),
+            overlap.matmul_reduce_scatter(x, w, "tp", backend=backend, **gemm_kw),
+            overlap.matmul_all_reduce(x, w, "tp", backend=backend, **gemm_kw),
+            jaxoverlap.all_reduce(x, "tp", backend=backend, **ar_kw))
+    return tuple(o[None] for o in outs)
+
+  f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("dp"), P()), out_specs=P("dp"),
+                            check_vma=False))
+  jaxoverlap.clear_decisions()
+  assert "custom_call @jaxoverlap" not in f.lower(x, w).as_text()
+  ag, rs, ar, s = f(x, w)
+  product = np.einsum("bik,kn->bin", x.astype(np.float64), w.astype(np.float64))
+  for name, got, want in (("all_gather_matmul", ag, product), ("matmul_reduce_scatter", rs,
+                                                               product),
+                          ("matmul_all_reduce", ar, product), ("all_reduce", s, x)):
+    np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=1e-5, atol=1e-5,
+                               err_msg=name)
+  plans = jaxoverlap.decisions()
+  assert sorted(p.op for p in plans) == sorted([AG, RS, AR, "all_reduce"])
+  assert all(p.reason("backend") == ONE_RANK for p in plans), [p.summary() for p in plans]
+
+
 # ---------------------------------------------------------------------------- process models
 
 
@@ -420,6 +486,45 @@ def test_decisions_log_and_summary(caplog):
   json.dumps(p.as_dict())  # plain data
   jaxoverlap.clear_decisions()
   assert jaxoverlap.decisions() == []
+
+
+def test_names_table_lists_every_protocol_of_the_cuda_all_reduce():
+  """The module table of jaxoverlap.names agrees with its rules (names.protocols)."""
+  doc = names.__doc__
+  table = doc[doc.index("  all_reduce  "):doc.index("  all_gather_matmul  ")]
+  for protocol in names.protocols():
+    assert protocol in table, (protocol, table)
+  only = [a for a in names.algorithms("all_reduce", "cuda")
+          if names.LAMPORT in names.protocols(a)]
+  assert only == ["one_shot", "two_shot"] and "lamport: one_shot and two_shot" in table, table
+
+
+def test_decisions_of_an_unknown_op_raise():
+  """A misspelt op is an error naming the ops, not an empty list that reads as "nothing ran"."""
+  for bad in ("all_gather_mamtul", "allreduce", "psum", ""):
+    with pytest.raises(ValueError, match=re.escape(
+        f"decisions: op={bad!r} is not an op; expected None or one of {names.OPS}")):
+      jaxoverlap.decisions(bad)
+  assert "all_reduce_rms_norm" in names.OPS
+  for op in names.OPS:
+    assert isinstance(jaxoverlap.decisions(op), list)
+
+
+def test_plan_documents_every_field(one_process_per_device):
+  """Each dataclass of the dispatcher names every field under Attributes (e.g. Plan.pieces)."""
+  import dataclasses
+
+  for cls in (dispatch.Request, dispatch.Geometry, dispatch.Plan):
+    doc = cls.__doc__.split("Attributes:")[1]
+    documented = set(re.findall(r"^    (\w+(?:, \w+)*):", doc, flags=re.M))
+    names_ = {n for entry in documented for n in entry.split(", ")}
+    missing = [f.name for f in dataclasses.fields(cls) if f.name not in names_]
+    assert not missing, f"{cls.__name__}: {missing} undocumented"
+  nbytes = dispatch.Plan.__doc__.split("nbytes:")[1].split("num_ranks:")[0]
+  assert "operand x" in nbytes and "geometry.payload_bytes" in nbytes, nbytes
+  # As documented: x's bytes per rank, also for a fused op, whose slot need is the geometry's.
+  p = plan(Request(AR, "tp", algorithm="fused"), [(256, 64), (64, 32)])
+  assert p.nbytes == 256 * 64 * 2 and p.geometry.payload_bytes == 2 * 64 * 32 * 2
 
 
 def test_decisions_log_is_bounded():
