@@ -36,6 +36,7 @@ __all__ = [
     "check_matmul_operands",
     "check_divisible",
     "check_options",
+    "normalize_chunks",
     "normalize_dimension",
 ]
 
@@ -184,6 +185,22 @@ def check_divisible(op: str, name: str, dim: int, size: int, axis_name,
         f"divisible by the size {num_ranks} of axis {axis_name!r}")
 
 
+def normalize_chunks(op: str, chunks) -> int | None:
+  """``chunks`` as a Python int (NumPy integers too), or None.
+
+  Raises:
+    ValueError: ``chunks`` is a bool or not an integer.
+  """
+  if chunks is None:
+    return None
+  if isinstance(chunks, bool):  # NumPy's bool has no __index__
+    raise ValueError(f"{op}: chunks must be None or a positive int, got {chunks!r}")
+  try:
+    return int(operator.index(chunks))
+  except TypeError:
+    raise ValueError(f"{op}: chunks must be None or a positive int, got {chunks!r}") from None
+
+
 def _valid(op: str) -> str:
   return (f"valid: 'auto'; {names.algorithms(op, names.XLA)} (backend 'xla'); "
           f"{names.algorithms(op, names.CUDA)} (backend 'cuda')")
@@ -243,7 +260,7 @@ def check_options(op: str, *, backend, algorithm, protocol=names.AUTO, transport
       raise ValueError(f"{op}: transport={transport!r} applies to the fused algorithm, not to "
                        "'unfused' (whose all-reduce uses its own)")
   if chunks is not None:
-    if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
+    if normalize_chunks(op, chunks) < 1:
       raise ValueError(f"{op}: chunks must be None or a positive int, got {chunks!r}")
     if xla_only:
       raise ValueError(f"{op}: chunks={chunks} applies to backend 'cuda' only")

@@ -18,6 +18,7 @@ one fails, and exits with the first non-zero exit code.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import shlex
 import signal
@@ -155,7 +156,10 @@ def slurm_local_devices(env=None, visible_gpus: int | None = None) -> list[int] 
 def initialize_from_env(
     *, nvshmem: bool | None = None, heap_bytes: int | None = None
 ) -> dict[str, Any]:
-  """Initialises jax.distributed (and jaxoverlap's NVSHMEM runtime) for this process.
+  """Initialises jax.distributed (and the CUDA kernels' runtime) for this process.
+
+  The CUDA kernels' runtime is NVSHMEM, or CUDA peer access in one process
+  (``jaxoverlap.initialize`` picks it from the GPUs the process drives).
 
   Reads the launcher's ``JAXOVERLAP_*`` variables, or SLURM's
   (``SLURM_PROCID``, ``SLURM_NTASKS``, ``SLURM_LOCALID``, the tasks per node
@@ -171,12 +175,16 @@ def initialize_from_env(
 
   Returns:
     dict with ``process_id``, ``num_processes``, ``local_device`` (None when
-    the process drives all the GPUs it sees) and, when NVSHMEM was brought up,
+    the process drives all the GPUs it sees) and, when the CUDA kernels'
+    runtime (NVSHMEM, or CUDA peer access in one process) was brought up,
     ``runtime`` (``jaxoverlap.runtime_info()``).
 
   Raises:
     RuntimeError: ``nvshmem=True`` but the CUDA backend cannot start; or a
       SLURM placement that names no GPU this task sees.
+    ValueError: ``jaxoverlap.initialize`` refuses a setting of the
+      environment, e.g. a ``JAXOVERLAP_TIMEOUT_S`` or
+      ``JAXOVERLAP_INIT_TIMEOUT_S`` that is not a positive, finite number.
   """
   import jax
 
@@ -210,6 +218,18 @@ def initialize_from_env(
   return out
 
 
+def _timeout_seconds(text: str) -> float:
+  """``--timeout_s``: a finite number of seconds, at least 0 (argparse's type)."""
+  try:
+    value = float(text)
+  except ValueError:
+    raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+  if not math.isfinite(value) or value < 0:
+    raise argparse.ArgumentTypeError(
+        f"{text!r} must be a finite number of seconds >= 0 (0: no limit)")
+  return value
+
+
 def _pump(stream, rank: int, sink) -> None:
   for raw in iter(stream.readline, b""):
     sink.write(f"[rank {rank}] {raw.decode(errors='replace')}")
@@ -229,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
                            "GPU per process); more processes than GPUs is for correctness "
                            "checks only, never for timing")
   parser.add_argument("--port", type=int, default=0, help="coordinator port (default: a free one)")
-  parser.add_argument("--timeout_s", type=float, default=0,
+  parser.add_argument("--timeout_s", type=_timeout_seconds, default=0.0,
                       help="kill all processes after this many seconds (0: no limit)")
   parser.add_argument("--wrapper", default="",
                       help="command put in front of python in every process, e.g. "

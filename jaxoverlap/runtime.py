@@ -1,4 +1,4 @@
-"""NVSHMEM runtime: bootstrap, symmetric heap, topology, rank <-> PE mapping.
+"""The CUDA kernels' runtime: bootstrap, symmetric heap, topology, rank <-> PE mapping.
 
 Problem:
   The CUDA kernels write into peers' memory, so every GPU of a job needs a
@@ -45,6 +45,9 @@ import base64
 import dataclasses
 import json
 import logging
+import math
+import numbers
+import operator
 import os
 import re
 import socket
@@ -128,7 +131,11 @@ class Facts:
 
 
 def is_initialized() -> bool:
-  """True once ``initialize()`` has brought NVSHMEM up in this process."""
+  """True once ``initialize()`` has brought the CUDA kernels' runtime up in this process.
+
+  The runtime is NVSHMEM (one GPU per process), or CUDA peer access in one
+  process (a process driving several GPUs).
+  """
   return _initialized
 
 
@@ -254,16 +261,22 @@ def _resolve(heap_bytes, overlap_heap_bytes, timeout_s, ranks_per_node,
     if not text.strip().isdigit():
       raise ValueError(f"JAXOVERLAP_RANKS_PER_NODE={text!r} is not a positive integer")
     ranks_per_node = int(text)
+  sizes = {}
   for name, value in (("heap_bytes", heap_bytes), ("overlap_heap_bytes", overlap_heap_bytes)):
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+    sizes[name] = _as_int(value)
+    if sizes[name] is None or sizes[name] <= 0:
       raise ValueError(f"{name} must be a positive int (bytes), got {value!r}")
+  heap_bytes, overlap_heap_bytes = sizes["heap_bytes"], sizes["overlap_heap_bytes"]
   for name, value in (("timeout_s", timeout_s), ("init_timeout_s", init_timeout_s)):
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not value > 0:
       raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
-  if ranks_per_node is not None and (isinstance(ranks_per_node, bool)
-                                     or not isinstance(ranks_per_node, int)
-                                     or ranks_per_node < 1):
-    raise ValueError(f"ranks_per_node must be a positive int, got {ranks_per_node!r}")
+    if not math.isfinite(value):  # a wait cannot be unbounded (nan fails the test above)
+      raise ValueError(f"{name} must be a finite number of seconds, got {value!r}")
+  if ranks_per_node is not None:
+    rpn = _as_int(ranks_per_node)
+    if rpn is None or rpn < 1:
+      raise ValueError(f"ranks_per_node must be a positive int, got {ranks_per_node!r}")
+    ranks_per_node = rpn
   cap = env.get("JAXOVERLAP_GEMM_ALIGNMENT_CAP")
   if cap is not None and not _valid_alignment_cap(cap):
     raise ValueError(f"JAXOVERLAP_GEMM_ALIGNMENT_CAP={cap!r}: expected a power of two "
@@ -271,6 +284,16 @@ def _resolve(heap_bytes, overlap_heap_bytes, timeout_s, ranks_per_node,
   return {"heap_bytes": heap_bytes, "overlap_heap_bytes": overlap_heap_bytes,
           "timeout_s": float(timeout_s), "ranks_per_node": ranks_per_node,
           "init_timeout_s": float(init_timeout_s)}
+
+
+def _as_int(value) -> int | None:
+  """``value`` as an int where it is an integer (Python or NumPy), not a bool; else None."""
+  if isinstance(value, bool):  # NumPy's bool has no __index__
+    return None
+  try:
+    return int(operator.index(value))
+  except TypeError:
+    return None
 
 
 def _parse_seconds(text: str | None, what: str, default: float) -> float:
@@ -391,8 +414,9 @@ def initialize(
       within ``init_timeout_s`` (the message names the ranks or the step),
       NVSHMEM fails to start or the heap does not fit, or the runtime is
       already up with other parameters. Messages say which.
-    ValueError: a size or timeout is not positive or malformed, or
-      JAXOVERLAP_GEMM_ALIGNMENT_CAP is not a power of two from 1 to 256.
+    ValueError: a size or timeout is not positive, a timeout not finite, a
+      value malformed, or JAXOVERLAP_GEMM_ALIGNMENT_CAP is not a power of two
+      from 1 to 256.
   """
   global _initialized, _generation, _info
   with _lock:
@@ -578,8 +602,40 @@ def tuning_table() -> tuple[str, dict | None]:
   return path or results.default_tuning_path(), table
 
 
+# The longest finalize() waits for the other processes before NVSHMEM's own barrier.
+FINALIZE_WAIT_S = 30.0
+
+
+def _peers_gone_at_finalize() -> str | None:
+  """Why NVSHMEM's finalising barrier would not return, or None when every process is there.
+
+  With NVSHMEM across processes, every process first leaves a key in
+  jax.distributed's store and waits, bounded, for the others' (a process that
+  died, e.g. killed for memory, never does). Without the store (jax.distributed
+  already shut down) nothing can be checked: None.
+  """
+  if _info.get("transport") != names.NVSHMEM or _info.get("num_pes", 1) < 2:
+    return None
+  if _kv_client() is None:
+    return None
+  wait_s = min(FINALIZE_WAIT_S, float(_info["parameters"]["init_timeout_s"]))
+  try:
+    _gather("finalize", "1", _info["pe"], _info["num_pes"], wait_s)
+  except RuntimeError as e:
+    return str(e)
+  return None
+
+
 def finalize() -> None:
-  """Frees the heap and shuts NVSHMEM down (a collective; runs at exit)."""
+  """Frees the heaps and shuts the CUDA kernels' runtime down (a collective; runs at exit).
+
+  The runtime is NVSHMEM, or CUDA peer access in one process, whichever
+  ``initialize()`` brought up. NVSHMEM's shutdown is a barrier of all
+  processes: first every process waits, at most ``FINALIZE_WAIT_S`` seconds,
+  for the others in jax.distributed's store, and where one is gone (it died or
+  was killed) or a device wait failed, NVSHMEM is left to the process's exit
+  with a warning instead of a barrier that would never return.
+  """
   global _initialized, _facts
   with _lock:
     if not _initialized:
@@ -589,7 +645,10 @@ def finalize() -> None:
     ext = _ffi.load()
     if ext.device_error() is not None:
       # A peer may be gone; the finalising barrier would never return.
-      logger.warning("jaxoverlap: skipping NVSHMEM finalize after a device error")
+      logger.warning("jaxoverlap: skipping the runtime's finalize after a device error")
+    elif (gone := _peers_gone_at_finalize()) is not None:
+      logger.warning("jaxoverlap: skipping the runtime's finalize, whose barrier would never "
+                     "return: %s", gone)
     else:
       ext.finalize()
     _initialized = False
@@ -623,7 +682,8 @@ def unavailable_reason() -> str | None:
   if reason is not None:
     return reason
   if not _initialized:
-    return "jaxoverlap.initialize() has not been called in this process (NVSHMEM is not up)"
+    return ("jaxoverlap.initialize() has not been called in this process (the CUDA kernels' "
+            "runtime, NVSHMEM or CUDA peer access in one process, is not up)")
   return None
 
 

@@ -327,6 +327,26 @@ def test_gemm_transport_and_chunks(op, kw, msg):
     trace(GEMM_OPS[op](**kw), ((8, 64), F32), ((64, 16), F32))
 
 
+@pytest.mark.parametrize("op", GEMM_OPS)
+@pytest.mark.parametrize("chunks", [np.int64(2), np.int32(3), np.uint8(1)],
+                         ids=["int64", "int32", "uint8"])
+def test_chunks_take_numpy_integers(op, chunks):
+  """A NumPy integer is an int (operator.index); the request carries it as a Python int."""
+  args = [jax.ShapeDtypeStruct(s, F32) for s in ((8, 64), (64, 16))]
+  f = jax.shard_map(GEMM_OPS[op](backend="cuda", chunks=chunks), mesh=mesh4(),
+                    in_specs=(P(), P()), out_specs=P(), check_vma=False)
+  text = str(jax.make_jaxpr(f)(*args))  # traced only: the plan is made at lowering
+  assert f"chunks={int(chunks)}," in text and "np." not in text, text
+
+
+@pytest.mark.parametrize("op", GEMM_OPS)
+@pytest.mark.parametrize("chunks", [np.bool_(True), np.float32(2.0), "2"], ids=str)
+def test_chunks_refuse_numpy_bools_and_non_integers(op, chunks):
+  with pytest.raises(ValueError, match=re.escape(
+      f"{op}: chunks must be None or a positive int, got {chunks!r}")):
+    trace(GEMM_OPS[op](backend="cuda", chunks=chunks), ((8, 64), F32), ((64, 16), F32))
+
+
 @pytest.mark.parametrize("kw,msg", [
     (dict(algorithm="unfused", transport="nvshmem"), "transport='nvshmem' applies to the fused "
                                                       "algorithm, not to 'unfused'"),
@@ -377,3 +397,38 @@ def test_chunks_with_auto_backend_falling_back(cpu_only):
   with pytest.raises(RuntimeError, match=re.escape(
       "all_gather_matmul: chunks=2 (backend 'cuda') was requested, but JAX runs on 'cpu' here")):
     lower(agmm(chunks=2), ((8, 64), F32), ((64, 16), F32))
+
+
+
+# ----------------------------------------------------------------------------
+# What the docstrings promise about errors
+
+
+@pytest.mark.parametrize("fn", [collectives.all_reduce, collectives.all_reduce_rms_norm,
+                                overlap.all_gather_matmul, overlap.matmul_reduce_scatter,
+                                overlap.matmul_all_reduce], ids=lambda f: f.__name__)
+def test_public_ops_list_the_forward_mode_type_error_under_raises(fn):
+  doc = fn.__doc__
+  raises = doc.split("\n  Raises:\n")[1].split("\n\n")[0]
+  assert re.search(r"^    TypeError:.*forward-mode", raises, flags=re.M | re.S), raises
+  assert "Forward-mode differentiation (" not in doc  # not a paragraph of its own
+
+
+@pytest.mark.parametrize("op", ["all_reduce", "all_gather_matmul"])
+def test_forward_mode_raises_the_documented_type_error(op):
+  fn = (lambda x: collectives.all_reduce(x, "tp")) if op == "all_reduce" else (
+      lambda x: overlap.all_gather_matmul(x, jnp.ones((4, 2), F32), "tp", backend="xla"))
+  f = jax.shard_map(fn, mesh=mesh4(), in_specs=P(), out_specs=P(), check_vma=False)
+  x = jnp.ones((8, 4), F32)
+  with pytest.raises(TypeError, match=f"{op}: forward-mode differentiation"):
+    jax.jvp(f, (x,), (x,))  # eager: under jit JAX refuses first, without the name
+
+
+def test_collectives_module_example_runs():
+  """The module's Example imports what it uses (jnp) and prints what it says."""
+  import doctest
+
+  test = doctest.DocTestParser().get_doctest(collectives.__doc__, {}, "collectives", None, 0)
+  runner = doctest.DocTestRunner()
+  result = runner.run(test, out=lambda text: None)
+  assert result.attempted >= 4 and result.failed == 0, result

@@ -54,6 +54,34 @@ def test_usage_errors():
   assert out.returncode == 2 and "--nproc must be >= 1" in out.stderr
 
 
+
+@pytest.mark.parametrize("value,why", [
+    ("-5", "must be a finite number of seconds >= 0 (0: no limit)"),
+    ("-0.5", "must be a finite number of seconds >= 0"),
+    ("inf", "must be a finite number of seconds >= 0"),
+    ("nan", "must be a finite number of seconds >= 0"),
+    ("soon", "is not a number of seconds"),
+])
+def test_timeout_must_be_a_finite_number_of_seconds(tmp_path, value, why):
+  """A negative --timeout_s killed the children at the first poll; now nothing starts."""
+  out = _run_launcher(tmp_path, """
+      print("started", flush=True)
+      """, "--nproc", "2", "--timeout_s", value)
+  assert out.returncode == 2, out.stdout + out.stderr
+  assert f"argument --timeout_s: {value!r} {why}" in out.stderr, out.stderr
+  assert "started" not in out.stdout
+
+
+def test_timeout_zero_means_no_limit(tmp_path):
+  out = _run_launcher(tmp_path, """
+      import time
+      time.sleep(1.5)
+      print("done", flush=True)
+      """, "--nproc", "1", "--timeout_s", "0")
+  assert out.returncode == 0, out.stdout + out.stderr
+  assert "[rank 0] done" in out.stdout
+
+
 @pytest.mark.parametrize("num_gpus,expected", [(0, ["0", "1", "2"]), (2, ["0", "1", "0"])])
 def test_local_device_assignment(tmp_path, num_gpus, expected):
   out = _run_launcher(tmp_path, """

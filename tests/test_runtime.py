@@ -6,10 +6,12 @@ a fake key-value store and a stuck function, and the parameter rules against a
 runtime marked as started.
 """
 
+import math
 import re
 import threading
 import time
 
+import numpy as np
 import pytest
 
 from jaxoverlap import launch, runtime
@@ -139,6 +141,68 @@ def test_second_initialize_with_the_same_or_no_parameters_returns_the_info(start
       "initialized": True}
 
 
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(timeout_s=math.inf), "timeout_s must be a finite number of seconds, got inf"),
+    (dict(timeout_s=math.nan), "timeout_s must be a positive number of seconds, got nan"),
+    (dict(init_timeout_s=math.inf), "init_timeout_s must be a finite number of seconds, got inf"),
+    (dict(init_timeout_s=-math.inf), "init_timeout_s must be a positive number of seconds"),
+    (dict(timeout_s=np.float64("inf")), "timeout_s must be a finite number of seconds"),
+])
+def test_non_finite_timeouts_are_refused(kw, match):
+  """An unbounded wait is refused (inf overflowed the kernels' nanoseconds, nan never fired)."""
+  args = dict(heap_bytes=None, overlap_heap_bytes=None, timeout_s=None, ranks_per_node=None,
+              init_timeout_s=None)
+  args.update(kw)
+  with pytest.raises(ValueError, match=re.escape(match)):
+    runtime._resolve(**args)
+
+
+@pytest.mark.parametrize("name", ["JAXOVERLAP_TIMEOUT_S", "JAXOVERLAP_INIT_TIMEOUT_S"])
+@pytest.mark.parametrize("text", ["inf", "nan", "-inf", "Infinity"])
+def test_non_finite_timeouts_from_the_environment_are_refused(monkeypatch, name, text):
+  monkeypatch.setenv(name, text)
+  key = name.removeprefix("JAXOVERLAP_").lower()
+  with pytest.raises(ValueError, match=f"{key} must be a (positive|finite) number of seconds"):
+    runtime._resolve(None, None, None, None, None)
+
+
+def test_numpy_integers_are_taken_as_ints():
+  p = runtime._resolve(np.int64(1 << 30), np.uint32(1 << 20), np.float32(2.5), np.int32(2),
+                       np.float64(30.0))
+  assert p == {"heap_bytes": 1 << 30, "overlap_heap_bytes": 1 << 20, "timeout_s": 2.5,
+               "ranks_per_node": 2, "init_timeout_s": 30.0}
+  for key in ("heap_bytes", "overlap_heap_bytes", "ranks_per_node"):
+    assert type(p[key]) is int, key
+  assert type(p["timeout_s"]) is float and type(p["init_timeout_s"]) is float
+  for kw, match in ((dict(heap_bytes=True), "heap_bytes must be a positive int"),
+                    (dict(heap_bytes=np.float64(1024)), "heap_bytes must be a positive int"),
+                    (dict(overlap_heap_bytes=np.int8(-1)), "overlap_heap_bytes must be a"),
+                    (dict(ranks_per_node=np.bool_(True)), "ranks_per_node must be a positive"),
+                    (dict(ranks_per_node=True), "ranks_per_node must be a positive int"),
+                    (dict(timeout_s=True), "timeout_s must be a positive number")):
+    args = dict(heap_bytes=None, overlap_heap_bytes=None, timeout_s=None, ranks_per_node=None,
+                init_timeout_s=None)
+    args.update(kw)
+    with pytest.raises(ValueError, match=match):
+      runtime._resolve(**args)
+
+
+def test_the_runtime_is_named_as_either_kind(monkeypatch):
+  """NVSHMEM or the in-process runtime (CUDA peer access): the texts name both."""
+  from jaxoverlap import _ffi
+
+  monkeypatch.setattr(runtime, "_platform", lambda: "gpu")
+  monkeypatch.setattr(_ffi, "unavailable_reason", lambda: None)
+  monkeypatch.setattr(runtime, "_initialized", False)
+  reason = runtime.unavailable_reason()
+  assert reason.startswith("jaxoverlap.initialize() has not been called in this process")
+  assert "NVSHMEM or CUDA peer access in one process" in reason, reason
+  for fn in (runtime.is_initialized, runtime.finalize, launch.initialize_from_env):
+    doc = " ".join(fn.__doc__.split())
+    assert "CUDA peer access in one process" in doc, fn.__name__
+
+
 # ---------------------------------------------------------------------------- SLURM
 
 
@@ -175,3 +239,51 @@ def test_slurm_placement_that_names_no_visible_gpu():
   with pytest.raises(RuntimeError, match=r"SLURM task 3 of 4 on this node sees 2 GPUs "
                                          r"\(CUDA_VISIBLE_DEVICES='0,1'\), so it cannot take GPU 3"):
     launch.slurm_local_devices(env)
+
+
+class _FakeExtension:
+  def __init__(self):
+    self.finalized = 0
+
+  def device_error(self):
+    return None
+
+  def finalize(self):
+    self.finalized += 1
+
+
+def _up_with_nvshmem(monkeypatch, store, pe=0, num_pes=2):
+  from jaxoverlap import _ffi, names
+
+  ext = _FakeExtension()
+  monkeypatch.setattr(_ffi, "load", lambda: ext)
+  monkeypatch.setattr(runtime, "_kv_client", lambda: store)
+  params = runtime._resolve(1 << 30, None, 10.0, None, 0.2)
+  monkeypatch.setattr(runtime, "_initialized", True)
+  monkeypatch.setattr(runtime, "_info", {"parameters": params, "transport": names.NVSHMEM,
+                                         "pe": pe, "num_pes": num_pes})
+  return ext
+
+
+def test_finalize_skips_nvshmem_when_a_peer_process_is_gone(monkeypatch, caplog):
+  """Issue: a peer killed (e.g. for memory) left every other process hanging at exit."""
+  ext = _up_with_nvshmem(monkeypatch, FakeStore())  # rank 1 never leaves its key
+  t0 = time.monotonic()
+  with caplog.at_level("WARNING", logger=runtime.logger.name):
+    runtime.finalize()
+  assert ext.finalized == 0 and not runtime.is_initialized()
+  assert time.monotonic() - t0 < 5
+  assert "skipping the runtime's finalize" in caplog.text and "[1]" in caplog.text, caplog.text
+
+
+def test_finalize_runs_nvshmem_when_every_process_is_there(monkeypatch):
+  store = FakeStore({f"jaxoverlap/{runtime._generation}/finalize/1": "1"})
+  ext = _up_with_nvshmem(monkeypatch, store)
+  runtime.finalize()
+  assert ext.finalized == 1 and not runtime.is_initialized()
+
+
+def test_finalize_without_jax_distributed_runs_nvshmem(monkeypatch):
+  ext = _up_with_nvshmem(monkeypatch, None)  # jax.distributed shut down first: cannot check
+  runtime.finalize()
+  assert ext.finalized == 1
