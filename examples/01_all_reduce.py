@@ -11,6 +11,7 @@ extension built, ``jaxoverlap.initialize()`` called) and XLA otherwise;
 ``jaxoverlap.decisions()`` says which one ran and why.
 """
 
+import argparse
 import os
 
 
@@ -45,6 +46,9 @@ def main(rows: int = 4, cols: int = 1024) -> float:
 
 
 if __name__ == "__main__":
+  # No options: --help prints the docstring and exits before anything runs.
+  argparse.ArgumentParser(description=__doc__,
+                          formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
   if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                                + " --xla_force_host_platform_device_count=8").strip()

@@ -9,6 +9,7 @@ parameters both give the same output and the same gradients.
   python examples/02_tp_mlp.py
 """
 
+import argparse
 import os
 
 
@@ -58,6 +59,9 @@ def main(dp: int = 2, tp: int = 4, batch: int = 4, seq: int = 16, d: int = 64,
 
 
 if __name__ == "__main__":
+  # No options: --help prints the docstring and exits before anything runs.
+  argparse.ArgumentParser(description=__doc__,
+                          formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
   if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                                + " --xla_force_host_platform_device_count=8").strip()

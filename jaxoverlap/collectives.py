@@ -6,16 +6,17 @@ Problem:
   step, across nodes most of all.
 
 Algorithm:
-  ``backend="cuda"`` runs the NVSHMEM kernels of this package (one-shot,
-  two-shot, or NVRAR's hierarchical reduce-scatter / recursive doubling /
-  all-gather). ``backend="xla"`` runs ``lax.psum`` ("collective") or a ring
-  reduce-scatter by ``lax.ppermute`` followed by an all-gather ("ppermute").
+  ``backend="cuda"`` runs the CUDA kernels of this package over their runtime
+  (NVSHMEM, or CUDA peer access in one process): one-shot, two-shot, or
+  NVRAR's hierarchical reduce-scatter / recursive doubling / all-gather.
+  ``backend="xla"`` runs ``lax.psum`` ("collective") or a ring reduce-scatter
+  by ``lax.ppermute`` followed by an all-gather ("ppermute").
   Which one runs is planned when the call is lowered (``jaxoverlap.dispatch``).
   The op is a ``jax.custom_vjp``: its backward pass is the transpose of
   ``psum`` (a cast to varying under ``check_vma=True``).
 
 Example:
-  >>> import jax, jaxoverlap
+  >>> import jax, jax.numpy as jnp, jaxoverlap
   >>> from jax.sharding import PartitionSpec as P
   >>> mesh = jax.make_mesh((4,), ("tp",), axis_types=(jax.sharding.AxisType.Auto,))
   >>> f = jax.shard_map(lambda x: jaxoverlap.all_reduce(x, "tp"), mesh=mesh,
@@ -96,11 +97,11 @@ def all_reduce(x, axis_name, *, backend="auto", algorithm="auto", protocol="auto
       ``"hierarchical"``. "auto" asks the tuning policy
       (``jaxoverlap.tuning.policy``: the measured table, else the cost
       model), which may hand the call to ``lax.psum`` where NCCL is faster.
-    protocol: backend "cuda": ``"auto"``, ``"ll"`` (8-byte cells of data and
-      flag, no separate signal), ``"simple"`` (data, then a flag) or, within
-      one node (``"one_shot"``, ``"two_shot"``), ``"lamport"`` (data alone,
-      into slots that read as an empty pattern until it arrives; a NaN input
-      stays NaN, maybe with another payload).
+    protocol: backend "cuda": ``"auto"``, ``"ll"`` (8-byte LL cells of 4
+      bytes of data + a 4-byte flag, no separate signal), ``"simple"`` (data,
+      then a flag) or, within one node (``"one_shot"``, ``"two_shot"``),
+      ``"lamport"`` (data alone, into slots that read as an empty pattern
+      until it arrives; a NaN input stays NaN, maybe with another payload).
     transport: ``"auto"`` or the runtime's transport: ``"nvshmem"`` (one
       process per GPU) or ``"peer"`` (one process driving several GPUs).
 
@@ -120,10 +121,9 @@ def all_reduce(x, axis_name, *, backend="auto", algorithm="auto", protocol="auto
       the CUDA kernels cannot run in this process; the message says why.
       Errors of the kernels reach Python as XLA errors that carry the C++
       message.
-
-  Forward-mode differentiation (``jax.jvp``, ``jax.jacfwd``) is not
-  available: the op is a ``jax.custom_vjp``, and a forward-mode tangent on
-  ``x`` raises ``TypeError`` naming the op.
+    TypeError: a forward-mode tangent on ``x`` (``jax.jvp``,
+      ``jax.jacfwd``): the op is a ``jax.custom_vjp``, with a reverse-mode
+      rule only; the message names the op.
 
   Algorithm:
     "collective" is ``lax.psum``. "ppermute" flattens ``x``, zero-pads it to a
@@ -133,13 +133,16 @@ def all_reduce(x, axis_name, *, backend="auto", algorithm="auto", protocol="auto
     peer of its node, each sums all in rank order), "two_shot"
     (reduce-scatter then all-gather within a node) and "hierarchical" (NVRAR:
     intra-node reduce-scatter, inter-node recursive doubling, intra-node
-    all-gather). Backward: the identity (the transpose of ``psum``).
+    all-gather). Empty operands and a group of one rank take the xla
+    expression, whatever the backend. Backward: the identity (the transpose
+    of ``psum``).
 
   Source:
     NVRAR, arXiv 2511.09557 ("Understanding and Improving Communication
-    Performance in Multi-node LLM Inference"), sections on the hierarchical
-    all-reduce; Megatron-LM, arXiv 1909.08053, for where TP all-reduces
-    occur.
+    Performance in Multi-node LLM Inference"), sec. 4 (the hierarchical
+    all-reduce: intra-node reduce-scatter, inter-node recursive doubling,
+    intra-node all-gather; the LL and simple protocols); Megatron-LM, arXiv
+    1909.08053, for where TP all-reduces occur.
   """
   op = names.ALL_REDUCE
   _checks.check_array(op, "x", x)
@@ -264,12 +267,12 @@ def all_reduce_rms_norm(p, residual, weight, axis_name, *, eps=1e-6, backend="au
     algorithm: ``"auto"``; backend "xla": ``"collective"`` (``lax.psum``) or
       ``"ppermute"`` (the ring of ``all_reduce``), then the norm in JAX;
       backend "cuda": ``"one_shot"`` (the fused kernel: the message within
-      one launch of the one-shot LL all-reduce, a row a whole number of
-      8-byte lines) or ``"unfused"`` (``all_reduce`` with its own automatic
-      choice, then the residual add and the norm in XLA). "auto" on backend
-      "cuda" fuses rows of at most 8 KiB, where the fused kernel was
-      measured faster (``jaxoverlap.tuning.policy.fuse_norm``), and runs
-      "unfused" otherwise.
+      one launch of the one-shot LL all-reduce, a row a whole number of LL8
+      lines of 8 bytes of data) or ``"unfused"`` (``all_reduce`` with its
+      own automatic choice, then the residual add and the norm in XLA).
+      "auto" on backend "cuda" fuses rows of at most 8 KiB, where the fused
+      kernel was measured faster (``jaxoverlap.tuning.policy.fuse_norm``),
+      and runs "unfused" otherwise.
 
   Returns:
     ``(h, y)``, both of p's shape and dtype: ``h = residual + psum(p)`` (the
@@ -286,23 +289,25 @@ def all_reduce_rms_norm(p, residual, weight, axis_name, *, eps=1e-6, backend="au
       backend or algorithm; at lowering, ``backend="cuda"`` for a group across
       nodes, or ``algorithm="one_shot"`` for a call the fused kernel does not
       take (a message above one launch, a row that is not a whole number of
-      8-byte lines).
+      LL8 lines of 8 bytes of data).
     TypeError: eps not a real number; a forward-mode tangent (the op is a
       ``jax.custom_vjp``).
     RuntimeError: at lowering, ``backend="cuda"`` while the CUDA kernels
       cannot run in this process; the message says why.
 
   Algorithm:
-    Backend "cuda", "one_shot": one kernel. Every rank pushes its p to every peer of its
-    node as LL8 lines (8 bytes of data, each 4-byte word with the call's epoch
-    as flag; the one-shot LL all-reduce of ``all_reduce``), and each block
-    owns whole rows: it sums the ranks in rank order in float32, adds the
-    residual, writes h, reduces the row's sum of squares across the block in
-    float32 and writes y. The completion protocol (pair epochs, two slot
-    parities) is the all-reduce's. "unfused": ``all_reduce``'s kernel, then
-    the add and the norm as XLA fusions. Backward (both backends): the VJP of the
-    pure expression; the cotangent of h (its own plus the norm's) goes to the
-    residual and, as the transpose of ``psum``, to every rank's p.
+    Backend "cuda", "one_shot": one kernel. Every rank pushes its p to every
+    peer of its node as LL8 lines (16 bytes: two 8-byte LL cells, each 4
+    bytes of data + a 4-byte flag holding the call's epoch; the one-shot LL
+    all-reduce of ``all_reduce``), and each block owns whole rows: it sums
+    the ranks in rank order in float32, adds the residual, writes h, reduces
+    the row's sum of squares across the block in float32 and writes y. The
+    completion protocol (pair epochs, two slot parities) is the
+    all-reduce's. "unfused": ``all_reduce``'s kernel, then the add and the
+    norm as XLA fusions. Empty operands and a group of one rank take the xla
+    expression, whatever the backend. Backward (both backends): the VJP of
+    the pure expression; the cotangent of h (its own plus the norm's) goes
+    to the residual and, as the transpose of ``psum``, to every rank's p.
 
   Source:
     RMSNorm: Zhang & Sennrich, "Root Mean Square Layer Normalization",

@@ -20,7 +20,8 @@ Algorithm:
   op                    backend "xla"            backend "cuda"
   ===================== ======================== ==================================
   all_reduce            collective, ppermute     one_shot, two_shot, hierarchical
-                                                 (protocol ll or simple)
+                                                 (protocol ll, simple or lamport;
+                                                 lamport: one_shot and two_shot)
   all_gather_matmul     collective, ppermute     fused (transport copy_engine or
   matmul_reduce_scatter                          nvshmem)
   matmul_all_reduce     collective, ppermute     fused, unfused (the GEMM, then

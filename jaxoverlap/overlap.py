@@ -66,6 +66,7 @@ def _config(op, x, w, axis_name, dim, backend, algorithm, transport, chunks) -> 
   _checks.refuse_forward_mode(op, x, w)
   _checks.check_options(op, backend=backend, algorithm=algorithm, transport=transport,
                         chunks=chunks)
+  chunks = _checks.normalize_chunks(op, chunks)  # a NumPy integer becomes an int
   request = Request(op, axis_name, backend=backend, algorithm=algorithm, transport=transport,
                     chunks=chunks, dim=dim)
   return _Config(request, int(jax.lax.axis_size(axis_name)), _xla.vma_checked(axis_name),
@@ -203,10 +204,9 @@ def all_gather_matmul(x, w, axis_name, *, gather_dimension=0, backend="auto",
     RuntimeError: at lowering, backend "cuda" or a CUDA-only choice
       (algorithm "fused", a transport, chunks) while the CUDA kernels cannot
       run in this process; the message says why.
-
-  Forward-mode differentiation (``jax.jvp``, ``jax.jacfwd``) is not
-  available: the op is a ``jax.custom_vjp``, and a forward-mode tangent on
-  ``x`` or ``w`` raises ``TypeError`` naming the op.
+    TypeError: a forward-mode tangent on ``x`` or ``w`` (``jax.jvp``,
+      ``jax.jacfwd``): the op is a ``jax.custom_vjp``, with a reverse-mode
+      rule only; the message names the op.
 
   Algorithm:
     "ppermute": a ring of ``num_ranks - 1`` ``ppermute`` steps. Each rank
@@ -218,7 +218,8 @@ def all_gather_matmul(x, w, axis_name, *, gather_dimension=0, backend="auto",
     that order, chunk by chunk, each chunk then flagged); on XLA's stream it
     multiplies its own shard (cuBLASLt), then each arriving chunk of ranks
     r-1, r-2, ..., writing every product into its rows of the output. Within
-    one node (the TP group); empty operands take the xla expression.
+    one node (the TP group); empty operands and a group of one rank take the
+    xla expression (nothing to communicate), whatever the backend.
     Backward: dX =
     ``matmul_reduce_scatter(dY, w.T, scatter_dimension=gather_dimension)``
     with the same backend, algorithm, transport and chunks, dW = ``AG(x)^T @ dY`` with ``AG(x)``
@@ -317,10 +318,9 @@ def matmul_reduce_scatter(x, w, axis_name, *, scatter_dimension=0, backend="auto
     RuntimeError: at lowering, backend "cuda" or a CUDA-only choice
       (algorithm "fused", a transport, chunks) while the CUDA kernels cannot
       run in this process; the message says why.
-
-  Forward-mode differentiation (``jax.jvp``, ``jax.jacfwd``) is not
-  available: the op is a ``jax.custom_vjp``, and a forward-mode tangent on
-  ``x`` or ``w`` raises ``TypeError`` naming the op.
+    TypeError: a forward-mode tangent on ``x`` or ``w`` (``jax.jvp``,
+      ``jax.jacfwd``): the op is a ``jax.custom_vjp``, with a reverse-mode
+      rule only; the message names the op.
 
   Algorithm:
     "ppermute": the accumulator of output block ``d`` starts on rank ``d + 1``
@@ -335,7 +335,8 @@ def matmul_reduce_scatter(x, w, axis_name, *, scatter_dimension=0, backend="auto
     adding rank r-1's partial (the first to arrive) in the GEMM's epilogue
     (float32, one rounding to x's dtype); with more than 2 ranks the other
     partials are added after it in float32. Within one node; empty operands
-    take the xla expression. Backward:
+    and a group of one rank take the xla expression, whatever the backend.
+    Backward:
     dX = ``all_gather_matmul(dY, w.T, gather_dimension=scatter_dimension)``
     with the same backend and algorithm, dW = ``x^T @ AG(dY)`` with the
     gathered ``dY`` from that op. For the last dimension the gather runs
@@ -433,10 +434,9 @@ def matmul_all_reduce(x, w, axis_name, *, backend="auto", algorithm="auto", tran
     RuntimeError: at lowering, backend "cuda" or a CUDA-only choice
       (algorithm "fused", a transport, chunks) while the CUDA kernels cannot
       run in this process; the message says why.
-
-  Forward-mode differentiation (``jax.jvp``, ``jax.jacfwd``) is not
-  available: the op is a ``jax.custom_vjp``, and a forward-mode tangent on
-  ``x`` or ``w`` raises ``TypeError`` naming the op.
+    TypeError: a forward-mode tangent on ``x`` or ``w`` (``jax.jvp``,
+      ``jax.jacfwd``): the op is a ``jax.custom_vjp``, with a reverse-mode
+      rule only; the message names the op.
 
   Algorithm:
     "ppermute": views ``x`` as ``[rows, k_local]`` and runs the
@@ -446,9 +446,10 @@ def matmul_all_reduce(x, w, axis_name, *, backend="auto", algorithm="auto", tran
     to="invarying")``. Backend "cuda", fused: the GEMM+ReduceScatter kernel
     over the rows, writing this rank's reduced block into its rows of the
     output; each chunk of it, once final, goes by a second stream to every
-    peer, while XLA's stream copies each arriving chunk into place.
-    Backward: dX = ``dY @ w.T``, dW = ``x^T @ dY`` (the transpose of psum is
-    the cast to varying).
+    peer, while XLA's stream copies each arriving chunk into place. Empty
+    operands and a group of one rank take the xla expression, whatever the
+    backend. Backward: dX = ``dY @ w.T``, dW = ``x^T @ dY`` (the transpose of
+    psum is the cast to varying).
 
   Source:
     CommFuse, arXiv 2604.24013, section 3 (GEMM+AllReduce as GEMM+RS then

@@ -259,9 +259,12 @@ def main(argv):
   rt = jaxoverlap.runtime_info()
   if jax.default_backend() != "gpu":
     # The table is read by backend "cuda" only; one measured here would hold psum alone and
-    # would replace any real table at the default path.
-    raise app.UsageError(f"jaxoverlap.tune measures the CUDA kernels and needs NVIDIA GPUs; "
-                         f"JAX runs on {jax.default_backend()!r} here")
+    # would replace any real table at the default path. One line, not app.UsageError's
+    # flag help: the command was right, the machine is not.
+    print(f"jaxoverlap.tune: error: jaxoverlap.tune measures the CUDA kernels and needs "
+          f"NVIDIA GPUs; JAX runs on {jax.default_backend()!r} here", file=sys.stderr,
+          flush=True)
+    return 1
   world = jax.device_count()
   ranks_per_node = FLAGS.ranks_per_node or rt.get("ranks_per_node") or world
   if world % ranks_per_node:

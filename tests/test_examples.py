@@ -50,6 +50,27 @@ def test_02_tp_mlp():
   assert out_err < 1e-4 and grad_err < 1e-4
 
 
+@pytest.mark.parametrize("filename,runs", [("01_all_reduce.py", "all_reduce of"),
+                                           ("02_tp_mlp.py", "ParallelMLP d=")])
+def test_numbered_examples_print_usage_on_help(filename, runs):
+  """--help prints the usage and the docstring and exits 0 without running the example."""
+  import subprocess
+
+  root = os.path.dirname(_EXAMPLES)
+  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=root)
+  path = os.path.join(_EXAMPLES, filename)
+  out = subprocess.run([sys.executable, path, "--help"], capture_output=True, text=True,
+                       env=env, timeout=120)
+  assert out.returncode == 0, out.stdout + out.stderr
+  assert out.stdout.startswith(f"usage: {filename} [-h]"), out.stdout
+  first_line = _load_example(filename).__doc__.splitlines()[0]
+  assert first_line in out.stdout and runs not in out.stdout
+  out = subprocess.run([sys.executable, path, "--rows", "3"], capture_output=True, text=True,
+                       env=env, timeout=120)
+  assert out.returncode == 2 and "unrecognized arguments: --rows 3" in out.stderr, out.stderr
+  assert runs not in out.stdout
+
+
 def test_train_writes_outputs_and_resumes(tmp_path, capsys):
   workdir = str(tmp_path / "run")
   tiny = config_lib.get_config("tiny")  # 4 steps, checkpoints every 2

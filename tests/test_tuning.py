@@ -445,7 +445,11 @@ def test_the_model_alone_never_picks_an_excluded_kernel():
 
 
 def test_tune_refuses_to_measure_without_gpus(tmp_path):
-  """On a CPU it stops with a usage error and writes no table (it would hold psum alone)."""
+  """On a CPU it stops with one line and exit 1, and writes no table (it would hold psum alone).
+
+  The command is right and the machine is not: no flag help (absl's usage error printed the
+  module's docstring and the flags before the message).
+  """
   import subprocess
   import sys
 
@@ -453,6 +457,9 @@ def test_tune_refuses_to_measure_without_gpus(tmp_path):
   env = dict(os.environ, JAX_PLATFORMS="cpu")
   proc = subprocess.run([sys.executable, "-m", "jaxoverlap.tune", "--out", str(out)],
                         capture_output=True, text=True, env=env, timeout=120)
-  assert proc.returncode != 0
-  assert "needs NVIDIA GPUs; JAX runs on 'cpu' here" in proc.stderr + proc.stdout
+  assert proc.returncode == 1, proc.stdout + proc.stderr
+  lines = [l for l in (proc.stdout + proc.stderr).splitlines() if "jaxoverlap.tune" in l]
+  assert lines == ["jaxoverlap.tune: error: jaxoverlap.tune measures the CUDA kernels and needs "
+                   "NVIDIA GPUs; JAX runs on 'cpu' here"], proc.stdout + proc.stderr
+  assert "Run it inside every process" not in proc.stderr and "--sizes" not in proc.stderr
   assert not out.exists()
