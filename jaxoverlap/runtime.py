@@ -609,20 +609,26 @@ FINALIZE_WAIT_S = 30.0
 def _peers_gone_at_finalize() -> str | None:
   """Why NVSHMEM's finalising barrier would not return, or None when every process is there.
 
-  With NVSHMEM across processes, every process first leaves a key in
-  jax.distributed's store and waits, bounded, for the others' (a process that
-  died, e.g. killed for memory, never does). Without the store (jax.distributed
-  already shut down) nothing can be checked: None.
+  With NVSHMEM across processes, the processes first meet at a barrier of
+  jax.distributed's coordination service, bounded by ``FINALIZE_WAIT_S``. That
+  barrier's outcome is the same for every process: if one process does not
+  arrive in time (it died, was killed, or is still busy), the barrier fails for
+  all of them, late arrivals included, so every process skips NVSHMEM's own
+  barrier alike and none is left waiting in it. Without jax.distributed (shut
+  down already) nothing can be checked: None.
   """
   if _info.get("transport") != names.NVSHMEM or _info.get("num_pes", 1) < 2:
     return None
-  if _kv_client() is None:
+  client = _kv_client()
+  if client is None:
     return None
-  wait_s = min(FINALIZE_WAIT_S, float(_info["parameters"]["init_timeout_s"]))
+  wait_s = FINALIZE_WAIT_S
   try:
-    _gather("finalize", "1", _info["pe"], _info["num_pes"], wait_s)
-  except RuntimeError as e:
-    return str(e)
+    client.wait_at_barrier(f"jaxoverlap/{_generation}/finalize", int(wait_s * 1000))
+  except Exception as e:  # noqa: BLE001 - jax raises its own error types for a failed barrier
+    first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    return (f"not every process reached it within {wait_s:g} s (one died, was killed, or is "
+            f"still busy): {first[:300]}")
   return None
 
 
@@ -631,10 +637,11 @@ def finalize() -> None:
 
   The runtime is NVSHMEM, or CUDA peer access in one process, whichever
   ``initialize()`` brought up. NVSHMEM's shutdown is a barrier of all
-  processes: first every process waits, at most ``FINALIZE_WAIT_S`` seconds,
-  for the others in jax.distributed's store, and where one is gone (it died or
-  was killed) or a device wait failed, NVSHMEM is left to the process's exit
-  with a warning instead of a barrier that would never return.
+  processes: first they meet at a barrier of jax.distributed, at most
+  ``FINALIZE_WAIT_S`` seconds, whose outcome every process sees alike; where
+  not every process arrived (one died, was killed, or is still busy), or a
+  device wait failed, NVSHMEM is left to the processes' exit, with a warning,
+  instead of a barrier that would never return.
   """
   global _initialized, _facts
   with _lock:

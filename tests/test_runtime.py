@@ -252,12 +252,25 @@ class _FakeExtension:
     self.finalized += 1
 
 
-def _up_with_nvshmem(monkeypatch, store, pe=0, num_pes=2):
+class _FakeCoordinator(FakeStore):
+  """A key-value store with the coordination service's barrier, which passes or fails."""
+
+  def __init__(self, passes: bool):
+    super().__init__()
+    self.passes, self.barriers = passes, []
+
+  def wait_at_barrier(self, barrier_id, timeout_in_ms, process_ids=None):
+    self.barriers.append((barrier_id, timeout_in_ms))
+    if not self.passes:
+      raise RuntimeError(f"DEADLINE_EXCEEDED: Barrier timed out. Id: {barrier_id}")
+
+
+def _up_with_nvshmem(monkeypatch, client, pe=0, num_pes=2):
   from jaxoverlap import _ffi, names
 
   ext = _FakeExtension()
   monkeypatch.setattr(_ffi, "load", lambda: ext)
-  monkeypatch.setattr(runtime, "_kv_client", lambda: store)
+  monkeypatch.setattr(runtime, "_kv_client", lambda: client)
   params = runtime._resolve(1 << 30, None, 10.0, None, 0.2)
   monkeypatch.setattr(runtime, "_initialized", True)
   monkeypatch.setattr(runtime, "_info", {"parameters": params, "transport": names.NVSHMEM,
@@ -265,22 +278,24 @@ def _up_with_nvshmem(monkeypatch, store, pe=0, num_pes=2):
   return ext
 
 
-def test_finalize_skips_nvshmem_when_a_peer_process_is_gone(monkeypatch, caplog):
+def test_finalize_skips_nvshmem_when_not_every_process_arrives(monkeypatch, caplog):
   """Issue: a peer killed (e.g. for memory) left every other process hanging at exit."""
-  ext = _up_with_nvshmem(monkeypatch, FakeStore())  # rank 1 never leaves its key
-  t0 = time.monotonic()
+  client = _FakeCoordinator(passes=False)
+  ext = _up_with_nvshmem(monkeypatch, client)
   with caplog.at_level("WARNING", logger=runtime.logger.name):
     runtime.finalize()
   assert ext.finalized == 0 and not runtime.is_initialized()
-  assert time.monotonic() - t0 < 5
-  assert "skipping the runtime's finalize" in caplog.text and "[1]" in caplog.text, caplog.text
+  assert client.barriers == [(f"jaxoverlap/{runtime._generation}/finalize",
+                              int(runtime.FINALIZE_WAIT_S * 1000))]
+  assert "skipping the runtime's finalize" in caplog.text, caplog.text
+  assert "not every process reached it within 30 s" in caplog.text, caplog.text
 
 
-def test_finalize_runs_nvshmem_when_every_process_is_there(monkeypatch):
-  store = FakeStore({f"jaxoverlap/{runtime._generation}/finalize/1": "1"})
-  ext = _up_with_nvshmem(monkeypatch, store)
+def test_finalize_runs_nvshmem_when_every_process_arrives(monkeypatch):
+  client = _FakeCoordinator(passes=True)
+  ext = _up_with_nvshmem(monkeypatch, client)
   runtime.finalize()
-  assert ext.finalized == 1 and not runtime.is_initialized()
+  assert ext.finalized == 1 and not runtime.is_initialized() and len(client.barriers) == 1
 
 
 def test_finalize_without_jax_distributed_runs_nvshmem(monkeypatch):
