@@ -63,7 +63,8 @@ __all__ = [
 
 # The LL protocol doubles the bytes on the wire (4 B of flag per 4 B of data)
 # but needs no separate signal: it wins while the message is small. Measured on
-# 2x H200 (benchmarks/results/all_reduce-2x_H200_NV18-1x2.json and -2x1.json):
+# 2x H200 with the v3 kernels (benchmarks/results/all_reduce-2x_H200_NV18-1x2-v3.json and
+# all_reduce-2x_H200_NV18-2x1.json):
 # one_shot LL beats simple up to 1 MiB (13.7 vs 17.3 us) and loses from 2 MiB
 # (24.4 vs 23.4 us); hierarchical LL beats simple while each rank's shard is up
 # to 512 KiB (19.6 vs 28.8 us; 1 MiB: 31.8 vs 28.8 us).
