@@ -36,6 +36,7 @@ __all__ = [
     "check_matmul_operands",
     "check_divisible",
     "check_options",
+    "as_int",
     "normalize_chunks",
     "normalize_dimension",
 ]
@@ -185,6 +186,16 @@ def check_divisible(op: str, name: str, dim: int, size: int, axis_name,
         f"divisible by the size {num_ranks} of axis {axis_name!r}")
 
 
+def as_int(value) -> int | None:
+  """``value`` as an int where it is an integer (Python or NumPy), not a bool; else None."""
+  if isinstance(value, bool):  # NumPy's bool has no __index__
+    return None
+  try:
+    return int(operator.index(value))
+  except TypeError:
+    return None
+
+
 def normalize_chunks(op: str, chunks) -> int | None:
   """``chunks`` as a Python int (NumPy integers too), or None.
 
@@ -193,12 +204,10 @@ def normalize_chunks(op: str, chunks) -> int | None:
   """
   if chunks is None:
     return None
-  if isinstance(chunks, bool):  # NumPy's bool has no __index__
+  value = as_int(chunks)
+  if value is None:
     raise ValueError(f"{op}: chunks must be None or a positive int, got {chunks!r}")
-  try:
-    return int(operator.index(chunks))
-  except TypeError:
-    raise ValueError(f"{op}: chunks must be None or a positive int, got {chunks!r}") from None
+  return value
 
 
 def _valid(op: str) -> str:

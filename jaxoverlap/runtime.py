@@ -47,7 +47,6 @@ import json
 import logging
 import math
 import numbers
-import operator
 import os
 import re
 import socket
@@ -56,6 +55,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from jaxoverlap import names
+from jaxoverlap._checks import as_int as _as_int
 
 logger = logging.getLogger("jaxoverlap")
 
@@ -284,16 +284,6 @@ def _resolve(heap_bytes, overlap_heap_bytes, timeout_s, ranks_per_node,
   return {"heap_bytes": heap_bytes, "overlap_heap_bytes": overlap_heap_bytes,
           "timeout_s": float(timeout_s), "ranks_per_node": ranks_per_node,
           "init_timeout_s": float(init_timeout_s)}
-
-
-def _as_int(value) -> int | None:
-  """``value`` as an int where it is an integer (Python or NumPy), not a bool; else None."""
-  if isinstance(value, bool):  # NumPy's bool has no __index__
-    return None
-  try:
-    return int(operator.index(value))
-  except TypeError:
-    return None
 
 
 def _parse_seconds(text: str | None, what: str, default: float) -> float:

@@ -40,13 +40,13 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-import operator
 
 import jax
 import numpy as np
 from jax.sharding import PartitionSpec
 
 from jaxoverlap import names as op_names
+from jaxoverlap._checks import as_int as _as_int
 
 __all__ = ["LOGICAL_AXES", "ROW_REDUCTIONS", "ParallelConfig"]
 
@@ -57,16 +57,6 @@ LOGICAL_AXES = ("batch", "seq", "embed", "mlp", "heads", "kv", "vocab")
 # (``ParallelConfig.row_reduction``).
 ROW_REDUCTIONS = ("matmul_all_reduce", "all_reduce", "none")
 ATTENTION_IMPLEMENTATIONS = ("xla", "cudnn")
-
-
-def _as_int(value) -> int | None:
-  """``value`` as an int where it is an integer (Python or NumPy), not a bool; else None."""
-  if isinstance(value, bool):  # NumPy's bool has no __index__
-    return None
-  try:
-    return int(operator.index(value))
-  except TypeError:
-    return None
 
 
 @dataclasses.dataclass(frozen=True)
