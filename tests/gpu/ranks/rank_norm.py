@@ -248,15 +248,15 @@ def test_plan_refusals_and_fallbacks(norm, ops, mesh, topology):
     return jax.jit(f).lower(s((rows * norm.nproc, hidden), dtype), s((rows, hidden), dtype),
                             s((hidden,), dtype))
 
-  with pytest.raises(ValueError, match="is not a whole number of 8-byte LL lines"):
+  with pytest.raises(ValueError, match="is not a whole number of LL8 lines"):
     lower("cuda", 4, 1001, algorithm="one_shot")
-  with pytest.raises(ValueError, match="is not a whole number of 8-byte LL lines"):
+  with pytest.raises(ValueError, match="is not a whole number of LL8 lines"):
     lower("auto", 4, 1001, algorithm="one_shot")  # naming a CUDA algorithm asks for CUDA
   jaxoverlap.clear_decisions()
   lower("auto", 4, 1001)  # algorithm "auto": the CUDA all-reduce, then the norm
   (plan,) = jaxoverlap.decisions("all_reduce_rms_norm")
   assert (plan.backend, plan.algorithm) == ("cuda", "unfused"), plan
-  assert "8-byte LL lines" in plan.reason("algorithm")
+  assert "LL8 lines" in plan.reason("algorithm")
   # A message above one launch: rows of 8192 bf16 (16 KiB, 32 KiB of LL lines).
   rows = ll_slot // (32 << 10) + 1
   with pytest.raises(ValueError, match="exceeds one launch of the one-shot LL all-reduce"):
