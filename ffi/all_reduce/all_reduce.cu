@@ -126,6 +126,7 @@ struct Params {
   uint64_t* pair_epochs;
   unsigned int* done_counter;  // [0] blocks finished, [1] blocks started (LamportSetup)
   DeviceError* error;
+  OpId op;  // the op a device error names (all_reduce, its stages, all_reduce_rms_norm)
   uint64_t timeout_ns;
   bool force_put;  // inter-node steps use NVSHMEM puts even to load/store-reachable peers
   unsigned int poll_ns;  // measurement knob: Lamport polls back off this long after a miss
@@ -206,7 +207,7 @@ __device__ __forceinline__ uint2 LoadLL(const uint4* src, uint32_t flag, const P
       if (start == 0) {
         start = now;
       } else if (now - start > p.timeout_ns) {
-        ReportTimeoutAndTrap(p.error, OpId::kAllReduce, p.topo.rank, peer_pe, step, flag,
+        ReportTimeoutAndTrap(p.error, p.op, p.topo.rank, peer_pe, step, flag,
                              b != flag ? b : d);
       }
     }
@@ -246,7 +247,7 @@ __device__ __forceinline__ uint4 LoadLamport(const uint4* src, const Params& p, 
         start = now;
       } else if (now - start > p.timeout_ns) {
         // "seen" is the epoch before: this call's payload never arrived.
-        ReportTimeoutAndTrap(p.error, OpId::kAllReduce, p.topo.rank, peer_pe, step, epoch,
+        ReportTimeoutAndTrap(p.error, p.op, p.topo.rank, peer_pe, step, epoch,
                              epoch - 1);
       }
     }
@@ -346,7 +347,7 @@ __device__ __forceinline__ void Finish(const Params& p, bool quiet) {
         // low 32 bits, which must not wrap to 0 (docs/kernels.md, assumptions).
         const uint64_t epoch = ++p.pair_epochs[p.bump[i]];
         if (static_cast<uint32_t>(epoch + 1) == 0u) {
-          ReportEpochWrapAndTrap(p.error, OpId::kAllReduce, p.topo.rank, p.bump[i], epoch + 1);
+          ReportEpochWrapAndTrap(p.error, p.op, p.topo.rank, p.bump[i], epoch + 1);
         }
       }
       p.done_counter[0] = 0;
@@ -525,7 +526,7 @@ __global__ void __launch_bounds__(kThreads) OneShotSimpleKernel(Params p) {
     const int r = threadIdx.x;
     const uint64_t e = EpochWith(p, t.local_pes[r]);
     WaitFlagOrTrap(FlagAt(h, e, kPhaseReduceScatter, t.local_pes[r], blockIdx.x), e, p.timeout_ns,
-                   p.error, OpId::kAllReduce, t.rank, t.local_pes[r], /*step=*/0);
+                   p.error, p.op, t.rank, t.local_pes[r], /*step=*/0);
   }
   __syncthreads();
 
@@ -1065,7 +1066,7 @@ __device__ const float* InterNodeRecv(const Params& p, size_t off, size_t count,
     }
   } else if (threadIdx.x == 0) {
     WaitFlagOrTrap(FlagAt(h, e, kPhaseInterNode, pe, blockIdx.x), e, p.timeout_ns, p.error,
-                   OpId::kAllReduce, p.topo.rank, pe, step);
+                   p.op, p.topo.rank, pe, step);
   }
   __syncthreads();
   return slot;
@@ -1125,7 +1126,7 @@ __global__ void __launch_bounds__(kThreads) ReduceScatterAllGatherKernel(Params 
       const int r = threadIdx.x;
       const uint64_t e = EpochWith(p, t.local_pes[r]);
       WaitFlagOrTrap(FlagAt(h, e, kPhaseReduceScatter, t.local_pes[r], blockIdx.x), e, p.timeout_ns,
-                     p.error, OpId::kAllReduce, t.rank, t.local_pes[r], /*step=*/0);
+                     p.error, p.op, t.rank, t.local_pes[r], /*step=*/0);
     }
     __syncthreads();
   }
@@ -1256,7 +1257,7 @@ __global__ void __launch_bounds__(kThreads) ReduceScatterAllGatherKernel(Params 
       const int r = threadIdx.x;
       const uint64_t e = EpochWith(p, t.local_pes[r]);
       WaitFlagOrTrap(FlagAt(h, e, kPhaseAllGather, t.local_pes[r], blockIdx.x), e, p.timeout_ns,
-                     p.error, OpId::kAllReduce, t.rank, t.local_pes[r], /*step=*/99);
+                     p.error, p.op, t.rank, t.local_pes[r], /*step=*/99);
     }
     __syncthreads();
 #pragma unroll
@@ -1491,6 +1492,7 @@ Params MakeParams(const RuntimeState& s, const Topology& topo) {
   p.pair_epochs = s.pair_epochs;
   p.done_counter = s.done_counter;
   p.error = s.error_device;
+  p.op = OpId::kAllReduce;
   p.timeout_ns = s.timeout_ns;
   p.force_put = s.force_put;
   // Peers whose pair epoch this call advances: local peers, inter-node partners.
@@ -1849,6 +1851,8 @@ ffi::Error AllReduceStage(const RuntimeState& s, cudaStream_t stream, Stage stag
   local.num_nodes = 1;
   Params p = MakeParams(s, local);
   p.stage = stage;
+  p.op = stage == Stage::kReduceScatter ? OpId::kAllReduceReduceScatterStage
+                                        : OpId::kAllReduceAllGatherStage;
   p.in = in;
   p.out = out;
   p.shard_out = stage == Stage::kReduceScatter ? static_cast<float*>(out) : nullptr;
@@ -1917,6 +1921,7 @@ ffi::Error AllReduceRmsNorm(const RuntimeState& s, cudaStream_t stream, ffi::Dat
   }
   NormParams np{};
   np.base = MakeParams(s, topo);
+  np.base.op = OpId::kAllReduceRmsNorm;
   np.base.in = p;
   np.base.out = h;
   np.base.n = rows * hidden;

@@ -30,6 +30,16 @@ def test_device_wait_timeout(tmp_path):
   run.check()
 
 
+def test_norm_wait_timeout(tmp_path):
+  """Issue: the fused all-reduce + RMSNorm's timeouts were reported as all_reduce's."""
+  run = _harness.run_ranks(tmp_path, "rank_errors.py", World(2, 2),
+                           select=("-k", "test_norm_wait_timeout_names_the_op"),
+                           timeout_s=150, env={"JAXOVERLAP_TIMEOUT_S": "2"})
+  run.print_summary()
+  run.check()
+  assert "jaxoverlap: all_reduce_rms_norm timed out on PE" in run.output(), run.tail()
+
+
 def test_mismatched_sizes_are_named(tmp_path):
   """Issue: ranks that all-reduce different sizes got only CUDA_ERROR_LAUNCH_FAILED."""
   run = _harness.run_ranks(tmp_path, "rank_errors.py", World(2, 2),

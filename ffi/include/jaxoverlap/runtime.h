@@ -69,6 +69,9 @@ enum class OpId : int32_t {
   kAllGatherMatmul = 2,
   kMatmulReduceScatter = 3,
   kMatmulAllReduce = 4,
+  kAllReduceRmsNorm = 5,
+  kAllReduceReduceScatterStage = 6,  // the intra-node stages around XLA's inter-node psum
+  kAllReduceAllGatherStage = 7,
 };
 const char* OpName(int32_t op);
 

@@ -41,15 +41,40 @@ def test_heap_too_small_is_refused(dist, ops):
   assert not runtime.is_initialized()
 
 
+def _rank0_waits_alone(compiled, args, rank, timeout_s):
+  """Rank 0 runs ``compiled`` while rank 1 stays away; rank 0's call, device error, seconds."""
+  import jaxoverlap
+
+  if rank != 0:
+    time.sleep(3 * timeout_s)  # longer than rank 0's device wait
+    jax.distributed.shutdown()  # a barrier with rank 0: neither sees the other vanish
+    return None, None, 0.0
+  t0 = time.time()
+  try:
+    jax.block_until_ready(compiled(*args))
+    raised = None
+  except jax.errors.JaxRuntimeError as e:  # XLA reports the trapped kernel as a runtime error
+    raised = e
+  waited = time.time() - t0
+  err = jaxoverlap.runtime_info()["device_error"]
+  jax.distributed.shutdown()
+  return raised, err, waited
+
+
+def _timeout_s() -> float:
+  import jaxoverlap
+
+  timeout_s = float(jaxoverlap.runtime_info()["timeout_s"])
+  assert timeout_s <= 3.0, f"run with JAXOVERLAP_TIMEOUT_S=2 (the device wait is {timeout_s} s)"
+  return timeout_s
+
+
 @pytest.mark.ends_process
 def test_device_wait_timeout_names_the_peer(runtime, topology, mesh, ops, rank, nproc):
   ops.require_cuda("the device-wait timeout")
-  import jaxoverlap
-
   if nproc != 2:
     pytest.skip("2 processes: rank 1 stays away from rank 0's all-reduce")
-  timeout_s = float(jaxoverlap.runtime_info()["timeout_s"])
-  assert timeout_s <= 3.0, f"run with JAXOVERLAP_TIMEOUT_S=2 (the device wait is {timeout_s} s)"
+  timeout_s = _timeout_s()
   algorithm = "one_shot" if topology.num_nodes == 1 else "hierarchical"
   f = jax.jit(jax.shard_map(
       lambda x: jax.lax.pcast(ops.all_reduce(x, "x", algorithm=algorithm, protocol="ll"), "x",
@@ -57,24 +82,45 @@ def test_device_wait_timeout_names_the_peer(runtime, topology, mesh, ops, rank, 
       mesh=mesh, in_specs=P("x"), out_specs=P("x")))
   x = jax.make_array_from_process_local_data(NamedSharding(mesh, P("x")),
                                              np.ones(1024, np.float32), (1024 * nproc,))
-  compiled = f.lower(x).compile()
+  raised, err, waited = _rank0_waits_alone(f.lower(x).compile(), (x,), rank, timeout_s)
   if rank != 0:
-    time.sleep(3 * timeout_s)  # longer than rank 0's device wait
-    jax.distributed.shutdown()  # a barrier with rank 0: neither sees the other vanish
     return
-  t0 = time.time()
-  try:
-    compiled(x).block_until_ready()
-    raised = None
-  except Exception as e:  # noqa: BLE001 - XLA reports the trapped kernel as a runtime error
-    raised = e
-  waited = time.time() - t0
-  err = jaxoverlap.runtime_info()["device_error"]
-  jax.distributed.shutdown()
   assert raised is not None, f"the call returned after {waited:.1f} s without peer PE 1"
   assert err is not None and "peer PE 1" in err and "step 0" in err, (
       f"device_error after {waited:.1f} s does not name peer PE 1 and step 0: {err!r}; "
       f"the call raised {type(raised).__name__}: {str(raised)[:500]}")
+  assert "all_reduce timed out on PE 0" in err, f"the error names another op: {err!r}"
+
+
+@pytest.mark.ends_process
+def test_norm_wait_timeout_names_the_op(runtime, topology, mesh, ops, rank, nproc):
+  """The fused all-reduce + RMSNorm's timeout names all_reduce_rms_norm, not all_reduce."""
+  ops.require_cuda("the device-wait timeout")
+  import jaxoverlap
+
+  if nproc != 2 or topology.num_nodes != 1:
+    pytest.skip("2 processes on one node: rank 1 stays away from rank 0's call")
+  timeout_s = _timeout_s()
+  f = jax.jit(jax.shard_map(
+      lambda p, r, w: jaxoverlap.all_reduce_rms_norm(p, r, w, "x", backend="cuda",
+                                                     algorithm="one_shot"),
+      mesh=mesh, in_specs=(P("x"), P(), P()), out_specs=(P(), P())))
+  rows, hidden = 2, 1024
+  p = jax.make_array_from_process_local_data(
+      NamedSharding(mesh, P("x")), np.ones((rows, hidden), np.float32), (rows * nproc, hidden))
+  rep = NamedSharding(mesh, P())  # no device_put: its cross-process check needs NCCL
+  r = jax.make_array_from_process_local_data(rep, np.ones((rows, hidden), np.float32),
+                                             (rows, hidden))
+  w = jax.make_array_from_process_local_data(rep, np.ones(hidden, np.float32), (hidden,))
+  raised, err, waited = _rank0_waits_alone(f.lower(p, r, w).compile(), (p, r, w), rank,
+                                           timeout_s)
+  if rank != 0:
+    return
+  assert raised is not None, f"the call returned after {waited:.1f} s without peer PE 1"
+  assert err is not None and "all_reduce_rms_norm timed out on PE 0" in err and (
+      "peer PE 1" in err), (
+      f"device_error after {waited:.1f} s does not name the op and peer PE 1: {err!r}; "
+      f"the call raised {type(raised).__name__}: {str(raised)[:1500]}")
 
 
 @pytest.mark.ends_process
@@ -104,7 +150,7 @@ def test_mismatched_sizes_are_named(runtime, topology, mesh, ops, rank, nproc, k
   try:
     f(local_mesh_array).block_until_ready()
     raised = None
-  except Exception as e:  # noqa: BLE001 - XLA reports the trapped kernel as a runtime error
+  except jax.errors.JaxRuntimeError as e:  # XLA reports the trapped kernel as a runtime error
     raised = e
   time.sleep(1.0)  # the watchdog polls every 20 ms
   err = jaxoverlap.runtime_info()["device_error"]
@@ -153,8 +199,10 @@ def test_ll_flag_wrap_stops_loudly(runtime, topology, mesh, ops, rank, nproc, kv
     try:
       f(x).block_until_ready()
       outcome[0] = "returned"
-    except Exception:  # noqa: BLE001 - XLA reports the trapped kernel as a runtime error
+    except jax.errors.JaxRuntimeError:  # XLA reports the trapped kernel as a runtime error
       outcome[0] = "raised"
+    except Exception as e:  # noqa: BLE001 - anything else fails the test below, by name
+      outcome[0] = f"unexpected {type(e).__name__}"
 
   t = threading.Thread(target=second_call, daemon=True)
   t.start()
@@ -165,7 +213,7 @@ def test_ll_flag_wrap_stops_loudly(runtime, topology, mesh, ops, rank, nproc, kv
   for r, o in enumerate(outcomes):
     ok, call, msg = o.split("|", 2)
     assert ok == "True", f"rank {r}: the first call (flags 0xFFFFFFFE) summed wrongly"
-    assert call != "returned", f"rank {r}: the call before the wrap returned without an error"
+    assert call in ("raised", "hung"), f"rank {r}: the call before the wrap {call}"
     for part in ("2^32 - 1 calls", "peer PE", "restart the processes"):
       assert part in msg, f"rank {r}: {part!r} missing from the recorded error: {msg!r}"
   calls = [o.split("|", 2)[1] for o in outcomes]
