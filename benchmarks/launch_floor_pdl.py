@@ -1,17 +1,23 @@
-"""What programmatic dependent launch (PDL) saves a one-kernel custom call inside XLA's graphs.
+"""What a one-kernel custom call costs inside XLA's graphs: with PDL, and with the all-reduce's bookkeeping.
 
 Problem:
   In a decode step every all-reduce is one FFI custom call between XLA's
   kernels, inside XLA's CUDA graphs (docs/decode.md). Part of its cost in the
   step is the launch: the gap between the kernel before it and its own first
-  instruction. With programmatic dependent launch (Hopper), a kernel launched
-  with ``cudaLaunchAttributeProgrammaticStreamSerialization`` may be scheduled
-  before the kernel ahead of it has finished, and waits for it in the kernel
-  (``griddepcontrol.wait``). This measures what that saves, on one GPU and
-  without communication, before the collectives' kernels adopt it.
+  instruction. Two questions, each on one GPU and without communication:
+
+    * With programmatic dependent launch (Hopper), a kernel launched with
+      ``cudaLaunchAttributeProgrammaticStreamSerialization`` may be scheduled
+      before the kernel ahead of it has finished, and waits for it in the
+      kernel (``griddepcontrol.wait``). What does that save?
+    * The all-reduce kernels read the call's epoch from device memory before
+      their first store, and end with ``Finish``: a barrier, a ticket per
+      block from an atomic counter, and the last block advancing the epoch
+      and fencing. What does that bookkeeping cost a call, apart from the
+      communication (docs/kernels.md, distance to the floors)?
 
 Method:
-  For each size, three jit'd chains of ``--chain`` steps on one GPU, timed
+  For each size, jit'd chains of ``--chain`` steps on one GPU, timed
   interleaved (median of ``--reps`` rounds), with XLA's default flags (its
   command buffers capture fusions and custom calls):
 
@@ -19,14 +25,24 @@ Method:
       ``lax.optimization_barrier``, so every step stays one kernel;
     * ``floor``: the same step, then ``launch_floor(x)`` (one copy kernel,
       ffi/launch_floor.cu);
-    * ``floor_pdl``: the same with ``launch_floor(x, pdl=True)``.
+    * ``floor_pdl``: the same with ``launch_floor(x, variant="pdl")``;
+    * ``floor_bookkeeping``: with ``variant="bookkeeping"`` (the copy plus the
+      epoch read and Finish's ticket, epoch advance and fence);
+    * ``floor_bookkeeping_nofence``: the same without the last block's fence;
+    * ``floor_epoch_read`` and ``floor_end_ticket``: the epoch read alone, and
+      Finish's end (ticket, advance, fence) alone;
+    * ``floor_start_count``: an alternative with no ticket at the end: thread 0
+      of each block reads the epoch, the block meets at a barrier, thread 0
+      adds to a start counter (release); at the end block 0 waits until every
+      block has added, then advances the epoch.
 
-  Per call: (chain time - the ``xla`` chain's time) / chain; the saving is
-  ``floor`` minus ``floor_pdl``. Before timing, each chain's result is checked
-  against NumPy (the copies must not change the values).
+  Per call: (chain time - the ``xla`` chain's time) / chain. PDL saves
+  ``floor`` minus ``floor_pdl``; the bookkeeping costs ``floor_bookkeeping``
+  minus ``floor``. Before timing, each chain's result is checked against
+  NumPy (the copies must not change the values).
 
 Results: ``<out>/launch_floor_pdl-<machine>.json`` (records: op "launch_floor",
-impl "floor" or "floor_pdl", bytes, time_us per call beyond the XLA step, and
+impl one of those above, bytes, time_us per call beyond the XLA step, and
 "xla_step_us", the XLA step alone) and a Markdown table on stdout.
 
 Example:
@@ -44,7 +60,9 @@ import numpy as np
 import harness
 
 BENCHMARK = "launch_floor_pdl"
-IMPLS = ("xla", "floor", "floor_pdl")
+IMPLS = ("xla", "floor", "floor_pdl", "floor_bookkeeping", "floor_bookkeeping_nofence",
+         "floor_epoch_read", "floor_end_ticket", "floor_start_count")
+VARIANTS = {impl: impl.removeprefix("floor_") for impl in IMPLS[2:]} | {"floor": "plain"}
 
 
 def make_chain(impl: str, chain: int):
@@ -54,10 +72,8 @@ def make_chain(impl: str, chain: int):
   def step(x):
     x = x * jnp.asarray(1.0001, x.dtype) + jnp.asarray(0.5, x.dtype)
     x = jax.lax.optimization_barrier(x)
-    if impl == "floor":
-      x = _cuda.launch_floor(x)
-    elif impl == "floor_pdl":
-      x = _cuda.launch_floor(x, pdl=True)
+    if impl != "xla":
+      x = _cuda.launch_floor(x, variant=VARIANTS[impl])
     return x
 
   @jax.jit
@@ -94,24 +110,34 @@ def run(sizes: list[int], *, chain: int, reps: int, warmup: int, seed: int,
     times = harness.time_interleaved({impl: (lambda fn=fn: fn(x)) for impl, fn in fns.items()},
                                      reps=reps, warmup=warmup)
     us = {impl: harness.median(ts) / chain * 1e6 for impl, ts in times.items()}
-    for impl in ("floor", "floor_pdl"):
+    for impl in IMPLS[1:]:
       records.append({"op": "launch_floor", "impl": impl, "bytes": nbytes, "dtype": "float32",
                       "time_us": round(us[impl] - us["xla"], 3),
                       "xla_step_us": round(us["xla"], 3)})
-    log(f"{nbytes:>9} B: xla step {us['xla']:.2f} us; launch_floor +{us['floor'] - us['xla']:.2f}"
-        f" us, with PDL +{us['floor_pdl'] - us['xla']:.2f} us per call")
+    log(f"{nbytes:>9} B: xla step {us['xla']:.2f} us; per call beyond it: "
+        + ", ".join(f"{impl} +{us[impl] - us['xla']:.2f} us" for impl in IMPLS[1:]))
   return records
 
 
 def markdown_table(records: list[dict]) -> str:
-  """bytes | XLA step | launch_floor | with PDL | saving (us per call)."""
+  """bytes | XLA step | each variant | PDL's saving | the bookkeeping's cost (us per call).
+
+  Files written before the bookkeeping variants existed have only floor and
+  floor_pdl; their table has those columns.
+  """
   by = {(r["bytes"], r["impl"]): r for r in records}
-  rows = ["| bytes | XLA step us | launch_floor us | with PDL us | saving us |",
-          "|---|---|---|---|---|"]
+  impls = [i for i in IMPLS[1:] if any(r["impl"] == i for r in records)]
+  book = "floor_bookkeeping" in impls
+  head = (["bytes", "XLA step us"] + [f"{i} us" for i in impls] + ["PDL saves us"]
+          + (["bookkeeping costs us"] if book else []))
+  rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
   for b in sorted({r["bytes"] for r in records}):
-    plain, pdl = by[(b, "floor")], by[(b, "floor_pdl")]
-    rows.append(f"| {b} | {plain['xla_step_us']:.2f} | {plain['time_us']:.2f} | "
-                f"{pdl['time_us']:.2f} | {plain['time_us'] - pdl['time_us']:.2f} |")
+    t = {i: by[(b, i)]["time_us"] for i in impls}
+    cells = [str(b), f"{by[(b, 'floor')]['xla_step_us']:.2f}"] + [f"{t[i]:.2f}" for i in impls]
+    cells.append(f"{t['floor'] - t['floor_pdl']:.2f}")
+    if book:
+      cells.append(f"{t['floor_bookkeeping'] - t['floor']:.2f}")
+    rows.append("| " + " | ".join(cells) + " |")
   return "\n".join(rows)
 
 

@@ -19,6 +19,7 @@
 
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxoverlapLaunchFloor);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxoverlapLaunchFloorPdl);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxoverlapLaunchFloorBookkeeping);
 
 namespace nb = nanobind;
 
@@ -77,6 +78,8 @@ NB_MODULE(_jaxoverlap_cuda, m) {
     d["jaxoverlap_all_reduce_rms_norm"] = EncapsulateFfiHandler(JaxoverlapAllReduceRmsNorm);
     d["jaxoverlap_launch_floor"] = EncapsulateFfiHandler(JaxoverlapLaunchFloor);
     d["jaxoverlap_launch_floor_pdl"] = EncapsulateFfiHandler(JaxoverlapLaunchFloorPdl);
+    d["jaxoverlap_launch_floor_bookkeeping"] =
+        EncapsulateFfiHandler(JaxoverlapLaunchFloorBookkeeping);
     d["jaxoverlap_all_gather_matmul"] = EncapsulateFfiHandler(JaxoverlapAllGatherMatmul);
     d["jaxoverlap_all_gather_matmul_gathered"] =
         EncapsulateFfiHandler(JaxoverlapAllGatherMatmulGathered);

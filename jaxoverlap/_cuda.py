@@ -89,13 +89,40 @@ def fused(ctx, args, plan, *, gathered: bool = False):
       outer=np.int64(g.outer), rows=np.int64(g.rows), k=np.int64(g.k), n=np.int64(g.n))
 
 
-def launch_floor(x: jax.Array, *, pdl: bool = False) -> jax.Array:
+# The bookkeeping variants' parts (ffi/launch_floor.cu): 1 the epoch read before the
+# stores, 2 Finish's end ticket, 4 its fence, 8 the start counter instead of the ticket.
+_BOOKKEEPING_PARTS = {"bookkeeping": 1 | 2 | 4, "bookkeeping_nofence": 1 | 2, "epoch_read": 1,
+                      "end_ticket": 2 | 4, "start_count": 8}
+LAUNCH_FLOOR_VARIANTS = ("plain", "pdl", *_BOOKKEEPING_PARTS)
+
+
+def launch_floor(x: jax.Array, *, variant: str = "plain") -> jax.Array:
   """A custom call that copies ``x`` with one kernel and no communication.
 
   A benchmark aid: timed in the same chain as the all-reduces, it is the cost
-  any single-kernel FFI call pays inside XLA. ``pdl=True`` launches the kernel
-  with programmatic dependent launch (ffi/launch_floor.cu).
+  any single-kernel FFI call pays inside XLA (ffi/launch_floor.cu).
+
+  Args:
+    x: any array on one GPU.
+    variant: "plain"; "pdl" (launched with programmatic dependent launch); or
+      parts of the all-reduce kernels' per-call bookkeeping, without
+      communication: "bookkeeping" (every thread reads the call's epoch before
+      its first store; at the end each block takes a ticket and the last one
+      advances the epoch and fences, as ``Finish``), "bookkeeping_nofence"
+      (the same without the fence), "epoch_read" (the read alone),
+      "end_ticket" (the end alone), "start_count" (one read per block, then a
+      release add to a start counter; at the end block 0 waits for every
+      block's add and advances the epoch: no ticket at the end).
+
+  Raises:
+    ValueError: an unknown ``variant``.
   """
+  if variant not in LAUNCH_FLOOR_VARIANTS:
+    raise ValueError(f"launch_floor: variant must be one of {LAUNCH_FLOOR_VARIANTS}, got "
+                     f"{variant!r}")
   _ffi.load()
-  target = "jaxoverlap_launch_floor_pdl" if pdl else "jaxoverlap_launch_floor"
+  if variant in _BOOKKEEPING_PARTS:
+    return jax.ffi.ffi_call("jaxoverlap_launch_floor_bookkeeping", jax.typeof(x))(
+        x, parts=np.int32(_BOOKKEEPING_PARTS[variant]))
+  target = "jaxoverlap_launch_floor_pdl" if variant == "pdl" else "jaxoverlap_launch_floor"
   return jax.ffi.ffi_call(target, jax.typeof(x))(x)

@@ -24,7 +24,7 @@
 #       the local GEMM and the Pallas collective matmul)
 #       | lamportab (the Lamport grid variants side by side; AB_CONFIGS, AB_SIZES)
 #       | pdlfloor (one GPU: the custom-call launch floor with and without programmatic
-#       dependent launch)
+#       dependent launch, and with the all-reduce kernels' per-call bookkeeping; PDL_FLAGS)
 #       | retune (1 x 2 bench of every kernel, a tuning table built from it and the committed
 #       2 x 1 run, then auto with that table beside psum, in two and in one process); 4/8 GPUs:
 #       multigpu_bench | multigpu_fused

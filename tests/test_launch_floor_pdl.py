@@ -25,6 +25,26 @@ def test_markdown_table_gives_the_saving():
               "xla_step_us": 1.5},
              {"op": "launch_floor", "impl": "floor_pdl", "bytes": 8192, "time_us": 1.75,
               "xla_step_us": 1.5}]
-  table = pdl.markdown_table(records).splitlines()
-  assert table[0].startswith("| bytes | XLA step us")
+  table = pdl.markdown_table(records).splitlines()  # a file from before the bookkeeping
+  assert table[0] == "| bytes | XLA step us | floor us | floor_pdl us | PDL saves us |"
   assert table[2] == "| 8192 | 1.50 | 2.50 | 1.75 | 0.75 |"
+
+
+def test_markdown_table_gives_the_bookkeeping_cost():
+  times = {"floor": 2.5, "floor_pdl": 1.75, "floor_bookkeeping": 3.25,
+           "floor_bookkeeping_nofence": 3.0}
+  records = [{"op": "launch_floor", "impl": i, "bytes": 8192, "time_us": t, "xla_step_us": 1.5}
+             for i, t in times.items()]
+  table = pdl.markdown_table(records).splitlines()
+  assert table[0] == ("| bytes | XLA step us | floor us | floor_pdl us | floor_bookkeeping us | "
+                      "floor_bookkeeping_nofence us | PDL saves us | bookkeeping costs us |")
+  assert table[2] == "| 8192 | 1.50 | 2.50 | 1.75 | 3.25 | 3.00 | 0.75 | 0.75 |"
+
+
+def test_launch_floor_refuses_an_unknown_variant():
+  import pytest
+
+  from jaxoverlap import _cuda
+
+  with pytest.raises(ValueError, match="variant must be one of"):
+    _cuda.launch_floor(jnp.zeros(4), variant="fast")

@@ -88,6 +88,14 @@ static __device__ __noinline__ void ReportEpochWrapAndTrap(DeviceError* error, O
   __trap();
 }
 
+// Called by thread 0 of each block once the block's work is done: takes the
+// block's ticket from `done_counter`; true for the last block of the grid, the
+// one that may advance the call's epochs and reset the counter (the
+// all-reduce's Finish; ffi/launch_floor.cu times the same bookkeeping).
+__device__ __forceinline__ bool TookLastTicket(unsigned int* done_counter) {
+  return atomicAdd(done_counter, 1u) == gridDim.x - 1;
+}
+
 // Waits until *flag >= expected, or reports and traps after timeout_ns.
 __device__ __forceinline__ void WaitFlagOrTrap(const uint64_t* flag, uint64_t expected,
                                                uint64_t timeout_ns, DeviceError* error, OpId op,
