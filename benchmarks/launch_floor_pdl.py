@@ -34,7 +34,10 @@ Method:
     * ``floor_start_count``: an alternative with no ticket at the end: thread 0
       of each block reads the epoch, the block meets at a barrier, thread 0
       adds to a start counter (release); at the end block 0 waits until every
-      block has added, then advances the epoch.
+      block has added, then advances the epoch;
+    * ``floor_start_ticket``: thread 0 of each block reads the epoch, a
+      barrier, then thread 0 takes a ticket (acquire-release); the last block
+      to take one advances the epoch at once: nothing at the end.
 
   Per call: (chain time - the ``xla`` chain's time) / chain. PDL saves
   ``floor`` minus ``floor_pdl``; the bookkeeping costs ``floor_bookkeeping``
@@ -61,7 +64,7 @@ import harness
 
 BENCHMARK = "launch_floor_pdl"
 IMPLS = ("xla", "floor", "floor_pdl", "floor_bookkeeping", "floor_bookkeeping_nofence",
-         "floor_epoch_read", "floor_end_ticket", "floor_start_count")
+         "floor_epoch_read", "floor_end_ticket", "floor_start_count", "floor_start_ticket")
 VARIANTS = {impl: impl.removeprefix("floor_") for impl in IMPLS[2:]} | {"floor": "plain"}
 
 

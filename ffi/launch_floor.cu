@@ -49,6 +49,9 @@ constexpr int kEndFence = 4;    // ... and fences
 constexpr int kStartCount = 8;  // instead: thread 0 reads the epoch, a barrier, then a
                                 // release add to a start counter; at the end block 0
                                 // waits until every block has started, then advances
+constexpr int kStartTicket = 16;  // instead: thread 0 reads the epoch, a barrier, then
+                                  // takes a ticket; the last block to take one advances
+                                  // the epoch there, at its start: nothing at the end
 
 template <FloorMode kMode>
 __global__ void CopyKernel(const uint4* in, uint4* out, size_t num_vectors, const char* in_tail,
@@ -70,6 +73,22 @@ __global__ void CopyKernel(const uint4* in, uint4* out, size_t num_vectors, cons
       if (threadIdx.x == 0) {
         asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(g_floor_tickets + 1)
                      : "memory");
+      }
+    } else if (parts & kStartTicket) {
+      __shared__ uint64_t shared_epoch;
+      if (threadIdx.x == 0) {
+        shared_epoch = *reinterpret_cast<volatile uint64_t*>(&g_floor_epoch) + 1;
+      }
+      __syncthreads();
+      epoch = shared_epoch;
+      if (threadIdx.x == 0) {
+        uint32_t ticket;
+        asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;" : "=r"(ticket)
+                     : "l"(g_floor_tickets) : "memory");
+        if (ticket == gridDim.x - 1) {
+          g_floor_epoch = epoch;
+          g_floor_tickets[0] = 0;
+        }
       }
     } else if (parts & kEpochRead) {
       epoch = *reinterpret_cast<volatile uint64_t*>(&g_floor_epoch) + 1;

@@ -90,9 +90,10 @@ def fused(ctx, args, plan, *, gathered: bool = False):
 
 
 # The bookkeeping variants' parts (ffi/launch_floor.cu): 1 the epoch read before the
-# stores, 2 Finish's end ticket, 4 its fence, 8 the start counter instead of the ticket.
+# stores, 2 Finish's end ticket, 4 its fence, 8 the start counter instead of the ticket,
+# 16 a ticket at the start instead.
 _BOOKKEEPING_PARTS = {"bookkeeping": 1 | 2 | 4, "bookkeeping_nofence": 1 | 2, "epoch_read": 1,
-                      "end_ticket": 2 | 4, "start_count": 8}
+                      "end_ticket": 2 | 4, "start_count": 8, "start_ticket": 16}
 LAUNCH_FLOOR_VARIANTS = ("plain", "pdl", *_BOOKKEEPING_PARTS)
 
 
@@ -112,7 +113,9 @@ def launch_floor(x: jax.Array, *, variant: str = "plain") -> jax.Array:
       (the same without the fence), "epoch_read" (the read alone),
       "end_ticket" (the end alone), "start_count" (one read per block, then a
       release add to a start counter; at the end block 0 waits for every
-      block's add and advances the epoch: no ticket at the end).
+      block's add and advances the epoch: no ticket at the end), "start_ticket"
+      (one read per block, a barrier, then a ticket; the last block to take one
+      advances the epoch at its start: nothing at the end).
 
   Raises:
     ValueError: an unknown ``variant``.

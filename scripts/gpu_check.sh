@@ -23,6 +23,8 @@
 #       profiler traces) | ovrepeat (AG and RS at 16384x4096x4096 three times, one process, beside
 #       the local GEMM and the Pallas collective matmul)
 #       | lamportab (the Lamport grid variants side by side; AB_CONFIGS, AB_SIZES)
+#       | epochab (the one-shot LL advancing its epochs at the start, JAXOVERLAP_EPOCH_AT_START=1,
+#       against the default, in one and two processes, twice; then the bookkeeping probe)
 #       | pdlfloor (one GPU: the custom-call launch floor with and without programmatic
 #       dependent launch, and with the all-reduce kernels' per-call bookkeeping; PDL_FLAGS)
 #       | retune (1 x 2 bench of every kernel, a tuning table built from it and the committed
@@ -41,7 +43,7 @@ WHAT=${1:-}
 VERBS=" build suite bench bench2 autobench quickbench tune ovbench ovbenchfull ovwindowed"
 VERBS="$VERBS ovcalibrate train cmdbufcost profile ovprofilegraphs decode procbench multigpu_bench"
 VERBS="$VERBS multigpu_fused normbench decodefloor pallasbench retune lamportab contention"
-VERBS="$VERBS ovrepeat pdlfloor "
+VERBS="$VERBS ovrepeat pdlfloor epochab "
 if [ -z "$WHAT" ] || [[ "$VERBS" != *" $WHAT "* ]]; then
   echo "usage: bash scripts/gpu_check.sh <verb> (verbs:$VERBS)" >&2
   exit 2
@@ -145,6 +147,24 @@ if [ "$WHAT" = lamportab ] && [ "$NGPU" -ge 2 ]; then
       --sizes "${AB_SIZES:-8K,256K,1M,2M,4M,16M,64M}" --reps 20 \
       --impls jaxoverlap:one_shot_lamport,xla:psum
   done
+fi
+
+if [ "$WHAT" = epochab ] && [ "$NGPU" -ge 2 ]; then
+  # The one-shot LL with the epochs advanced at its start (JAXOVERLAP_EPOCH_AT_START=1) against
+  # the default (Finish at the end), in one process and in two, twice each, alternating; then
+  # the one-GPU bookkeeping probe (docs/kernels.md, "The per-call bookkeeping").
+  EA_ARGS=(--impls jaxoverlap:one_shot_ll,xla:psum --sizes "${EA_SIZES:-8K,64K,256K,512K}" --reps 30)
+  for i in 1 2; do
+    for knob in 0 1; do
+      run "epochab_1process_knob${knob}_run$i" 150 JAXOVERLAP_EPOCH_AT_START=$knob $PY \
+        benchmarks/all_reduce.py --out "$OUT/epoch${knob}_1process_run$i" "${EA_ARGS[@]}"
+      run "epochab_2processes_knob${knob}_run$i" 150 JAXOVERLAP_EPOCH_AT_START=$knob $PY \
+        -m jaxoverlap.launch --nproc 2 --timeout_s 140 benchmarks/all_reduce.py \
+        --out "$OUT/epoch${knob}_2processes_run$i" "${EA_ARGS[@]}"
+    done
+  done
+  run launch_floor_bookkeeping 200 $PY benchmarks/launch_floor_pdl.py --out "$OUT" \
+    --sizes 8K,64K,256K,1M
 fi
 
 if [ "$WHAT" = contention ] && [ "$NGPU" -ge 2 ]; then

@@ -49,6 +49,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <string>
 
 #include "jaxoverlap/all_reduce.h"
@@ -130,6 +131,7 @@ struct Params {
   uint64_t timeout_ns;
   bool force_put;  // inter-node steps use NVSHMEM puts even to load/store-reachable peers
   unsigned int poll_ns;  // measurement knob: Lamport polls back off this long after a miss
+  bool epochs_at_start;  // measurement knob: the one-shot LL advances the epochs at its start
   Stage stage;     // the whole all-reduce, or only its intra-node reduce-scatter or all-gather
   float* shard_out;       // Stage::kReduceScatter: this rank's reduced shard, fp32 [shard]
   const float* shard_in;  // Stage::kAllGather: this rank's shard to gather, fp32 [shard]
@@ -358,6 +360,40 @@ __device__ __forceinline__ void Finish(const Params& p, bool quiet) {
   }
 }
 
+// The alternative to Finish that the one-shot LL kernel takes under the
+// measurement knob JAXOVERLAP_EPOCH_AT_START=1 (EpochKnob): the epochs are
+// advanced at the start instead of the end, so that nothing is left to do
+// after the last output store. Threads r < local_size read the call's pair
+// epochs into `epochs` (shared); after a barrier thread 0 takes a ticket with
+// acquire-release order, so every read of the block happens before it; the
+// last block to take one knows every block has read, and advances the epochs
+// and resets the counter at once. The epochs must be read nowhere else in the
+// kernel. Prediction, from the parts measured on one GPU (docs/kernels.md,
+// "The per-call bookkeeping"): 0.2-0.6 us less a call than the read + Finish;
+// not yet measured (benchmarks: scripts/gpu_check.sh epochab).
+__device__ __forceinline__ void StartEpochs(const Params& p, uint64_t* epochs) {
+  const Topology& t = p.topo;
+  const int r = threadIdx.x;
+  if (r < t.local_size && r != t.local_rank) epochs[r] = EpochWith(p, t.local_pes[r]);
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    unsigned int ticket;
+    asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;"
+                 : "=r"(ticket)
+                 : "l"(p.done_counter)
+                 : "memory");
+    if (ticket == gridDim.x - 1) {
+      for (int i = 0; i < p.num_bump; ++i) {
+        const uint64_t epoch = ++p.pair_epochs[p.bump[i]];
+        if (static_cast<uint32_t>(epoch + 1) == 0u) {
+          ReportEpochWrapAndTrap(p.error, p.op, p.topo.rank, p.bump[i], epoch + 1);
+        }
+      }
+      p.done_counter[0] = 0;
+    }
+  }
+}
+
 // The per-peer state of a Lamport kernel, in shared memory, for peer r: the
 // pair's epoch, r's PE, this rank's slot on r (to) and r's slot here (from),
 // per phase; and the range this block works on. Held in registers, the state
@@ -430,6 +466,8 @@ __global__ void __launch_bounds__(kThreads) OneShotLLKernel(Params p) {
   const size_t lb = min(lines, blockIdx.x * per_block);
   const size_t le = min(lines, lb + per_block);
 
+  __shared__ uint64_t start_epochs[kMaxGroupSize];
+  if (p.epochs_at_start) StartEpochs(p, start_epochs);
   uint64_t epoch[kMaxGroupSize];
   uint4* remote[kMaxGroupSize];
   const uint4* local[kMaxGroupSize];
@@ -437,7 +475,7 @@ __global__ void __launch_bounds__(kThreads) OneShotLLKernel(Params p) {
   for (int r = 0; r < kMaxGroupSize; ++r) {
     if (r < t.local_size && r != t.local_rank) {
       const int pe = t.local_pes[r];
-      epoch[r] = EpochWith(p, pe);
+      epoch[r] = p.epochs_at_start ? start_epochs[r] : EpochWith(p, pe);
       remote[r] = PeerPtr(h, LlAt(h, epoch[r], kPhaseReduceScatter, p.my_pe), pe);
       local[r] = LlAt(h, epoch[r], kPhaseReduceScatter, pe);
     }
@@ -474,7 +512,7 @@ __global__ void __launch_bounds__(kThreads) OneShotLLKernel(Params p) {
     const uint2 res = make_uint2(Words<T>::FromFloat(acc), Words<T>::FromFloat(acc + Words<T>::kPerWord));
     StorePadded(out, l * kLineElems, p.n, res);
   }
-  Finish(p, /*quiet=*/false);
+  if (!p.epochs_at_start) Finish(p, /*quiet=*/false);
 }
 
 // One-shot, simple protocol: one 16-byte load of the input, one direct store
@@ -1336,6 +1374,22 @@ const LamportKnobConfig& LamportKnobs() {
   return knobs;
 }
 
+// JAXOVERLAP_EPOCH_AT_START=1, a measurement knob: the one-shot LL kernel
+// advances the pair epochs at its start (StartEpochs) instead of in Finish.
+// Unset, it changes nothing; set, the process says so on stderr.
+bool EpochKnob() {
+  static const bool on = [] {
+    const char* v = std::getenv("JAXOVERLAP_EPOCH_AT_START");
+    const bool set = v != nullptr && std::strcmp(v, "1") == 0;
+    if (set) {
+      std::fprintf(stderr, "jaxoverlap: measurement knob set: the one-shot LL kernel advances "
+                   "the epochs at its start (JAXOVERLAP_EPOCH_AT_START=1)\n");
+    }
+    return set;
+  }();
+  return on;
+}
+
 // The Lamport grid's cap: as many blocks as the GPU holds at once, so that it
 // runs in one wave (RuntimeState::lamport_blocks_per_sm, from LamportBlocksPerSm).
 int LamportMaxBlocks(const RuntimeState& s) {
@@ -1787,6 +1841,7 @@ ffi::Error AllReduce(const RuntimeState& s, cudaStream_t stream, Algorithm algor
     p.per_block = c.per_block;
     p.shard = c.shard;
     p.poll_ns = LamportKnobs().poll_ns;
+    p.epochs_at_start = EpochKnob();
     cudaError_t err;
     switch (dtype) {
       case ffi::DataType::F32:

@@ -37,3 +37,17 @@ CASES = [
 @pytest.mark.parametrize("case", CASES, ids=[c.world.label() for c in CASES])
 def test_all_reduce(case, tmp_path):
   _harness.run_case(tmp_path, "rank_all_reduce.py", case)
+
+
+# The measurement knob JAXOVERLAP_EPOCH_AT_START=1 (ffi/all_reduce/all_reduce.cu, StartEpochs):
+# the one-shot LL kernel advances the epochs at its start; every quick and stress test, world 2.
+EPOCH_CASES = [Case(World(2, 2), ("-m", "quick or stress"), timeout_s=240)]
+
+
+@pytest.mark.parametrize("case", EPOCH_CASES, ids=[c.world.label() for c in EPOCH_CASES])
+def test_all_reduce_epochs_at_start(case, tmp_path):
+  run = _harness.run_ranks(tmp_path, "rank_all_reduce.py", case.world, select=case.select,
+                           timeout_s=case.timeout_s, env={"JAXOVERLAP_EPOCH_AT_START": "1"})
+  run.print_summary()
+  run.check()
+  assert "the one-shot LL kernel advances the epochs at its start" in run.output(), run.tail()
