@@ -21,7 +21,8 @@
 #       | pallasbench (AG+GEMM: ours against JAX's Pallas collective matmul, one process)
 #       | contention (how much the fused ops' transfers slow their concurrent GEMMs, from
 #       profiler traces) | ovrepeat (AG and RS at 16384x4096x4096 three times, one process, beside
-#       the local GEMM and the Pallas collective matmul)
+#       the local GEMM and the Pallas collective matmul) | ovrepeat2 (the same in two processes,
+#       without Pallas)
 #       | lamportab (the Lamport grid variants side by side; AB_CONFIGS, AB_SIZES)
 #       | epochab (the one-shot LL advancing its epochs at the start, JAXOVERLAP_EPOCH_AT_START=1,
 #       against the default, in one and two processes, twice; then the bookkeeping probe)
@@ -43,7 +44,7 @@ WHAT=${1:-}
 VERBS=" build suite bench bench2 autobench quickbench tune ovbench ovbenchfull ovwindowed"
 VERBS="$VERBS ovcalibrate train cmdbufcost profile ovprofilegraphs decode procbench multigpu_bench"
 VERBS="$VERBS multigpu_fused normbench decodefloor pallasbench retune lamportab contention"
-VERBS="$VERBS ovrepeat pdlfloor epochab "
+VERBS="$VERBS ovrepeat ovrepeat2 pdlfloor epochab "
 if [ -z "$WHAT" ] || [[ "$VERBS" != *" $WHAT "* ]]; then
   echo "usage: bash scripts/gpu_check.sh <verb> (verbs:$VERBS)" >&2
   exit 2
@@ -170,6 +171,14 @@ fi
 if [ "$WHAT" = contention ] && [ "$NGPU" -ge 2 ]; then
   run contention 300 $PY -m jaxoverlap.launch --nproc 2 --timeout_s 290 \
     benchmarks/fused_contention.py --out "$OUT" --logdir /tmp/jaxoverlap-contention
+fi
+
+if [ "$WHAT" = ovrepeat2 ] && [ "$NGPU" -ge 2 ]; then  # the same in two processes (no Pallas)
+  for i in 1 2 3; do
+    run "ovrepeat2_$i" 200 $PY -m jaxoverlap.launch --nproc 2 --timeout_s 190 benchmarks/overlap.py \
+      --out "$OUT/repeat2proc$i" --shapes "ag:16384,4096,4096;rs:16384,4096,4096" --reps 20 \
+      --impls "xla:local_gemm,xla:collective,jaxoverlap:copy_engine"
+  done
 fi
 
 if [ "$WHAT" = ovrepeat ] && [ "$NGPU" -ge 2 ]; then
