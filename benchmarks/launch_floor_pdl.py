@@ -1,4 +1,4 @@
-"""What a one-kernel custom call costs inside XLA's graphs: with PDL, and with the all-reduce's bookkeeping.
+"""A one-kernel custom call's cost in XLA's graphs: with PDL, and with the all-reduce's bookkeeping.
 
 Problem:
   In a decode step every all-reduce is one FFI custom call between XLA's
@@ -13,8 +13,9 @@ Problem:
     * The all-reduce kernels read the call's epoch from device memory before
       their first store, and end with ``Finish``: a barrier, a ticket per
       block from an atomic counter, and the last block advancing the epoch
-      and fencing. What does that bookkeeping cost a call, apart from the
-      communication (docs/kernels.md, distance to the floors)?
+      (and, until this measured it, fencing). What does that bookkeeping cost
+      a call, apart from the communication (docs/kernels.md, distance to the
+      floors)?
 
 Method:
   For each size, jit'd chains of ``--chain`` steps on one GPU, timed
@@ -27,8 +28,10 @@ Method:
       ffi/launch_floor.cu);
     * ``floor_pdl``: the same with ``launch_floor(x, variant="pdl")``;
     * ``floor_bookkeeping``: with ``variant="bookkeeping"`` (the copy plus the
-      epoch read and Finish's ticket, epoch advance and fence);
-    * ``floor_bookkeeping_nofence``: the same without the last block's fence;
+      epoch read and Finish's ticket, epoch advance and fence, as the kernels
+      did until Finish stopped fencing);
+    * ``floor_bookkeeping_nofence``: the same without the last block's fence
+      (the kernels' Finish today);
     * ``floor_epoch_read`` and ``floor_end_ticket``: the epoch read alone, and
       Finish's end (ticket, advance, fence) alone;
     * ``floor_start_count``: an alternative with no ticket at the end: thread 0
@@ -98,7 +101,7 @@ def expected(x: np.ndarray, chain: int) -> np.ndarray:
 
 def run(sizes: list[int], *, chain: int, reps: int, warmup: int, seed: int,
         log=print) -> list[dict]:
-  """Times the three chains at every size; returns the records (module docstring)."""
+  """Times every chain (IMPLS) at every size; returns the records (module docstring)."""
   records = []
   rng = np.random.default_rng(seed)
   for nbytes in sizes:

@@ -16,14 +16,15 @@
 //   * "_bookkeeping" adds parts of the per-call bookkeeping of the all-reduce
 //     kernels (ffi/all_reduce/all_reduce.cu) without their communication: every
 //     thread reads the call's epoch from device memory before its first store,
-//     and each block ends as Finish does (a barrier, thread 0 takes a ticket;
-//     the last block advances the epoch, resets the counter and fences); or an
-//     alternative that needs no ticket at the end (kStartCount). The
-//     difference to the plain copy is what that bookkeeping costs a call on
-//     one GPU.
+//     and each block ends as Finish did until commit 21426c6 (a barrier, thread
+//     0 takes a ticket; the last block advances the epoch, resets the counter
+//     and fences; Finish no longer fences); or alternatives that need no ticket
+//     at the end (kStartCount, kStartTicket). The difference to the plain copy
+//     is what that bookkeeping costs a call on one GPU.
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <string>
 
 #include "jaxoverlap/check.h"
 #include "jaxoverlap/device_utils.cuh"
@@ -60,7 +61,8 @@ __global__ void CopyKernel(const uint4* in, uint4* out, size_t num_vectors, cons
   if constexpr (kMode == FloorMode::kPdl) asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
   // The all-reduce kernels address their slots and flags by the epoch, so no
-  // store of theirs issues before it is read: here every store waits on it.
+  // store of theirs issues before it is read: here every vector store waits on
+  // it (the tail's few bytes do not).
   uint64_t epoch = 1;
   if constexpr (kMode == FloorMode::kBookkeeping) {
     if (parts & kStartCount) {
@@ -125,6 +127,17 @@ __global__ void CopyKernel(const uint4* in, uint4* out, size_t num_vectors, cons
 template <FloorMode kMode>
 ffi::Error LaunchFloorExecute(cudaStream_t stream, ffi::AnyBuffer x,
                               ffi::Result<ffi::AnyBuffer> out, int32_t parts) {
+  // The combinations benchmarks/launch_floor_pdl.py uses: a start scheme
+  // (kStartCount, kStartTicket) replaces the epoch read and the end ticket.
+  switch (parts) {
+    case 0: case kEpochRead: case kEndTicket: case kEndTicket | kEndFence:
+    case kEpochRead | kEndTicket: case kEpochRead | kEndTicket | kEndFence:
+    case kStartCount: case kStartTicket:
+      break;
+    default:
+      return ffi::Error::InvalidArgument("launch_floor: parts=" + std::to_string(parts) +
+                                         " combines bookkeeping schemes that share a counter");
+  }
   const size_t bytes = x.size_bytes();
   if (bytes == 0) return ffi::Error::Success();
   const size_t vectors = bytes / 16;

@@ -299,10 +299,8 @@ const char* OpName(int32_t op) {
     case OpId::kMatmulReduceScatter: return "matmul_reduce_scatter";
     case OpId::kMatmulAllReduce: return "matmul_all_reduce";
     case OpId::kAllReduceRmsNorm: return "all_reduce_rms_norm";
-    case OpId::kAllReduceReduceScatterStage:
-      return "all_reduce (its intra-node reduce-scatter, before XLA's inter-node psum)";
-    case OpId::kAllReduceAllGatherStage:
-      return "all_reduce (its intra-node all-gather, after XLA's inter-node psum)";
+    case OpId::kAllReduceReduceScatterStage: return "all_reduce (intra-node reduce-scatter)";
+    case OpId::kAllReduceAllGatherStage: return "all_reduce (intra-node all-gather)";
     case OpId::kUnknown: break;
   }
   return "a jaxoverlap op";

@@ -109,8 +109,9 @@ def launch_floor(x: jax.Array, *, variant: str = "plain") -> jax.Array:
       parts of the all-reduce kernels' per-call bookkeeping, without
       communication: "bookkeeping" (every thread reads the call's epoch before
       its first store; at the end each block takes a ticket and the last one
-      advances the epoch and fences, as ``Finish``), "bookkeeping_nofence"
-      (the same without the fence), "epoch_read" (the read alone),
+      advances the epoch and fences, as ``Finish`` did until it stopped
+      fencing), "bookkeeping_nofence" (the same without the fence: today's
+      ``Finish``), "epoch_read" (the read alone),
       "end_ticket" (the end alone), "start_count" (one read per block, then a
       release add to a start counter; at the end block 0 waits for every
       block's add and advances the epoch: no ticket at the end), "start_ticket"

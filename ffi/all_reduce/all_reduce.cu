@@ -368,7 +368,11 @@ __device__ __forceinline__ void Finish(const Params& p, bool quiet) {
 // acquire-release order, so every read of the block happens before it; the
 // last block to take one knows every block has read, and advances the epochs
 // and resets the counter at once. The epochs must be read nowhere else in the
-// kernel. Prediction, from the parts measured on one GPU (docs/kernels.md,
+// kernel (the one-shot simple, two-shot and stage kernels read them again
+// later, so they keep Finish). The wrap check moves with the advance to the
+// start: a rank then traps before all its blocks have sent, and a peer may
+// report a timeout instead of the wrap. Prediction, from the parts measured on
+// one GPU (docs/kernels.md,
 // "The per-call bookkeeping"): 0.2-0.6 us less a call than the read + Finish;
 // not yet measured (benchmarks: scripts/gpu_check.sh epochab).
 __device__ __forceinline__ void StartEpochs(const Params& p, uint64_t* epochs) {

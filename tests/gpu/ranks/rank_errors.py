@@ -51,13 +51,15 @@ def _rank0_waits_alone(compiled, args, rank, timeout_s):
     return None, None, 0.0
   t0 = time.time()
   try:
-    jax.block_until_ready(compiled(*args))
-    raised = None
-  except jax.errors.JaxRuntimeError as e:  # XLA reports the trapped kernel as a runtime error
-    raised = e
-  waited = time.time() - t0
-  err = jaxoverlap.runtime_info()["device_error"]
-  jax.distributed.shutdown()
+    try:
+      jax.block_until_ready(compiled(*args))
+      raised = None
+    except jax.errors.JaxRuntimeError as e:  # XLA reports the trapped kernel as a runtime error
+      raised = e
+    waited = time.time() - t0
+    err = jaxoverlap.runtime_info()["device_error"]
+  finally:  # rank 1 waits in its shutdown barrier, whatever happened here
+    jax.distributed.shutdown()
   return raised, err, waited
 
 
@@ -210,6 +212,9 @@ def test_ll_flag_wrap_stops_loudly(runtime, topology, mesh, ops, rank, nproc, kv
   time.sleep(1.0)  # the watchdog polls every 20 ms
   err = jaxoverlap.runtime_info()["device_error"]
   outcomes = kv.gather(f"{first_ok}|{outcome[0]}|{err or ''}")
+  # A barrier with the other ranks (it does not touch the GPU, so a hung call's thread does not
+  # hold it up): rank 0 hosts the coordination service and must not end before the others.
+  jax.distributed.shutdown()
   for r, o in enumerate(outcomes):
     ok, call, msg = o.split("|", 2)
     assert ok == "True", f"rank {r}: the first call (flags 0xFFFFFFFE) summed wrongly"
