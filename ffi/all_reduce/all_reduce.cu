@@ -372,9 +372,9 @@ __device__ __forceinline__ void Finish(const Params& p, bool quiet) {
 // later, so they keep Finish). The wrap check moves with the advance to the
 // start: a rank then traps before all its blocks have sent, and a peer may
 // report a timeout instead of the wrap. Prediction, from the parts measured on
-// one GPU (docs/kernels.md,
-// "The per-call bookkeeping"): 0.2-0.6 us less a call than the read + Finish;
-// not yet measured (benchmarks: scripts/gpu_check.sh epochab).
+// one GPU (docs/kernels.md, "The per-call bookkeeping"): at most 0.2-0.3 us
+// less a call than the read + Finish (what Finish costs beyond the read, less
+// the barrier this adds); not yet measured (scripts/gpu_check.sh epochab).
 __device__ __forceinline__ void StartEpochs(const Params& p, uint64_t* epochs) {
   const Topology& t = p.topo;
   const int r = threadIdx.x;
