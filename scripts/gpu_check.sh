@@ -24,8 +24,9 @@
 #       the local GEMM and the Pallas collective matmul) | ovrepeat2 (the same in two processes,
 #       without Pallas)
 #       | lamportab (the Lamport grid variants side by side; AB_CONFIGS, AB_SIZES)
-#       | epochab (the one-shot LL advancing its epochs at the start, JAXOVERLAP_EPOCH_AT_START=1,
-#       against the default, in one and two processes, twice; then the bookkeeping probe)
+#       | epochab (the one-shot LL kernels advancing their epochs at the start,
+#       JAXOVERLAP_EPOCH_AT_START=1, against the default: the all-reduce in one process twice and
+#       in two once, the norm kernel once; then the bookkeeping probe)
 #       | pdlfloor (one GPU: the custom-call launch floor with and without programmatic
 #       dependent launch, and with the all-reduce kernels' per-call bookkeeping; PDL_FLAGS)
 #       | retune (1 x 2 bench of every kernel, a tuning table built from it and the committed
@@ -151,20 +152,28 @@ if [ "$WHAT" = lamportab ] && [ "$NGPU" -ge 2 ]; then
 fi
 
 if [ "$WHAT" = epochab ] && [ "$NGPU" -ge 2 ]; then
-  # The one-shot LL with the epochs advanced at its start (JAXOVERLAP_EPOCH_AT_START=1) against
-  # the default (Finish at the end), in one process and in two, twice each, alternating; then
-  # the one-GPU bookkeeping probe (docs/kernels.md, "The per-call bookkeeping").
+  # The one-shot LL kernels with the epochs advanced at their start (JAXOVERLAP_EPOCH_AT_START=1)
+  # against the default (Finish at the end), alternating: the all-reduce in one process twice
+  # and in two processes once, the norm kernel once; then the one-GPU bookkeeping probe
+  # (docs/kernels.md, "The per-call bookkeeping"). About 6 minutes.
   EA_ARGS=(--impls jaxoverlap:one_shot_ll,xla:psum --sizes "${EA_SIZES:-8K,64K,256K,512K}" --reps 30)
   for i in 1 2; do
     for knob in 0 1; do
-      run "epochab_1process_knob${knob}_run$i" 150 JAXOVERLAP_EPOCH_AT_START=$knob $PY \
+      run "epochab_1process_knob${knob}_run$i" 120 JAXOVERLAP_EPOCH_AT_START=$knob $PY \
         benchmarks/all_reduce.py --out "$OUT/epoch${knob}_1process_run$i" "${EA_ARGS[@]}"
-      run "epochab_2processes_knob${knob}_run$i" 150 JAXOVERLAP_EPOCH_AT_START=$knob $PY \
-        -m jaxoverlap.launch --nproc 2 --timeout_s 140 benchmarks/all_reduce.py \
-        --out "$OUT/epoch${knob}_2processes_run$i" "${EA_ARGS[@]}"
     done
   done
-  run launch_floor_bookkeeping 200 $PY benchmarks/launch_floor_pdl.py --out "$OUT" \
+  for knob in 0 1; do
+    run "epochab_2processes_knob$knob" 120 JAXOVERLAP_EPOCH_AT_START=$knob $PY \
+      -m jaxoverlap.launch --nproc 2 --timeout_s 110 benchmarks/all_reduce.py \
+      --out "$OUT/epoch${knob}_2processes" "${EA_ARGS[@]}"
+  done
+  for knob in 0 1; do
+    run "epochab_norm_knob$knob" 120 JAXOVERLAP_EPOCH_AT_START=$knob $PY -m jaxoverlap.launch \
+      --nproc 2 --timeout_s 110 benchmarks/all_reduce_rms_norm.py --out "$OUT/epoch${knob}_norm" \
+      --rows 1,2,4 --hidden 4096
+  done
+  run launch_floor_bookkeeping 120 $PY benchmarks/launch_floor_pdl.py --out "$OUT" \
     --sizes 8K,64K,256K,1M
 fi
 

@@ -131,7 +131,7 @@ struct Params {
   uint64_t timeout_ns;
   bool force_put;  // inter-node steps use NVSHMEM puts even to load/store-reachable peers
   unsigned int poll_ns;  // measurement knob: Lamport polls back off this long after a miss
-  bool epochs_at_start;  // measurement knob: the one-shot LL advances the epochs at its start
+  bool epochs_at_start;  // measurement knob: the one-shot LL kernels advance epochs at the start
   Stage stage;     // the whole all-reduce, or only its intra-node reduce-scatter or all-gather
   float* shard_out;       // Stage::kReduceScatter: this rank's reduced shard, fp32 [shard]
   const float* shard_in;  // Stage::kAllGather: this rank's shard to gather, fp32 [shard]
@@ -360,11 +360,12 @@ __device__ __forceinline__ void Finish(const Params& p, bool quiet) {
   }
 }
 
-// The alternative to Finish that the one-shot LL kernel takes under the
-// measurement knob JAXOVERLAP_EPOCH_AT_START=1 (EpochKnob): the epochs are
-// advanced at the start instead of the end, so that nothing is left to do
-// after the last output store. Threads r < local_size read the call's pair
-// epochs into `epochs` (shared); after a barrier thread 0 takes a ticket with
+// The alternative to Finish that the one-shot LL kernels (all_reduce's and
+// all_reduce_rms_norm's) take under the measurement knob
+// JAXOVERLAP_EPOCH_AT_START=1 (EpochKnob): the epochs are advanced at the
+// start instead of the end, so that nothing is left to do after the last
+// output store. Called by every thread after a barrier that follows all of
+// the block's reads of the pair epochs: thread 0 takes a ticket with
 // acquire-release order, so every read of the block happens before it; the
 // last block to take one knows every block has read, and advances the epochs
 // and resets the counter at once. The epochs must be read nowhere else in the
@@ -375,11 +376,7 @@ __device__ __forceinline__ void Finish(const Params& p, bool quiet) {
 // one GPU (docs/kernels.md, "The per-call bookkeeping"): at most 0.2-0.3 us
 // less a call than the read + Finish (what Finish costs beyond the read, less
 // the barrier this adds); not yet measured (scripts/gpu_check.sh epochab).
-__device__ __forceinline__ void StartEpochs(const Params& p, uint64_t* epochs) {
-  const Topology& t = p.topo;
-  const int r = threadIdx.x;
-  if (r < t.local_size && r != t.local_rank) epochs[r] = EpochWith(p, t.local_pes[r]);
-  __syncthreads();
+__device__ __forceinline__ void AdvanceEpochsAtStart(const Params& p) {
   if (threadIdx.x == 0) {
     unsigned int ticket;
     asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;"
@@ -396,6 +393,17 @@ __device__ __forceinline__ void StartEpochs(const Params& p, uint64_t* epochs) {
       p.done_counter[0] = 0;
     }
   }
+}
+
+// The one-shot LL kernel's start under the knob: threads r < local_size read
+// the call's pair epochs into `epochs` (shared), a barrier, then
+// AdvanceEpochsAtStart.
+__device__ __forceinline__ void StartEpochs(const Params& p, uint64_t* epochs) {
+  const Topology& t = p.topo;
+  const int r = threadIdx.x;
+  if (r < t.local_size && r != t.local_rank) epochs[r] = EpochWith(p, t.local_pes[r]);
+  __syncthreads();
+  AdvanceEpochsAtStart(p);
 }
 
 // The per-peer state of a Lamport kernel, in shared memory, for peer r: the
@@ -926,6 +934,7 @@ __global__ void __launch_bounds__(kThreads) OneShotLLRmsNormKernel(NormParams np
     local[r] = LlAt(h, epoch, kPhaseReduceScatter, pe);
   }
   __syncthreads();
+  if (p.epochs_at_start) AdvanceEpochsAtStart(p);  // the knob (EpochKnob)
   for (size_t row = first_row; row < np.rows; row += row_stride) {
     for (size_t l = lb + threadIdx.x; l < le; l += blockDim.x) {
       const size_t g = row * L + l;
@@ -1024,7 +1033,7 @@ __global__ void __launch_bounds__(kThreads) OneShotLLRmsNormKernel(NormParams np
     // thread reaches only after reading it here.
   }
   ClusterSync();  // no block leaves while another may still read its block_sums
-  Finish(p, /*quiet=*/false);
+  if (!p.epochs_at_start) Finish(p, /*quiet=*/false);
 }
 
 // -------------------------------------------------- reduce-scatter/all-gather
@@ -1378,16 +1387,17 @@ const LamportKnobConfig& LamportKnobs() {
   return knobs;
 }
 
-// JAXOVERLAP_EPOCH_AT_START=1, a measurement knob: the one-shot LL kernel
-// advances the pair epochs at its start (StartEpochs) instead of in Finish.
+// JAXOVERLAP_EPOCH_AT_START=1, a measurement knob: the one-shot LL kernels
+// (all_reduce's and all_reduce_rms_norm's) advance the pair epochs at their
+// start (AdvanceEpochsAtStart) instead of in Finish.
 // Unset, it changes nothing; set, the process says so on stderr.
 bool EpochKnob() {
   static const bool on = [] {
     const char* v = std::getenv("JAXOVERLAP_EPOCH_AT_START");
     const bool set = v != nullptr && std::strcmp(v, "1") == 0;
     if (set) {
-      std::fprintf(stderr, "jaxoverlap: measurement knob set: the one-shot LL kernel advances "
-                   "the epochs at its start (JAXOVERLAP_EPOCH_AT_START=1)\n");
+      std::fprintf(stderr, "jaxoverlap: measurement knob set: the one-shot LL kernels advance "
+                   "the epochs at their start (JAXOVERLAP_EPOCH_AT_START=1)\n");
     }
     return set;
   }();
@@ -1982,6 +1992,7 @@ ffi::Error AllReduceRmsNorm(const RuntimeState& s, cudaStream_t stream, ffi::Dat
   NormParams np{};
   np.base = MakeParams(s, topo);
   np.base.op = OpId::kAllReduceRmsNorm;
+  np.base.epochs_at_start = EpochKnob();
   np.base.in = p;
   np.base.out = h;
   np.base.n = rows * hidden;

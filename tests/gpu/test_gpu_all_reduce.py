@@ -39,8 +39,9 @@ def test_all_reduce(case, tmp_path):
   _harness.run_case(tmp_path, "rank_all_reduce.py", case)
 
 
-# The measurement knob JAXOVERLAP_EPOCH_AT_START=1 (ffi/all_reduce/all_reduce.cu, StartEpochs):
-# the one-shot LL kernel advances the epochs at its start; every quick and stress test, world 2.
+# The measurement knob JAXOVERLAP_EPOCH_AT_START=1 (ffi/all_reduce/all_reduce.cu,
+# AdvanceEpochsAtStart): the one-shot LL kernels advance the epochs at their start; every quick
+# and stress test, world 2 (the stress loops mix the one-shot LL with the other kernels).
 EPOCH_CASES = [Case(World(2, 2), ("-m", "quick or stress"), timeout_s=240)]
 
 
@@ -50,4 +51,4 @@ def test_all_reduce_epochs_at_start(case, tmp_path):
                            timeout_s=case.timeout_s, env={"JAXOVERLAP_EPOCH_AT_START": "1"})
   run.print_summary()
   run.check()
-  assert "the one-shot LL kernel advances the epochs at its start" in run.output(), run.tail()
+  assert "the one-shot LL kernels advance the epochs at their start" in run.output(), run.tail()
