@@ -20,9 +20,9 @@
 #       | procbench (one process driving both GPUs beside two processes)
 #       | pallasbench (AG+GEMM: ours against JAX's Pallas collective matmul, one process)
 #       | contention (how much the fused ops' transfers slow their concurrent GEMMs, from
-#       profiler traces) | ovrepeat (AG and RS at 16384x4096x4096 three times, one process, beside
-#       the local GEMM and the Pallas collective matmul) | ovrepeat2 (the same in two processes,
-#       without Pallas)
+#       profiler traces) | ovrepeat (AG and RS at 16384x4096x4096 three times, one process, auto's
+#       chunks and four, beside the local GEMM and the Pallas collective matmul) | ovrepeat2 (the
+#       same in two processes, without Pallas)
 #       | lamportab (the Lamport grid variants side by side; AB_CONFIGS, AB_SIZES)
 #       | epochab (the one-shot LL kernels advancing their epochs at the start,
 #       JAXOVERLAP_EPOCH_AT_START=1, against the default: the all-reduce in one process twice and
@@ -186,7 +186,7 @@ if [ "$WHAT" = ovrepeat2 ] && [ "$NGPU" -ge 2 ]; then  # the same in two process
   for i in 1 2 3; do
     run "ovrepeat2_$i" 200 $PY -m jaxoverlap.launch --nproc 2 --timeout_s 190 benchmarks/overlap.py \
       --out "$OUT/repeat2proc$i" --shapes "ag:16384,4096,4096;rs:16384,4096,4096" --reps 20 \
-      --impls "xla:local_gemm,xla:collective,jaxoverlap:copy_engine"
+      --impls "xla:local_gemm,xla:collective,jaxoverlap:copy_engine,jaxoverlap:copy_engine/c4"
   done
 fi
 
@@ -194,7 +194,7 @@ if [ "$WHAT" = ovrepeat ] && [ "$NGPU" -ge 2 ]; then
   for i in 1 2 3; do
     run "ovrepeat_$i" 200 $PY benchmarks/overlap.py --out "$OUT/repeat$i" \
       --shapes "ag:16384,4096,4096;rs:16384,4096,4096" --reps 20 \
-      --impls "xla:local_gemm,xla:collective,jaxoverlap:copy_engine,pallas:all_gather_lhs_matmul/m128n128"
+      --impls "xla:local_gemm,xla:collective,jaxoverlap:copy_engine,jaxoverlap:copy_engine/c4,pallas:all_gather_lhs_matmul/m128n128"
   done
 fi
 
