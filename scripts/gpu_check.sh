@@ -5,10 +5,11 @@
 #   bash scripts/gpu_check.sh suite [extra pytest args]   # pytest -m gpu tests/gpu
 #       SKIP_BUILD=1: no build first. SANITIZE=memcheck,racecheck: also the compute-sanitizer
 #       runs (tests/gpu/test_gpu_sanitize.py, e.g. suite -k sanitize).
-#       On 2 GPUs, three parts of under 10 minutes each (the ids: tests/gpu/test_gpu_*.py):
-#         bash scripts/gpu_check.sh suite -k fused                 (build; the fused ops: w2, 4, 8)
+#       On 2 GPUs, four parts of under 10 minutes each (the ids: tests/gpu/test_gpu_*.py):
+#         bash scripts/gpu_check.sh suite -k "fused or norm"   (build; the fused ops: w2, 4, 8; norm)
 #         SKIP_BUILD=1 bash scripts/gpu_check.sh suite -k "errors or (all_reduce and w2-)"
 #         SKIP_BUILD=1 bash scripts/gpu_check.sh suite -k "all_reduce and not w2-"
+#         SKIP_BUILD=1 bash scripts/gpu_check.sh suite -k "models or attention or harness"
 #   benchmarks: bench | bench2 | autobench | quickbench | tune | ovbench | ovbenchfull
 #       | ovwindowed | ovcalibrate (CAL_PART=ag_rs or ar) | train | cmdbufcost (train steps with the
 #       fused ops outside, then inside, XLA's CUDA graphs, twice) | normbench (all-reduce +
@@ -24,9 +25,9 @@
 #       chunks and four, beside the local GEMM and the Pallas collective matmul) | ovrepeat2 (the
 #       same in two processes, without Pallas)
 #       | lamportab (the Lamport grid variants side by side; AB_CONFIGS, AB_SIZES)
-#       | epochab (the one-shot LL kernels advancing their epochs at the start,
-#       JAXOVERLAP_EPOCH_AT_START=1, against the default: the all-reduce in one process twice and
-#       in two once, the norm kernel once; then the bookkeeping probe)
+#       | epochab (the one-shot LL all-reduce advancing its epochs at the start,
+#       JAXOVERLAP_EPOCH_AT_START=1, against the default, in one and in two processes, each way
+#       twice) | epochab2 (the norm kernel the same way, then the bookkeeping probe)
 #       | pdlfloor (one GPU: the custom-call launch floor with and without programmatic
 #       dependent launch, and with the all-reduce kernels' per-call bookkeeping; PDL_FLAGS)
 #       | retune (1 x 2 bench of every kernel, a tuning table built from it and the committed
@@ -45,7 +46,7 @@ WHAT=${1:-}
 VERBS=" build suite bench bench2 autobench quickbench tune ovbench ovbenchfull ovwindowed"
 VERBS="$VERBS ovcalibrate train cmdbufcost profile ovprofilegraphs decode procbench multigpu_bench"
 VERBS="$VERBS multigpu_fused normbench decodefloor pallasbench retune lamportab contention"
-VERBS="$VERBS ovrepeat ovrepeat2 pdlfloor epochab "
+VERBS="$VERBS ovrepeat ovrepeat2 pdlfloor epochab epochab2 "
 if [ -z "$WHAT" ] || [[ "$VERBS" != *" $WHAT "* ]]; then
   echo "usage: bash scripts/gpu_check.sh <verb> (verbs:$VERBS)" >&2
   exit 2
@@ -152,28 +153,34 @@ if [ "$WHAT" = lamportab ] && [ "$NGPU" -ge 2 ]; then
 fi
 
 if [ "$WHAT" = epochab ] && [ "$NGPU" -ge 2 ]; then
-  # The one-shot LL kernels with the epochs advanced at their start (JAXOVERLAP_EPOCH_AT_START=1)
-  # against the default (Finish at the end), alternating: the all-reduce in one process twice
-  # and in two processes once, the norm kernel once; then the one-GPU bookkeeping probe
-  # (docs/kernels.md, "The per-call bookkeeping"). About 6 minutes.
+  # The one-shot LL all-reduce with the epochs advanced at its start (JAXOVERLAP_EPOCH_AT_START=1)
+  # against the default (Finish at the end), in the order 0 1 1 0: in one process, then in two
+  # (at most 8 minutes; epochab2 times the norm kernel and reruns the probe).
   EA_ARGS=(--impls jaxoverlap:one_shot_ll,xla:psum --sizes "${EA_SIZES:-8K,64K,256K,512K}" --reps 30)
-  for i in 1 2; do
-    for knob in 0 1; do
-      run "epochab_1process_knob${knob}_run$i" 120 JAXOVERLAP_EPOCH_AT_START=$knob $PY \
-        benchmarks/all_reduce.py --out "$OUT/epoch${knob}_1process_run$i" "${EA_ARGS[@]}"
-    done
+  i=0
+  for knob in 0 1 1 0; do
+    i=$((i + 1))
+    run "epochab_1process_knob${knob}_$i" 80 JAXOVERLAP_EPOCH_AT_START=$knob $PY \
+      benchmarks/all_reduce.py --out "$OUT/epoch${knob}_1process_$i" "${EA_ARGS[@]}"
   done
-  for knob in 0 1; do
-    run "epochab_2processes_knob$knob" 120 JAXOVERLAP_EPOCH_AT_START=$knob $PY \
-      -m jaxoverlap.launch --nproc 2 --timeout_s 110 benchmarks/all_reduce.py \
-      --out "$OUT/epoch${knob}_2processes" "${EA_ARGS[@]}"
+  for knob in 0 1 1 0; do
+    i=$((i + 1))
+    run "epochab_2processes_knob${knob}_$i" 80 JAXOVERLAP_EPOCH_AT_START=$knob $PY \
+      -m jaxoverlap.launch --nproc 2 --timeout_s 75 benchmarks/all_reduce.py \
+      --out "$OUT/epoch${knob}_2processes_$i" "${EA_ARGS[@]}"
   done
-  for knob in 0 1; do
-    run "epochab_norm_knob$knob" 120 JAXOVERLAP_EPOCH_AT_START=$knob $PY -m jaxoverlap.launch \
-      --nproc 2 --timeout_s 110 benchmarks/all_reduce_rms_norm.py --out "$OUT/epoch${knob}_norm" \
+fi
+if [ "$WHAT" = epochab2 ] && [ "$NGPU" -ge 2 ]; then
+  # The norm kernel the same way (0 1 1 0), then the one-GPU bookkeeping probe
+  # (docs/kernels.md, "The per-call bookkeeping"). At most 8 minutes.
+  i=0
+  for knob in 0 1 1 0; do
+    i=$((i + 1))
+    run "epochab_norm_knob${knob}_$i" 95 JAXOVERLAP_EPOCH_AT_START=$knob $PY -m jaxoverlap.launch \
+      --nproc 2 --timeout_s 90 benchmarks/all_reduce_rms_norm.py --out "$OUT/epoch${knob}_norm_$i" \
       --rows 1,2,4 --hidden 4096
   done
-  run launch_floor_bookkeeping 120 $PY benchmarks/launch_floor_pdl.py --out "$OUT" \
+  run launch_floor_bookkeeping 100 $PY benchmarks/launch_floor_pdl.py --out "$OUT" \
     --sizes 8K,64K,256K,1M
 fi
 
@@ -184,7 +191,7 @@ fi
 
 if [ "$WHAT" = ovrepeat2 ] && [ "$NGPU" -ge 2 ]; then  # the same in two processes (no Pallas)
   for i in 1 2 3; do
-    run "ovrepeat2_$i" 200 $PY -m jaxoverlap.launch --nproc 2 --timeout_s 190 benchmarks/overlap.py \
+    run "ovrepeat2_$i" 180 $PY -m jaxoverlap.launch --nproc 2 --timeout_s 170 benchmarks/overlap.py \
       --out "$OUT/repeat2proc$i" --shapes "ag:16384,4096,4096;rs:16384,4096,4096" --reps 20 \
       --impls "xla:local_gemm,xla:collective,jaxoverlap:copy_engine,jaxoverlap:copy_engine/c4"
   done

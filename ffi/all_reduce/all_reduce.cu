@@ -368,7 +368,9 @@ __device__ __forceinline__ void Finish(const Params& p, bool quiet) {
 // the block's reads of the pair epochs: thread 0 takes a ticket with
 // acquire-release order, so every read of the block happens before it; the
 // last block to take one knows every block has read, and advances the epochs
-// and resets the counter at once. The epochs must be read nowhere else in the
+// and resets the counter at once (done_counter[1] is the Lamport kernels'
+// start ticket, which their own Finish resets; these kernels leave it alone).
+// The epochs must be read nowhere else in the
 // kernel (the one-shot simple, two-shot and stage kernels read them again
 // later, so they keep Finish). The wrap check moves with the advance to the
 // start: a rank then traps before all its blocks have sent, and a peer may
