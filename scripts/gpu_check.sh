@@ -169,6 +169,23 @@ if [ "$WHAT" = epochab ] && [ "$NGPU" -ge 2 ]; then
       -m jaxoverlap.launch --nproc 2 --timeout_s 75 benchmarks/all_reduce.py \
       --out "$OUT/epoch${knob}_2processes_$i" "${EA_ARGS[@]}"
   done
+  # One line per process model and size: one_shot_ll's us in each run, by knob, and the medians.
+  $PY - "$OUT" <<'PYEOF' | tee "$OUT/epochab_summary.txt"
+import glob, json, statistics, sys
+out = sys.argv[1]
+for model in ("1process", "2processes"):
+  runs = {0: {}, 1: {}}
+  for knob in (0, 1):
+    for f in sorted(glob.glob(f"{out}/epoch{knob}_{model}_*/all_reduce-*.json")):
+      for r in json.load(open(f))["records"]:
+        if r["impl"] == "jaxoverlap:one_shot_ll":
+          runs[knob].setdefault(r["bytes"], []).append(r["time_us"])
+  for b in sorted(runs[0]):
+    a, c = runs[0][b], runs[1].get(b, [])
+    if a and c:
+      print(f"{model} {b:>8} B: knob 0 {a} -> median {statistics.median(a):.2f} us; "
+            f"knob 1 {c} -> median {statistics.median(c):.2f} us")
+PYEOF
 fi
 if [ "$WHAT" = epochab2 ] && [ "$NGPU" -ge 2 ]; then
   # The norm kernel the same way (0 1 1 0), then the one-GPU bookkeeping probe
