@@ -65,24 +65,20 @@ __global__ void CopyKernel(const uint4* in, uint4* out, size_t num_vectors, cons
   // it (the tail's few bytes do not).
   uint64_t epoch = 1;
   if constexpr (kMode == FloorMode::kBookkeeping) {
-    if (parts & kStartCount) {
+    if (parts & (kStartCount | kStartTicket)) {  // one read per block, then a barrier
       __shared__ uint64_t shared_epoch;
       if (threadIdx.x == 0) {
         shared_epoch = *reinterpret_cast<volatile uint64_t*>(&g_floor_epoch) + 1;
       }
       __syncthreads();
       epoch = shared_epoch;
+    }
+    if (parts & kStartCount) {
       if (threadIdx.x == 0) {
         asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(g_floor_tickets + 1)
                      : "memory");
       }
     } else if (parts & kStartTicket) {
-      __shared__ uint64_t shared_epoch;
-      if (threadIdx.x == 0) {
-        shared_epoch = *reinterpret_cast<volatile uint64_t*>(&g_floor_epoch) + 1;
-      }
-      __syncthreads();
-      epoch = shared_epoch;
       if (threadIdx.x == 0) {
         uint32_t ticket;
         asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;" : "=r"(ticket)
