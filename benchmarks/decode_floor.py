@@ -59,9 +59,12 @@ Example:
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import dataclasses
 import functools
 import os
+import re
 import tempfile
 import time
 from typing import Any
@@ -112,10 +115,14 @@ def variants(names: list[str]) -> dict[str, tuple[dict[str, Any], int, str]]:
   (``ParallelConfig.min_matmul_rows=4``); ``cudnn`` and ``rows4_cudnn``: as
   ``xla_default`` and ``rows4`` with the attention core of each decode step
   as one cuDNN kernel (``ParallelConfig.attention_implementation="cudnn"``);
-  ``rows2_cudnn``: the GEMMs padded to 2 rows, cuDNN attention.
+  ``rows2_cudnn``: the GEMMs padded to 2 rows, cuDNN attention;
+  ``rows2repeat_cudnn``: the same, the pad rows copies of the real ones
+  instead of zeros (``repeat_padding``: can XLA fuse the copy into the GEMM
+  where it runs the zero pad as a kernel of its own?).
 
   Returns:
-    name -> (compile options, min_matmul_rows, attention implementation).
+    name -> (compile options, min_matmul_rows, attention implementation,
+    padding: "zeros" or "repeat").
 
   Raises:
     ValueError: an unknown name.
@@ -125,11 +132,58 @@ def variants(names: list[str]) -> dict[str, tuple[dict[str, Any], int, str]]:
            "graphs_while": ({CMDBUF: ",".join(sorted(set(types) | {"WHILE"}))}, 1, "xla"),
            "cublas": ({"xla_gpu_enable_triton_gemm": False}, 1, "xla"), "rows4": ({}, 4, "xla"),
            "cudnn": ({}, 1, "cudnn"), "rows4_cudnn": ({}, 4, "cudnn"),
-           "rows2_cudnn": ({}, 2, "cudnn")}
+           "rows2_cudnn": ({}, 2, "cudnn"), "rows2repeat_cudnn": ({}, 2, "cudnn", "repeat")}
   unknown = [n for n in names if n not in table]
   if unknown:
     raise ValueError(f"unknown variants {unknown}; known: {sorted(table)}")
-  return {n: table[n] for n in names}
+  return {n: (table[n] + ("zeros",))[:4] for n in names}
+
+
+def _matmul_repeat_padding(x: jax.Array, w: jax.Array, min_rows: int = 1) -> jax.Array:
+  """``jaxoverlap.nnx.layers._matmul`` with the pad rows copies of the real rows, not zeros."""
+  rows = int(np.prod(x.shape[:-1]))
+  if rows >= min_rows:
+    return jnp.matmul(x, w, preferred_element_type=jnp.float32).astype(x.dtype)
+  copies = -(-min_rows // rows)
+  x_rk = jnp.tile(x.reshape(rows, x.shape[-1]), (copies, 1))
+  y_rn = jnp.matmul(x_rk, w, preferred_element_type=jnp.float32)[:rows]
+  return y_rn.reshape(*x.shape[:-1], w.shape[-1]).astype(x.dtype)
+
+
+def count_fusions(hlo_text: str) -> dict[str, int]:
+  """Kernel launches of a compiled module by kind, from its optimized HLO text.
+
+  Counts the ``fusion`` and ``custom-call`` instructions of every computation
+  that is not itself the body of a fusion, keyed by the instruction's name
+  without its numeric suffix (``loop_pad_fusion``, ``gemm_fusion_dot``,
+  ``input_reduce_fusion``, ...); "total" is their sum. A decode loop's body
+  runs once per token, so its counts are kernels per token (copies and the
+  loop's own bookkeeping are not counted).
+  """
+  counts: collections.Counter[str] = collections.Counter()
+  for block in re.split(r"\n\s*\n", hlo_text):
+    header = block.lstrip().split("\n", 1)[0]
+    if "fused" in header.split("(", 1)[0] or "_computation" in header.split("(", 1)[0]:
+      continue
+    for m in re.finditer(r"^\s*(?:ROOT\s+)?%?([\w.\-]+) = [^\n]*?\b(fusion|custom-call)\(",
+                         block, re.M):
+      counts[re.sub(r"(?:[._]\d+)+$", "", m.group(1))] += 1
+  counts["total"] = sum(counts.values())
+  return dict(counts)
+
+
+@contextlib.contextmanager
+def padding(kind: str):
+  """The layers pad their one-row GEMMs with ``kind`` ("zeros": the library's) while tracing."""
+  from jaxoverlap.nnx import layers
+
+  saved = layers._matmul  # noqa: SLF001
+  if kind == "repeat":
+    layers._matmul = _matmul_repeat_padding  # noqa: SLF001
+  try:
+    yield
+  finally:
+    layers._matmul = saved  # noqa: SLF001
 
 
 def shard_config(cfg: decode.DecoderConfig, tp: int) -> decode.DecoderConfig:
@@ -278,7 +332,7 @@ def run(cfg: decode.DecoderConfig, mesh, *, batches: list[int], variant_names: l
   log(f"weights {weight_bytes / 1e9:.3f} GB, HBM read {hbm} GB/s "
       f"(roofline of the weights alone {weight_bytes / gbs / 1e3:.1f} us per token)")
   prefill = decode.make_prefill_fn(cfg, mesh)
-  records, profiles = [], {}
+  records, profiles, fusions = [], {}, {}
   for batch in batches:
     rng = np.random.default_rng([seed, batch])
     prompt = rng.integers(0, cfg.vocab, (batch, prompt_len), dtype=np.int32)
@@ -286,10 +340,11 @@ def run(cfg: decode.DecoderConfig, mesh, *, batches: list[int], variant_names: l
                          decode._global(mesh, prompt))  # noqa: SLF001
     pos = decode._global(mesh, np.int32(prompt_len))  # noqa: SLF001
     lowered = {}
-    for rows, attention in sorted({(r, a) for _, r, a in opts.values()}):
+    for rows, attention, pad in sorted({v[1:] for v in opts.values()}):
       gen = decode.make_generate_fn(dataclasses.replace(cfg, attention=attention), mesh,
                                     decode.FLOOR, num_tokens, min_matmul_rows=rows)
-      lowered[rows, attention] = gen.lower(params, cache, tok, pos)
+      with padding(pad):
+        lowered[rows, attention, pad] = gen.lower(params, cache, tok, pos)
     state = {"cache": cache}
 
     def call(fn):
@@ -297,14 +352,15 @@ def run(cfg: decode.DecoderConfig, mesh, *, batches: list[int], variant_names: l
       return toks
 
     calls = {}
-    for name, (o, rows, attention) in opts.items():
+    for name, (o, rows, attention, pad) in opts.items():
       t0 = time.perf_counter()
-      calls[f"step/{name}"] = functools.partial(
-          call, lowered[rows, attention].compile(compiler_options=o))
+      compiled = lowered[rows, attention, pad].compile(compiler_options=o)
+      calls[f"step/{name}"] = functools.partial(call, compiled)
+      fusions[f"{name} b{batch}"] = count_fusions(compiled.as_text())
       log(f"batch {batch}: compiled step/{name} in {time.perf_counter() - t0:.1f} s")
     x = jnp.asarray(rng.standard_normal((batch, cfg.d_model)), cfg.dtype)
-    for name, (o, rows, attention) in opts.items():
-      if attention != "xla":  # the same matmuls as the variant without it
+    for name, (o, rows, attention, pad) in opts.items():
+      if attention != "xla" or pad != "zeros":  # the same matmuls as the variant without it
         continue
       mm = make_matmuls_fn(num_tokens, rows).lower(mats, x).compile(compiler_options=o)
       calls[f"matmuls/{name}"] = functools.partial(mm, mats, x)
@@ -321,11 +377,18 @@ def run(cfg: decode.DecoderConfig, mesh, *, batches: list[int], variant_names: l
     records.append({"op": "decode_floor_token", "impl": "roofline", "dtype": cfg.dtype,
                     "shape": shape, "time_us": round(roof_us, 2), "vs_roofline": 1.0})
     log(f"batch {batch:>3}: us/token roofline={roof_us:.1f} " + " ".join(line))
+    for name in opts:
+      f = fusions[f"{name} b{batch}"]
+      log(f"batch {batch:>3}: step/{name} compiles to {f['total']} kernels ("
+          + ", ".join(f"{k} {v}" for k, v in sorted(f.items(), key=lambda kv: -kv[1])
+                      if k != "total")[:400] + ")")
     for name in profile_variants if profile_tokens > 0 else []:
-      o, rows, attention = opts[name]
+      o, rows, attention, pad = opts[name]
       prof_gen = decode.make_generate_fn(dataclasses.replace(cfg, attention=attention), mesh,
                                          decode.FLOOR, profile_tokens, min_matmul_rows=rows)
-      compiled = prof_gen.lower(params, state["cache"], tok, pos).compile(
+      with padding(pad):
+        prof_lowered = prof_gen.lower(params, state["cache"], tok, pos)
+      compiled = prof_lowered.compile(
           compiler_options={**o, "xla_enable_command_buffers_during_profiling": True})
       key = f"{name} b{batch}"
       p = profiles[key] = profile_call(functools.partial(call, compiled), profile_tokens,
@@ -336,9 +399,10 @@ def run(cfg: decode.DecoderConfig, mesh, *, batches: list[int], variant_names: l
           f"({p.get('source', '')})")
   extra = {"hbm_read_gbs": hbm, "weight_bytes": weight_bytes,
            "command_buffer_types": default_command_buffer_types(),
-           "variants": {n: {"compile_options": o, "min_matmul_rows": r, "attention": a}
-                        for n, (o, r, a) in opts.items()},
-           "profile": profiles}
+           "variants": {n: {"compile_options": o, "min_matmul_rows": r, "attention": a,
+                            "padding": pad}
+                        for n, (o, r, a, pad) in opts.items()},
+           "profile": profiles, "fusions": fusions}
   return records, extra
 
 
