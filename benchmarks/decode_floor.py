@@ -115,10 +115,10 @@ def variants(names: list[str]) -> dict[str, tuple[dict[str, Any], int, str]]:
   (``ParallelConfig.min_matmul_rows=4``); ``cudnn`` and ``rows4_cudnn``: as
   ``xla_default`` and ``rows4`` with the attention core of each decode step
   as one cuDNN kernel (``ParallelConfig.attention_implementation="cudnn"``);
-  ``rows2_cudnn``: the GEMMs padded to 2 rows, cuDNN attention;
-  ``rows2repeat_cudnn``: the same, the pad rows copies of the real ones
-  instead of zeros (``repeat_padding``: can XLA fuse the copy into the GEMM
-  where it runs the zero pad as a kernel of its own?).
+  ``rows2_cudnn``: the GEMMs padded to 2 rows (copies of the real row),
+  cuDNN attention; ``rows2zeros_cudnn``: the same with zero rows, as the
+  layers padded up to commit 7d7ebc7 (XLA runs the zero pad as a kernel of
+  its own, and fuses the copies into the GEMM).
 
   Returns:
     name -> (compile options, min_matmul_rows, attention implementation,
@@ -132,20 +132,19 @@ def variants(names: list[str]) -> dict[str, tuple[dict[str, Any], int, str]]:
            "graphs_while": ({CMDBUF: ",".join(sorted(set(types) | {"WHILE"}))}, 1, "xla"),
            "cublas": ({"xla_gpu_enable_triton_gemm": False}, 1, "xla"), "rows4": ({}, 4, "xla"),
            "cudnn": ({}, 1, "cudnn"), "rows4_cudnn": ({}, 4, "cudnn"),
-           "rows2_cudnn": ({}, 2, "cudnn"), "rows2repeat_cudnn": ({}, 2, "cudnn", "repeat")}
+           "rows2_cudnn": ({}, 2, "cudnn"), "rows2zeros_cudnn": ({}, 2, "cudnn", "zeros")}
   unknown = [n for n in names if n not in table]
   if unknown:
     raise ValueError(f"unknown variants {unknown}; known: {sorted(table)}")
-  return {n: (table[n] + ("zeros",))[:4] for n in names}
+  return {n: (table[n] + ("copies",))[:4] for n in names}
 
 
-def _matmul_repeat_padding(x: jax.Array, w: jax.Array, min_rows: int = 1) -> jax.Array:
-  """``jaxoverlap.nnx.layers._matmul`` with the pad rows copies of the real rows, not zeros."""
+def _matmul_zero_padding(x: jax.Array, w: jax.Array, min_rows: int = 1) -> jax.Array:
+  """``jaxoverlap.nnx.layers._matmul`` as it was: the pad rows zeros, not copies of the rows."""
   rows = int(np.prod(x.shape[:-1]))
   if rows >= min_rows:
     return jnp.matmul(x, w, preferred_element_type=jnp.float32).astype(x.dtype)
-  copies = -(-min_rows // rows)
-  x_rk = jnp.tile(x.reshape(rows, x.shape[-1]), (copies, 1))
+  x_rk = jnp.pad(x.reshape(rows, x.shape[-1]), ((0, min_rows - rows), (0, 0)))
   y_rn = jnp.matmul(x_rk, w, preferred_element_type=jnp.float32)[:rows]
   return y_rn.reshape(*x.shape[:-1], w.shape[-1]).astype(x.dtype)
 
@@ -157,13 +156,13 @@ def count_fusions(hlo_text: str) -> dict[str, int]:
   that is not itself the body of a fusion, keyed by the instruction's name
   without its numeric suffix (``loop_pad_fusion``, ``gemm_fusion_dot``,
   ``input_reduce_fusion``, ...); "total" is their sum. A decode loop's body
-  runs once per token, so its counts are kernels per token (copies and the
-  loop's own bookkeeping are not counted).
+  runs once per token, so its counts are kernels per token, give or take the
+  few kernels outside the loop (copies are not counted).
   """
   counts: collections.Counter[str] = collections.Counter()
   for block in re.split(r"\n\s*\n", hlo_text):
-    header = block.lstrip().split("\n", 1)[0]
-    if "fused" in header.split("(", 1)[0] or "_computation" in header.split("(", 1)[0]:
+    name = block.lstrip().split("\n", 1)[0].split("(", 1)[0]
+    if "fused" in name or "_computation" in name:
       continue
     for m in re.finditer(r"^\s*(?:ROOT\s+)?%?([\w.\-]+) = [^\n]*?\b(fusion|custom-call)\(",
                          block, re.M):
@@ -174,12 +173,12 @@ def count_fusions(hlo_text: str) -> dict[str, int]:
 
 @contextlib.contextmanager
 def padding(kind: str):
-  """The layers pad their one-row GEMMs with ``kind`` ("zeros": the library's) while tracing."""
+  """The layers pad their short GEMMs with ``kind`` while tracing ("copies": the library's)."""
   from jaxoverlap.nnx import layers
 
   saved = layers._matmul  # noqa: SLF001
-  if kind == "repeat":
-    layers._matmul = _matmul_repeat_padding  # noqa: SLF001
+  if kind == "zeros":
+    layers._matmul = _matmul_zero_padding  # noqa: SLF001
   try:
     yield
   finally:
@@ -360,7 +359,7 @@ def run(cfg: decode.DecoderConfig, mesh, *, batches: list[int], variant_names: l
       log(f"batch {batch}: compiled step/{name} in {time.perf_counter() - t0:.1f} s")
     x = jnp.asarray(rng.standard_normal((batch, cfg.d_model)), cfg.dtype)
     for name, (o, rows, attention, pad) in opts.items():
-      if attention != "xla" or pad != "zeros":  # the same matmuls as the variant without it
+      if attention != "xla" or pad != "copies":  # the same matmuls as the variant without it
         continue
       mm = make_matmuls_fn(num_tokens, rows).lower(mats, x).compile(compiler_options=o)
       calls[f"matmuls/{name}"] = functools.partial(mm, mats, x)

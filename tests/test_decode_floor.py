@@ -5,7 +5,11 @@ import os
 import sys
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
+
+from jaxoverlap.nnx import layers
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
 import decode  # noqa: E402
@@ -24,14 +28,44 @@ def test_shard_config_divides_the_sharded_sizes_and_keeps_head_dim():
 
 
 def test_variants_and_their_errors():
-  v = decode_floor.variants(["xla_default", "no_graphs", "graphs_while", "rows4", "rows4_cudnn"])
-  assert v["xla_default"] == ({}, 1, "xla")
-  assert v["no_graphs"] == ({decode_floor.CMDBUF: ""}, 1, "xla")
+  v = decode_floor.variants(["xla_default", "no_graphs", "graphs_while", "rows4", "rows4_cudnn",
+                             "rows2zeros_cudnn"])
+  assert v["xla_default"] == ({}, 1, "xla", "copies")
+  assert v["no_graphs"] == ({decode_floor.CMDBUF: ""}, 1, "xla", "copies")
   assert "WHILE" in v["graphs_while"][0][decode_floor.CMDBUF].split(",")
-  assert v["rows4"] == ({}, 4, "xla") and v["rows4_cudnn"] == ({}, 4, "cudnn")
+  assert v["rows4"] == ({}, 4, "xla", "copies") and v["rows4_cudnn"] == ({}, 4, "cudnn", "copies")
+  assert v["rows2zeros_cudnn"] == ({}, 2, "cudnn", "zeros")
   assert "FUSION" in decode_floor.default_command_buffer_types()
   with pytest.raises(ValueError, match="unknown variants"):
     decode_floor.variants(["fast"])
+
+
+def test_zero_padding_is_traced_inside_its_context_only():
+  x, w = jnp.ones((1, 1, 8), jnp.float32), jnp.ones((8, 4), jnp.float32)
+  matmul = lambda: str(jax.make_jaxpr(lambda x, w: layers._matmul(x, w, 2))(x, w))  # noqa: E731, SLF001
+  assert " pad[" not in matmul()
+  with decode_floor.padding("zeros"):
+    assert " pad[" in matmul()
+    np.testing.assert_array_equal(layers._matmul(x, w, 2), x @ w)  # noqa: SLF001
+  assert " pad[" not in matmul()
+
+
+def test_count_fusions_skips_fused_bodies():
+  text = """HloModule m
+
+%fused_computation.3 (p: f32[2]) -> f32[2] {
+  %inner_fusion.1 = f32[2] fusion(f32[2] %p), kind=kLoop, calls=%x
+}
+
+%body.12 (arg: (s32[])) -> (s32[]) {
+  %loop_pad_fusion.4 = bf16[2,8] fusion(bf16[1,8] %a), kind=kLoop, calls=%fused_computation.3
+  %loop_pad_fusion_2.1 = bf16[2,8] fusion(bf16[1,8] %b), kind=kLoop, calls=%fused_computation.3
+  %gemm_fusion_dot.7 = bf16[2,4] fusion(bf16[2,8] %c, bf16[8,4] %d), kind=kCustom
+  ROOT %custom-call.2 = (bf16[2,4]) custom-call(bf16[2,4] %e), custom_call_target="x"
+}
+"""
+  assert decode_floor.count_fusions(text) == {"loop_pad_fusion": 2, "gemm_fusion_dot": 1,
+                                              "custom-call": 1, "total": 4}
 
 
 def test_kv_read_bytes():
@@ -56,7 +90,10 @@ def test_run_times_every_variant_against_the_roofline(tmp_path):
         r["time_us"] / roof[r["shape"]["batch"]], rel=1e-2)
   assert extra["weight_bytes"] > 0 and extra["hbm_read_gbs"]["best"] > 0
   assert extra["variants"]["rows4"] == {"compile_options": {}, "min_matmul_rows": 4,
-                                       "attention": "xla"}
+                                       "attention": "xla", "padding": "copies"}
+  assert set(extra["fusions"]) == {"xla_default b1", "xla_default b2", "rows4 b1", "rows4 b2"}
+  for f in extra["fusions"].values():  # the CPU's kernels, counted the same way
+    assert f["total"] == sum(v for k, v in f.items() if k != "total") > 0
   assert set(extra["profile"]) == {"rows4 b1", "rows4 b2"}
   for p in extra["profile"].values():  # host threads on CPU; the fields are there
     assert "error" in p or p["kernels_per_token"] > 0

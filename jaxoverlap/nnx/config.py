@@ -131,10 +131,10 @@ class ParallelConfig:
       Needs a row reduction: ``row_reduction="none"`` is refused. Blocks
       chained through ``next_norm`` (``jaxoverlap.nnx.apply_blocks``) fuse
       the MLP's reduction too, with the next block's or the final norm.
-    min_matmul_rows: the layers' local GEMMs pad their rows, all dimensions
-      of ``x`` but the last, with zeros to at least this many and drop the
-      padding from the product; values and gradients are those of the
-      unpadded product. The local GEMMs are ``ColumnParallelLinear``'s without
+    min_matmul_rows: the layers' local GEMMs repeat their rows, all
+      dimensions of ``x`` but the last, until there are at least this many,
+      and drop the copies from the product; values and gradients are those of
+      the unpadded product. The local GEMMs are ``ColumnParallelLinear``'s without
       SP and ``RowParallelLinear``'s with ``row_reduction`` "all_reduce" or
       "none"; the fused ops (``matmul_all_reduce``, the SP ops) are not
       padded. XLA (jax 0.11.2 on H200) compiles a

@@ -116,13 +116,17 @@ def _matmul(x: jax.Array, w: jax.Array, min_rows: int = 1) -> jax.Array:
   """Local ``x @ w`` with fp32 accumulation, returned in ``x.dtype``.
 
   Fewer than ``min_rows`` rows (the dimensions of ``x`` but the last) are
-  padded with zero rows for the product and cut off after it
-  (``ParallelConfig.min_matmul_rows``).
+  repeated, whole, until there are at least ``min_rows`` for the product, and
+  the copies are cut off after it (``ParallelConfig.min_matmul_rows``). Copies
+  rather than zero rows: XLA fuses the broadcast into the GEMM, where it ran a
+  zero pad as a kernel of its own (docs/decode.md).
   """
   rows = math.prod(x.shape[:-1])
   if rows >= min_rows:
     return jnp.matmul(x, w, preferred_element_type=jnp.float32).astype(x.dtype)
-  x_rk = jnp.pad(x.reshape(rows, x.shape[-1]), ((0, min_rows - rows), (0, 0)))
+  copies = -(-min_rows // rows)
+  x_ck = jnp.broadcast_to(x.reshape(1, rows, x.shape[-1]), (copies, rows, x.shape[-1]))
+  x_rk = x_ck.reshape(copies * rows, x.shape[-1])
   y_rn = jnp.matmul(x_rk, w, preferred_element_type=jnp.float32)[:rows]
   return y_rn.reshape(*x.shape[:-1], w.shape[-1]).astype(x.dtype)
 
