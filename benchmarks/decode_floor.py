@@ -117,7 +117,7 @@ def variants(names: list[str]) -> dict[str, tuple[dict[str, Any], int, str]]:
   as one cuDNN kernel (``ParallelConfig.attention_implementation="cudnn"``);
   ``rows2_cudnn``: the GEMMs padded to 2 rows (copies of the real row),
   cuDNN attention; ``rows2zeros_cudnn``: the same with zero rows, as the
-  layers padded up to commit 7d7ebc7 (XLA runs the zero pad as a kernel of
+  layers padded before commit a27c677 (XLA runs the zero pad as a kernel of
   its own, and fuses the copies into the GEMM).
 
   Returns:
