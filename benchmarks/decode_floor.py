@@ -118,9 +118,7 @@ def variants(names: list[str]) -> dict[str, tuple[dict[str, Any], int, str]]:
   ``rows2_cudnn``: the GEMMs padded to 2 rows (copies of the real row),
   cuDNN attention; ``rows2zeros_cudnn``: the same with zero rows, as the
   layers padded before commit a27c677 (XLA runs the zero pad as a kernel of
-  its own, and fuses the copies into the GEMM); ``rows2norms_cudnn``: as
-  ``rows2_cudnn``, and the RMSNorms of fewer than 2 rows run on copies too
-  (``padding``).
+  its own, and fuses the copies into the GEMM).
 
   Returns:
     name -> (compile options, min_matmul_rows, attention implementation,
@@ -134,8 +132,7 @@ def variants(names: list[str]) -> dict[str, tuple[dict[str, Any], int, str]]:
            "graphs_while": ({CMDBUF: ",".join(sorted(set(types) | {"WHILE"}))}, 1, "xla"),
            "cublas": ({"xla_gpu_enable_triton_gemm": False}, 1, "xla"), "rows4": ({}, 4, "xla"),
            "cudnn": ({}, 1, "cudnn"), "rows4_cudnn": ({}, 4, "cudnn"),
-           "rows2_cudnn": ({}, 2, "cudnn"), "rows2zeros_cudnn": ({}, 2, "cudnn", "zeros"),
-           "rows2norms_cudnn": ({}, 2, "cudnn", "copies_norms")}
+           "rows2_cudnn": ({}, 2, "cudnn"), "rows2zeros_cudnn": ({}, 2, "cudnn", "zeros")}
   unknown = [n for n in names if n not in table]
   if unknown:
     raise ValueError(f"unknown variants {unknown}; known: {sorted(table)}")
@@ -176,34 +173,16 @@ def count_fusions(hlo_text: str) -> dict[str, int]:
 
 @contextlib.contextmanager
 def padding(kind: str):
-  """The layers pad their short GEMMs with ``kind`` while tracing.
-
-  "copies": the library's; "zeros": as before commit a27c677; "copies_norms":
-  the library's, and every ``RMSNorm`` of fewer rows than the GEMMs' minimum
-  runs on as many copies of its rows, its result cut back (does XLA then
-  make the norm one kernel, as it does at two rows?).
-  """
+  """The layers pad their short GEMMs with ``kind`` while tracing ("copies": the library's)."""
   from jaxoverlap.nnx import layers
 
-  saved = layers._matmul, layers.RMSNorm.__call__  # noqa: SLF001
+  saved = layers._matmul  # noqa: SLF001
   if kind == "zeros":
     layers._matmul = _matmul_zero_padding  # noqa: SLF001
-  elif kind == "copies_norms":
-    norm = layers.RMSNorm.__call__
-
-    def norm_on_copies(self, x_bsd):
-      b, rows = x_bsd.shape[0], x_bsd.shape[0] * x_bsd.shape[1]
-      copies = -(-self.config.min_matmul_rows // rows)
-      if copies == 1:
-        return norm(self, x_bsd)
-      x_cbsd = jnp.broadcast_to(x_bsd[None], (copies, *x_bsd.shape))
-      return norm(self, x_cbsd.reshape(copies * b, *x_bsd.shape[1:]))[:b]
-
-    layers.RMSNorm.__call__ = norm_on_copies
   try:
     yield
   finally:
-    layers._matmul, layers.RMSNorm.__call__ = saved  # noqa: SLF001
+    layers._matmul = saved  # noqa: SLF001
 
 
 def shard_config(cfg: decode.DecoderConfig, tp: int) -> decode.DecoderConfig:

@@ -29,13 +29,12 @@ def test_shard_config_divides_the_sharded_sizes_and_keeps_head_dim():
 
 def test_variants_and_their_errors():
   v = decode_floor.variants(["xla_default", "no_graphs", "graphs_while", "rows4", "rows4_cudnn",
-                             "rows2zeros_cudnn", "rows2norms_cudnn"])
+                             "rows2zeros_cudnn"])
   assert v["xla_default"] == ({}, 1, "xla", "copies")
   assert v["no_graphs"] == ({decode_floor.CMDBUF: ""}, 1, "xla", "copies")
   assert "WHILE" in v["graphs_while"][0][decode_floor.CMDBUF].split(",")
   assert v["rows4"] == ({}, 4, "xla", "copies") and v["rows4_cudnn"] == ({}, 4, "cudnn", "copies")
   assert v["rows2zeros_cudnn"] == ({}, 2, "cudnn", "zeros")
-  assert v["rows2norms_cudnn"] == ({}, 2, "cudnn", "copies_norms")
   assert "FUSION" in decode_floor.default_command_buffer_types()
   with pytest.raises(ValueError, match="unknown variants"):
     decode_floor.variants(["fast"])
@@ -49,17 +48,6 @@ def test_zero_padding_is_traced_inside_its_context_only():
     assert " pad[" in matmul()
     np.testing.assert_array_equal(layers._matmul(x, w, 2), x @ w)  # noqa: SLF001
   assert " pad[" not in matmul()
-
-
-def test_norms_on_copies_inside_their_context_only():
-  config = decode.jnnx.ParallelConfig(min_matmul_rows=3)
-  norm = layers.RMSNorm(8, config=config, rngs=None)
-  x = jax.random.normal(jax.random.key(1), (1, 1, 8), jnp.float32)
-  want = norm(x)
-  with decode_floor.padding("copies_norms"):
-    assert "f32[3,1,8]" in str(jax.make_jaxpr(lambda x: norm(x))(x))
-    np.testing.assert_array_equal(norm(x), want)
-  assert "f32[3,1,8]" not in str(jax.make_jaxpr(lambda x: norm(x))(x))
 
 
 def test_count_fusions_skips_fused_bodies():
