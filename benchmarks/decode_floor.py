@@ -47,7 +47,8 @@ What runs (one GPU, one process, no communication):
 Results: ``<out>/decode_floor-<machine>.json`` (records: op
 "decode_floor_token", impl "step/<variant>", "matmuls/<variant>" or "roofline",
 time_us per token, with batch and the shard's sizes; the profile per batch
-under "profile") and a Markdown table on stdout.
+under "profile"; the kernels of each variant's compiled step by kind, from
+its optimized HLO, under "fusions") and a Markdown table on stdout.
 
 Example:
   python benchmarks/decode_floor.py --layers 32 --batches 1,4,16
@@ -103,7 +104,7 @@ def default_command_buffer_types() -> list[str]:
     return list(_DEFAULT_TYPES)
 
 
-def variants(names: list[str]) -> dict[str, tuple[dict[str, Any], int, str]]:
+def variants(names: list[str]) -> dict[str, tuple[dict[str, Any], int, str, str]]:
   """Compile options, ``min_matmul_rows`` and attention core of each variant name.
 
   ``xla_default``: none; ``no_graphs``: no command buffers at all;
@@ -122,7 +123,7 @@ def variants(names: list[str]) -> dict[str, tuple[dict[str, Any], int, str]]:
 
   Returns:
     name -> (compile options, min_matmul_rows, attention implementation,
-    padding: "zeros" or "repeat").
+    padding: "copies" or "zeros").
 
   Raises:
     ValueError: an unknown name.
