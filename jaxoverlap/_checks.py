@@ -84,6 +84,11 @@ def axis_size(op: str, axis_name) -> int:
         f"(axes {mesh_axes}) does not have; call {op} inside jax.shard_map over a mesh "
         "with that axis")
   outside = [a for a in names_ if a not in manual]
+  if outside and manual:
+    raise ValueError(
+        f"{op}: axis {tuple(outside)} of the mesh is not manual here: the enclosing "
+        f"jax.shard_map is manual over {tuple(a for a in mesh_axes if a in manual)} only; "
+        f"add {tuple(outside)} to its axis_names (or leave axis_names out: all mesh axes)")
   if outside:
     raise ValueError(
         f"{op}: axis {tuple(outside)} of the mesh is not manual here: {op} must be called "
@@ -151,7 +156,8 @@ def check_matmul_operands(op: str, x, w) -> None:
   if x.shape[-1] != w.shape[0]:
     raise ValueError(
         f"{op}: x.shape[-1]={x.shape[-1]} does not match w.shape[0]={w.shape[0]} "
-        f"(the contracted dimension k)")
+        f"(the contracted dimension k; inside jax.shard_map these are the per-rank shards: "
+        f"check that in_specs shard x's last and w's first dimension alike)")
 
 
 def normalize_dimension(op: str, name: str, dim, ndim: int, what: str) -> int:

@@ -73,7 +73,8 @@ def test_good_input_traces():
 def test_contracted_dimension_mismatch():
   with pytest.raises(ValueError, match=re.escape(
       "all_gather_matmul: x.shape[-1]=96 does not match w.shape[0]=64 "
-      "(the contracted dimension k)")):
+      "(the contracted dimension k; inside jax.shard_map these are the per-rank shards: "
+      "check that in_specs shard x's last and w's first dimension alike)")):
     trace(agmm(), ((8, 96), F32), ((64, 16), F32))
 
 
@@ -213,6 +214,17 @@ def test_axis_name_under_set_mesh_but_outside_shard_map():
         "all_reduce: axis ('tp',) of the mesh is not manual here: all_reduce must be called "
         "inside jax.shard_map")):
       jax.eval_shape(lambda x: collectives.all_reduce(x, "tp"), jax.ShapeDtypeStruct((8,), F32))
+
+
+def test_axis_name_of_a_shard_map_manual_over_other_axes():
+  """Inside shard_map over 'dp' only, 'tp' is not manual: name the missing axis_names entry."""
+  mesh = jax.make_mesh((2, 2), ("dp", "tp"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+  f = jax.shard_map(lambda x: collectives.all_reduce(x, "tp"), mesh=mesh, in_specs=P("dp"),
+                    out_specs=P("dp"), axis_names={"dp"})
+  with pytest.raises(ValueError, match=re.escape(
+      "all_reduce: axis ('tp',) of the mesh is not manual here: the enclosing jax.shard_map is "
+      "manual over ('dp',) only; add ('tp',) to its axis_names")):
+    jax.eval_shape(f, jax.ShapeDtypeStruct((8,), F32))
 
 
 def test_vmap_axis_name_is_not_a_mesh_axis():
