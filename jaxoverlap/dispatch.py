@@ -475,7 +475,8 @@ def _all_reduce_plan(r, dtype, local_size, num_nodes, facts, cuda) -> Plan:
     algorithm, protocol = r.algorithm, None
     why.append(("algorithm", "requested"))
   else:
-    choice = _tuning_policy().choose(nbytes, dtype.itemsize, local_size, num_nodes)
+    choice = _tuning_policy().choose(nbytes, dtype.itemsize, local_size, num_nodes,
+                                     facts.transport)
     if choice.algorithm == _policy.PSUM:
       if r.protocol != names.AUTO:
         raise ValueError(f"all_reduce: protocol={r.protocol!r} was requested, but the policy "

@@ -1,9 +1,17 @@
 """Measures every all-reduce algorithm against lax.psum and saves the tuning table.
 
-Run it inside every process of the job, one process per GPU:
+Run it inside every process of the job, one process per GPU, or in the one
+process that drives every GPU of the host (JAX's default):
 
   python -m jaxoverlap.launch --nproc 8 -m jaxoverlap.tune
   srun --ntasks-per-node 8 python -m jaxoverlap.tune --out /shared/all_reduce-tuning.json
+  python -m jaxoverlap.tune --out /tmp/one_process.json
+
+Each record carries the process model (``processes``, ``transport``: "nvshmem"
+across processes, "peer" within one). Where a table holds records of the
+caller's transport, psum's among them, the policy decides from those alone
+(``tuning.Policy.choose``), so one table can serve both models: build it from
+both runs' files with ``--from_results``.
 
 For each size (``--sizes``, per-rank bytes) every impl is first checked
 against a float32 psum of the same inputs, on three different inputs in a row
@@ -288,6 +296,8 @@ def main(argv):
       ranks_per_node=ranks_per_node, world=world, log=log, measure_row=bench.measure_row)
   for r in rejected:
     log(f"rejected {r['impl']} at {r['bytes']} B: {r['reason']}")
+  for r in records:  # the process model: the policy prefers the records of the caller's
+    r.update(processes=jax.process_count(), transport=rt.get("transport"))
 
   result = None
   if rank == 0:
@@ -307,7 +317,8 @@ def main(argv):
     print(f"wrote {path} (process {rank})", flush=True)
   if rank == 0:
     policy = tuning.Policy.from_result(result, FLAGS.out or None)
-    for row in policy.table(ranks_per_node, num_nodes, sizes=sizes, itemsize=dtype.itemsize):
+    for row in policy.table(ranks_per_node, num_nodes, sizes=sizes, itemsize=dtype.itemsize,
+                            transport=rt.get("transport")):
       print(f"{row['bytes']:>10} B  {row['impl']:<28} {row['source']}", flush=True)
 
 

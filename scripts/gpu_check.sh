@@ -30,6 +30,9 @@
 #       twice) | epochab2 (the norm kernel the same way, then the bookkeeping probe)
 #       | pdlfloor (one GPU: the custom-call launch floor with and without programmatic
 #       dependent launch, and with the all-reduce kernels' per-call bookkeeping; PDL_FLAGS)
+#       | tune1process (every kernel timed in one process driving both GPUs, a tuning table
+#       with those records beside the committed two-process ones, then auto with it, in one
+#       and in two processes)
 #       | retune (1 x 2 bench of every kernel, a tuning table built from it and the committed
 #       2 x 1 run, then auto with that table beside psum, in two and in one process); 4/8 GPUs:
 #       multigpu_bench | multigpu_fused
@@ -46,7 +49,7 @@ WHAT=${1:-}
 VERBS=" build suite bench bench2 autobench quickbench tune ovbench ovbenchfull ovwindowed"
 VERBS="$VERBS ovcalibrate train cmdbufcost profile ovprofilegraphs decode procbench multigpu_bench"
 VERBS="$VERBS multigpu_fused normbench decodefloor pallasbench retune lamportab contention"
-VERBS="$VERBS ovrepeat ovrepeat2 pdlfloor epochab epochab2 "
+VERBS="$VERBS ovrepeat ovrepeat2 pdlfloor epochab epochab2 tune1process "
 if [ -z "$WHAT" ] || [[ "$VERBS" != *" $WHAT "* ]]; then
   echo "usage: bash scripts/gpu_check.sh <verb> (verbs:$VERBS)" >&2
   exit 2
@@ -134,6 +137,24 @@ if [ "$WHAT" = retune ] && [ "$NGPU" -ge 2 ]; then
     --sizes 8K,64K,256K,512K,1M,2M,4M,16M,64M --reps 20
   run autobench_1process 120 JAXOVERLAP_TUNING_FILE="$TABLE" $PY benchmarks/all_reduce.py \
     --out "$OUT/processes1" --impls jaxoverlap:auto,xla:psum --sizes 8K,64K,256K,1M,4M --reps 30
+fi
+
+if [ "$WHAT" = tune1process ] && [ "$NGPU" -ge 2 ]; then
+  # The single-process model's own records (transport "peer") beside the committed
+  # two-process ones: every kernel timed in one process driving both GPUs, a table of the
+  # three files (the policy prefers the records of the caller's transport), then auto with
+  # that table beside psum, in one process and in two.
+  run bench_1process 300 $PY benchmarks/all_reduce.py --out "$OUT/processes1_all" \
+    --sizes 8K,64K,256K,512K,1M,2M,4M
+  TABLE="$OUT/all_reduce-NVIDIA_H200.json"
+  $PY -m jaxoverlap.tune --out "$TABLE" --from_results \
+    "benchmarks/results/all_reduce-2x_H200_NV18-1x2.json,benchmarks/results/all_reduce-2x_H200_NV18-2x1.json,$OUT/processes1_all/all_reduce-2x_H200_NV18-1x2.json" \
+    || { echo "!! table not built"; status=1; }
+  run autobench_1process 120 JAXOVERLAP_TUNING_FILE="$TABLE" $PY benchmarks/all_reduce.py \
+    --out "$OUT/processes1" --impls jaxoverlap:auto,xla:psum --sizes 8K,64K,256K,512K,1M --reps 30
+  run autobench_2processes 120 JAXOVERLAP_TUNING_FILE="$TABLE" $PY -m jaxoverlap.launch \
+    --nproc 2 --timeout_s 110 benchmarks/all_reduce.py --out "$OUT/processes2" \
+    --impls jaxoverlap:auto,xla:psum --sizes 8K,64K,256K,512K,1M --reps 30
 fi
 
 if [ "$WHAT" = lamportab ] && [ "$NGPU" -ge 2 ]; then

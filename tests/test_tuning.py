@@ -24,10 +24,11 @@ def _clean_env(monkeypatch, tmp_path):
   monkeypatch.setenv("JAXOVERLAP_TUNING_FILE", str(tmp_path / "none.json"))
 
 
-def _records(times, *, rpn=2, world=2, dtype="bfloat16"):
+def _records(times, *, rpn=2, world=2, dtype="bfloat16", transport=None):
   """times: {impl: {bytes: us}} -> records of the results format."""
+  extra = {} if transport is None else {"transport": transport}
   return [{"op": "all_reduce", "impl": impl, "dtype": dtype, "bytes": b, "shape": [b // 2],
-           "world": world, "ranks_per_node": rpn, "time_us": t}
+           "world": world, "ranks_per_node": rpn, "time_us": t, **extra}
           for impl, by_size in times.items() for b, t in by_size.items()]
 
 
@@ -143,6 +144,35 @@ def test_policy_picks_measured_fastest_and_psum():
   assert policy.choose(262144, 2, 2, 1)[:2] == ("two_shot", "simple")
   c = policy.choose(4194304, 2, 2, 1)
   assert (c.algorithm, c.protocol) == ("psum", None) and c.source.startswith("measured")
+
+
+def test_policy_prefers_the_records_of_the_callers_transport():
+  """One process ("peer") measured Lamport faster at 256 KiB; two processes ("nvshmem") LL."""
+  two = {"xla:psum": {262144: 14.0}, "jaxoverlap:one_shot_ll": {262144: 7.0},
+         "jaxoverlap:one_shot_lamport": {262144: 7.4}}
+  one = {"xla:psum": {262144: 12.0}, "jaxoverlap:one_shot_ll": {262144: 6.4},
+         "jaxoverlap:one_shot_lamport": {262144: 5.9}}
+  policy = tuning.Policy(_records(two, transport="nvshmem") + _records(one, transport="peer"), P,
+                         path="t.json")
+  c = policy.choose(262144, 2, 2, 1, "peer")
+  assert (c.algorithm, c.protocol, c.time_us) == ("one_shot", "lamport", 5.9)
+  assert c.source == "measured (t.json, the records of transport 'peer', at 262144 bytes)"
+  c = policy.choose(262144, 2, 2, 1, "nvshmem")
+  assert (c.algorithm, c.protocol, c.time_us) == ("one_shot", "ll", 7.0)
+  # No transport, or one without records: the median of every record of the topology
+  # (Lamport 6.65 against LL 6.7).
+  for transport in (None, "other"):
+    c = policy.choose(262144, 2, 2, 1, transport)
+    assert (c.algorithm, c.protocol, c.time_us) == ("one_shot", "lamport", 6.65)
+    assert c.source == "measured (t.json, at 262144 bytes)"
+  # A transport's records without psum do not decide alone.
+  partial = tuning.Policy(_records(two, transport="nvshmem")
+                          + _records({"jaxoverlap:one_shot_lamport": {262144: 1.0}},
+                                     transport="peer"), P, path="t.json")
+  c = partial.choose(262144, 2, 2, 1, "peer")
+  assert c.source == "measured (t.json, at 262144 bytes)" and c.time_us == 4.2  # median 7.4, 1.0
+  assert [r["impl"] for r in policy.table(2, 1, sizes=[262144], transport="peer")] == [
+      "jaxoverlap:one_shot_lamport"]
 
 
 def test_policy_psum_wins_ties():

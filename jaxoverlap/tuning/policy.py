@@ -133,7 +133,8 @@ def _itemsize(dtype: str | None) -> int | None:
 class Policy:
   """Chooses the all-reduce algorithm and protocol per size and topology.
 
-  Measured records of the topology (same ``ranks_per_node`` and ``world``)
+  Measured records of the topology (same ``ranks_per_node`` and ``world``;
+  of those, the records of the caller's transport where they include psum's)
   decide when they include ``xla:psum`` and reach the size: each impl's time
   is interpolated log-log between the two measured sizes of psum that bracket
   the size (taken as flat below the smallest), and the fastest wins, psum on
@@ -161,16 +162,18 @@ class Policy:
     self.missing = missing
     self.algorithms = tuple(a for a in algorithms if a in ALGORITHMS)
     self.protocols = tuple(p for p in protocols if p in PROTOCOLS)
-    # {(ranks_per_node, world): {(alg, proto): {itemsize: {bytes: [us, ...]}}}}
+    # {(ranks_per_node, world, transport): {(alg, proto): {itemsize: {bytes: [us, ...]}}}},
+    # transport None: every record of the topology, whatever its transport.
     self._measured: dict = {}
     for rec in records:
       parsed = results.parse_impl(rec.get("impl", ""))
       if rec.get("op") != "all_reduce" or parsed is None:
         continue
       topo = (int(rec["ranks_per_node"]), int(rec["world"]))
-      sizes = (self._measured.setdefault(topo, {}).setdefault(parsed, {})
-               .setdefault(_itemsize(rec.get("dtype")), {}))
-      sizes.setdefault(int(rec["bytes"]), []).append(float(rec["time_us"]))
+      for transport in {None, rec.get("transport")}:
+        sizes = (self._measured.setdefault((*topo, transport), {}).setdefault(parsed, {})
+                 .setdefault(_itemsize(rec.get("dtype")), {}))
+        sizes.setdefault(int(rec["bytes"]), []).append(float(rec["time_us"]))
 
   @classmethod
   def from_result(cls, result: Mapping[str, Any] | None, path: str | None = None,
@@ -217,10 +220,18 @@ class Policy:
       return False  # a protocol the algorithm's kernels do not have
     return (num_nodes > 1) == (algorithm == names.HIERARCHICAL)
 
-  def _from_measurements(self, nbytes, itemsize, ranks_per_node, num_nodes):
-    """A Choice from the table, or the reason there is none (str)."""
+  def _from_measurements(self, nbytes, itemsize, ranks_per_node, num_nodes, transport):
+    """A Choice from the table, or the reason there is none (str).
+
+    The records of ``transport`` (the process model: "peer" within one
+    process, "nvshmem" across processes) decide where they include psum;
+    otherwise every record of the topology does.
+    """
     topo = (ranks_per_node, ranks_per_node * num_nodes)
-    by_impl = self._measured.get(topo)
+    by_impl = self._measured.get((*topo, transport)) if transport is not None else None
+    of_transport = bool(by_impl) and (PSUM, None) in by_impl
+    if not of_transport:
+      by_impl = self._measured.get((*topo, None))
     if not by_impl:
       return f"no measurements for {ranks_per_node} ranks/node x {num_nodes} nodes"
     if (PSUM, None) not in by_impl:
@@ -266,9 +277,11 @@ class Policy:
       bracket = f"below {lo} bytes, the smallest measured"
     else:
       bracket = f"between {lo} and {hi} bytes"
-    return Choice(alg, proto, f"measured ({self.path}, {bracket})", us)
+    which = f"the records of transport {transport!r}, " if of_transport else ""
+    return Choice(alg, proto, f"measured ({self.path}, {which}{bracket})", us)
 
-  def choose(self, nbytes: int, itemsize: int, ranks_per_node: int, num_nodes: int) -> Choice:
+  def choose(self, nbytes: int, itemsize: int, ranks_per_node: int, num_nodes: int,
+             transport: str | None = None) -> Choice:
     """The algorithm and protocol for one all-reduce.
 
     Args:
@@ -276,6 +289,12 @@ class Policy:
       itemsize: bytes per element (2 or 4).
       ranks_per_node: GPUs per node in the reduction group.
       num_nodes: nodes in the reduction group.
+      transport: the runtime's transport ("peer": one process drives the
+        GPUs; "nvshmem": a process per GPU). Where the table has records of
+        it, psum's among them, only those decide: the kernels are the same,
+        but how the processes launch them is not (docs/results.md, "Process
+        models").
+        None, or no such records: every record of the topology.
 
     Returns:
       A ``Choice``; ``algorithm == "psum"`` is the explicit handover to XLA.
@@ -287,7 +306,7 @@ class Policy:
       raise ValueError(f"Policy.choose: need nbytes >= 0, itemsize >= 1, ranks_per_node >= 1 "
                        f"and num_nodes >= 1; got {nbytes}, {itemsize}, {ranks_per_node}, "
                        f"{num_nodes}")
-    got = self._from_measurements(nbytes, itemsize, ranks_per_node, num_nodes)
+    got = self._from_measurements(nbytes, itemsize, ranks_per_node, num_nodes, transport)
     if isinstance(got, Choice):
       return got
     why = f"no tuning file at {self.path}" if self.missing else f"{got} in {self.path}"
@@ -341,13 +360,14 @@ class Policy:
 
   def table(self, ranks_per_node: int, num_nodes: int,
             sizes: Sequence[int] = tuple(4096 << (2 * i) for i in range(9)),
-            itemsize: int = 2) -> list[dict[str, Any]]:
+            itemsize: int = 2, transport: str | None = None) -> list[dict[str, Any]]:
     """What ``choose`` picks for each size (for ``runtime_info()`` and the README).
 
     Args:
       ranks_per_node, num_nodes: the topology.
       sizes: message sizes per rank, bytes (default 4 KB, 16 KB, ..., 256 MB).
       itemsize: bytes per element.
+      transport: as in ``choose``.
 
     Returns:
       One dict per size: ``bytes``, ``impl``, ``algorithm``, ``protocol``,
@@ -356,7 +376,7 @@ class Policy:
     """
     rows = []
     for nbytes in sizes:
-      c = self.choose(nbytes, itemsize, ranks_per_node, num_nodes)
+      c = self.choose(nbytes, itemsize, ranks_per_node, num_nodes, transport)
       rows.append({
           "bytes": nbytes, "impl": results.impl_name(c.algorithm, c.protocol), "algorithm": c.algorithm,
           "protocol": c.protocol, "time_us": None if c.time_us is None else round(c.time_us, 2),
