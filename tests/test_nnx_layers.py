@@ -32,6 +32,7 @@ from jaxoverlap.nnx import (
     RowParallelLinear,
     TransformerBlock,
     apply_blocks,
+    layers,
 )
 
 AUTO = jax.sharding.AxisType.Auto
@@ -843,6 +844,11 @@ def test_min_matmul_rows_pads_short_products_only(rows, row_reduction):
     copied = re.search(rf"f32\[{copies},{rows},{D}\](\{{[^}}]*\}})? = broadcast_in_dim", jaxpr)
     assert bool(copied) == padded, (shape, jaxpr)
     assert " pad[" not in jaxpr, jaxpr
+
+
+def test_min_matmul_rows_leaves_empty_products_alone():
+  x, w = jnp.zeros((0, 1, D), jnp.float32), jnp.ones((D, 4), jnp.float32)
+  assert layers._matmul(x, w, 4).shape == (0, 1, 4)  # noqa: SLF001
 
 
 def test_min_matmul_rows_decode_equals_unsharded():

@@ -122,7 +122,7 @@ def _matmul(x: jax.Array, w: jax.Array, min_rows: int = 1) -> jax.Array:
   zero pad as a kernel of its own (docs/decode.md).
   """
   rows = math.prod(x.shape[:-1])
-  if rows >= min_rows:
+  if rows >= min_rows or rows == 0:  # no rows: nothing to copy, nothing to compute
     return jnp.matmul(x, w, preferred_element_type=jnp.float32).astype(x.dtype)
   copies = -(-min_rows // rows)
   x_ck = jnp.broadcast_to(x.reshape(1, rows, x.shape[-1]), (copies, rows, x.shape[-1]))
