@@ -177,6 +177,8 @@ def padding(kind: str):
   """The layers pad their short GEMMs with ``kind`` while tracing ("copies": the library's)."""
   from jaxoverlap.nnx import layers
 
+  if kind not in ("copies", "zeros"):
+    raise ValueError(f"padding: kind must be 'copies' or 'zeros', got {kind!r}")
   saved = layers._matmul  # noqa: SLF001
   if kind == "zeros":
     layers._matmul = _matmul_zero_padding  # noqa: SLF001

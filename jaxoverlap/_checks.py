@@ -88,7 +88,8 @@ def axis_size(op: str, axis_name) -> int:
     raise ValueError(
         f"{op}: axis {tuple(outside)} of the mesh is not manual here: the enclosing "
         f"jax.shard_map is manual over {tuple(a for a in mesh_axes if a in manual)} only; "
-        f"add {tuple(outside)} to its axis_names (or leave axis_names out: all mesh axes)")
+        f"add {', '.join(map(repr, outside))} to its axis_names (or leave axis_names out: "
+        "all mesh axes)")
   if outside:
     raise ValueError(
         f"{op}: axis {tuple(outside)} of the mesh is not manual here: {op} must be called "

@@ -7,11 +7,13 @@ process that drives every GPU of the host (JAX's default):
   srun --ntasks-per-node 8 python -m jaxoverlap.tune --out /shared/all_reduce-tuning.json
   python -m jaxoverlap.tune --out /tmp/one_process.json
 
-Each record carries the process model (``processes``, ``transport``: "nvshmem"
-across processes, "peer" within one). Where a table holds records of the
-caller's transport, psum's among them, the policy decides from those alone
+Each run replaces the table at ``--out``. Each record carries the process
+model (``processes``, ``transport``: "nvshmem" across processes, "peer"
+within one). Where a table's records of the caller's transport cover the size
+(psum and a kernel measured there), the policy decides from those alone
 (``tuning.Policy.choose``), so one table can serve both models: build it from
-both runs' files with ``--from_results``.
+both runs' files with ``--from_results`` (files that time every kernel: this
+tool's, or ``benchmarks/all_reduce.py`` with its default impls).
 
 For each size (``--sizes``, per-rank bytes) every impl is first checked
 against a float32 psum of the same inputs, on three different inputs in a row

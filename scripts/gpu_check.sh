@@ -144,16 +144,15 @@ if [ "$WHAT" = tune1process ] && [ "$NGPU" -ge 2 ]; then
   # two-process ones: every kernel timed in one process driving both GPUs, a table of the
   # three files (the policy prefers the records of the caller's transport), then auto with
   # that table beside psum, in one process and in two.
-  run bench_1process 300 $PY benchmarks/all_reduce.py --out "$OUT/processes1_all" \
-    --sizes 8K,64K,256K,512K,1M,2M,4M
+  run bench_1process 330 $PY benchmarks/all_reduce.py --out "$OUT/processes1_all"
   TABLE="$OUT/all_reduce-NVIDIA_H200.json"
   $PY -m jaxoverlap.tune --out "$TABLE" --from_results \
     "benchmarks/results/all_reduce-2x_H200_NV18-1x2.json,benchmarks/results/all_reduce-2x_H200_NV18-2x1.json,$OUT/processes1_all/all_reduce-2x_H200_NV18-1x2.json" \
     || { echo "!! table not built"; status=1; }
-  run autobench_1process 120 JAXOVERLAP_TUNING_FILE="$TABLE" $PY benchmarks/all_reduce.py \
+  run autobench_1process 100 JAXOVERLAP_TUNING_FILE="$TABLE" $PY benchmarks/all_reduce.py \
     --out "$OUT/processes1" --impls jaxoverlap:auto,xla:psum --sizes 8K,64K,256K,512K,1M --reps 30
-  run autobench_2processes 120 JAXOVERLAP_TUNING_FILE="$TABLE" $PY -m jaxoverlap.launch \
-    --nproc 2 --timeout_s 110 benchmarks/all_reduce.py --out "$OUT/processes2" \
+  run autobench_2processes 100 JAXOVERLAP_TUNING_FILE="$TABLE" $PY -m jaxoverlap.launch \
+    --nproc 2 --timeout_s 90 benchmarks/all_reduce.py --out "$OUT/processes2" \
     --impls jaxoverlap:auto,xla:psum --sizes 8K,64K,256K,512K,1M --reps 30
 fi
 

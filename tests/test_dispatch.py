@@ -160,6 +160,26 @@ def test_all_reduce_measured_table_decides(one_process_per_device, monkeypatch):
   assert p.backend == "cuda" and p.reason("algorithm").startswith("measured (shipped.json")
 
 
+def test_all_reduce_takes_the_records_of_the_runtimes_transport(one_process_per_device,
+                                                                 monkeypatch):
+  """Two process models measured differently: the plan follows its runtime's transport."""
+  table = json.load(open(pathlib.Path(jaxoverlap.__file__).parent / "tuning_tables" /
+                         "all_reduce-NVIDIA_H200.json"))
+  times = {"nvshmem": {"xla:psum": 14.0, "jaxoverlap:one_shot_ll": 7.0,
+                       "jaxoverlap:one_shot_lamport": 7.4},
+           "peer": {"xla:psum": 12.0, "jaxoverlap:one_shot_ll": 9.0,
+                    "jaxoverlap:one_shot_lamport": 3.0}}  # all records: Lamport's median wins
+  table["records"] = [{"op": "all_reduce", "impl": impl, "dtype": "bfloat16", "bytes": 8192,
+                       "shape": [4096], "world": 4, "ranks_per_node": 4, "time_us": us,
+                       "transport": transport}
+                      for transport, by_impl in times.items() for impl, us in by_impl.items()]
+  monkeypatch.setattr(runtime, "tuning_table", lambda: ("two.json", table))
+  p = plan(Request("all_reduce", "tp"), [(4096,)])
+  assert (p.transport, p.algorithm, p.protocol) == ("nvshmem", "one_shot", "ll")
+  assert p.reason("algorithm") == (
+      "measured (two.json, the records of transport 'nvshmem', at 8192 bytes)")
+
+
 def test_devices_sharing_a_process_fall_back_or_raise():
   """All CPU devices live in this one process: the NVSHMEM runtime cannot take the group."""
   p = plan(Request("all_reduce", "tp"), [(4096,)])

@@ -223,7 +223,7 @@ def test_axis_name_of_a_shard_map_manual_over_other_axes():
                     out_specs=P("dp"), axis_names={"dp"})
   with pytest.raises(ValueError, match=re.escape(
       "all_reduce: axis ('tp',) of the mesh is not manual here: the enclosing jax.shard_map is "
-      "manual over ('dp',) only; add ('tp',) to its axis_names")):
+      "manual over ('dp',) only; add 'tp' to its axis_names")):
     jax.eval_shape(f, jax.ShapeDtypeStruct((8,), F32))
 
 

@@ -165,6 +165,20 @@ def test_policy_prefers_the_records_of_the_callers_transport():
     c = policy.choose(262144, 2, 2, 1, transport)
     assert (c.algorithm, c.protocol, c.time_us) == ("one_shot", "lamport", 6.65)
     assert c.source == "measured (t.json, at 262144 bytes)"
+  # Where the transport's records stop, every record decides: above their largest size, ...
+  wide = {"xla:psum": {262144: 14.0, 1 << 20: 20.0}, "jaxoverlap:one_shot_ll": {262144: 7.0,
+                                                                             1 << 20: 30.0}}
+  short = tuning.Policy(_records(wide, transport="nvshmem") + _records(one, transport="peer"), P,
+                        path="t.json")
+  c = short.choose(1 << 20, 2, 2, 1, "peer")
+  assert (c.algorithm, c.source) == ("psum", "measured (t.json, at 1048576 bytes)")
+  # ... and where they hold psum but no kernel (a file of auto and psum only).
+  psum_only = tuning.Policy(_records(two, transport="nvshmem")
+                            + _records({"xla:psum": {262144: 12.0}}, transport="peer"), P,
+                            path="t.json")
+  c = psum_only.choose(262144, 2, 2, 1, "peer")
+  assert (c.algorithm, c.protocol) == ("one_shot", "ll")
+  assert c.source == "measured (t.json, at 262144 bytes)"
   # A transport's records without psum do not decide alone.
   partial = tuning.Policy(_records(two, transport="nvshmem")
                           + _records({"jaxoverlap:one_shot_lamport": {262144: 1.0}},

@@ -134,11 +134,11 @@ class Policy:
   """Chooses the all-reduce algorithm and protocol per size and topology.
 
   Measured records of the topology (same ``ranks_per_node`` and ``world``;
-  of those, the records of the caller's transport where they include psum's)
-  decide when they include ``xla:psum`` and reach the size: each impl's time
-  is interpolated log-log between the two measured sizes of psum that bracket
-  the size (taken as flat below the smallest), and the fastest wins, psum on
-  ties. An impl not measured at both ends of the bracket (e.g. rejected by its
+  of those, the records of the caller's transport where they cover the size,
+  see ``choose``) decide when they include ``xla:psum`` and reach the size:
+  each impl's time is interpolated log-log between the two measured sizes of
+  psum that bracket the size (taken as flat below the smallest), and the
+  fastest wins, psum on ties. An impl not measured at both ends of the bracket (e.g. rejected by its
   correctness check there) does not compete.
   Otherwise the cost model decides among the algorithms valid for the
   topology, less ``MODEL_EXCLUDED``. one_shot/two_shot are never chosen
@@ -224,18 +224,30 @@ class Policy:
     """A Choice from the table, or the reason there is none (str).
 
     The records of ``transport`` (the process model: "peer" within one
-    process, "nvshmem" across processes) decide where they include psum;
-    otherwise every record of the topology does.
+    process, "nvshmem" across processes) decide where they cover the size:
+    psum and at least one kernel measured at both ends of the size's bracket.
+    Otherwise every record of the topology decides.
     """
     topo = (ranks_per_node, ranks_per_node * num_nodes)
-    by_impl = self._measured.get((*topo, transport)) if transport is not None else None
-    of_transport = bool(by_impl) and (PSUM, None) in by_impl
-    if not of_transport:
-      by_impl = self._measured.get((*topo, None))
+    if transport is not None and (*topo, transport) in self._measured:
+      got = self._pick(self._measured[(*topo, transport)], nbytes, itemsize, num_nodes,
+                       f"the records of transport {transport!r}, ")
+      if isinstance(got, Choice):
+        return got
+    by_impl = self._measured.get((*topo, None))
     if not by_impl:
       return f"no measurements for {ranks_per_node} ranks/node x {num_nodes} nodes"
     if (PSUM, None) not in by_impl:
       return f"no xla:psum measurement for {ranks_per_node} ranks/node x {num_nodes} nodes"
+    return self._pick(by_impl, nbytes, itemsize, num_nodes, "", kernels_needed=False)
+
+  def _pick(self, by_impl, nbytes, itemsize, num_nodes, which: str, kernels_needed: bool = True):
+    """The fastest of ``by_impl`` at ``nbytes`` (a Choice), or why it cannot say (str).
+
+    ``kernels_needed``: also a str where no kernel but psum competes at the size.
+    """
+    if (PSUM, None) not in by_impl:
+      return "no xla:psum measurement"
     # Records of this itemsize when psum has some, else all dtypes compared by bytes.
     same = itemsize in by_impl[(PSUM, None)]
     times = {}
@@ -252,12 +264,13 @@ class Policy:
       return f"{nbytes} bytes is above the largest size measured ({grid[-1]} bytes)"
     lo = max([b for b in grid if b <= nbytes], default=grid[0])
     hi = grid[-1] if above else min(b for b in grid if b >= nbytes)
-    best = None
+    best, kernels = None, 0
     for (alg, proto), t in times.items():
       # An impl competes only if measured at both ends of psum's bracket: one
       # rejected (or not run) at a size never wins next to it.
       if not self._allowed(alg, proto, num_nodes) or lo not in t or hi not in t:
         continue
+      kernels += alg != PSUM
       if above:  # bandwidth-bound there: every impl's time grows with the bytes
         us = t[hi] * nbytes / hi
       elif lo == hi or nbytes <= lo:
@@ -268,6 +281,8 @@ class Policy:
       key = (us, alg != PSUM)  # psum wins ties
       if best is None or key < best[0]:
         best = (key, alg, proto)
+    if kernels_needed and not kernels:
+      return f"no kernel measured at both {lo} and {hi} bytes"
     (us, _), alg, proto = best
     if above:
       bracket = f"above {hi} bytes, the largest measured: its times scaled by the bytes"
@@ -277,7 +292,6 @@ class Policy:
       bracket = f"below {lo} bytes, the smallest measured"
     else:
       bracket = f"between {lo} and {hi} bytes"
-    which = f"the records of transport {transport!r}, " if of_transport else ""
     return Choice(alg, proto, f"measured ({self.path}, {which}{bracket})", us)
 
   def choose(self, nbytes: int, itemsize: int, ranks_per_node: int, num_nodes: int,
@@ -290,10 +304,10 @@ class Policy:
       ranks_per_node: GPUs per node in the reduction group.
       num_nodes: nodes in the reduction group.
       transport: the runtime's transport ("peer": one process drives the
-        GPUs; "nvshmem": a process per GPU). Where the table has records of
-        it, psum's among them, only those decide: the kernels are the same,
-        but how the processes launch them is not (docs/results.md, "Process
-        models").
+        GPUs; "nvshmem": a process per GPU). Where the table's records of it
+        cover the size (psum and a kernel measured at both ends of the size's
+        bracket), only those decide: the kernels are the same, but how the
+        processes launch them is not (docs/results.md, "Process models").
         None, or no such records: every record of the topology.
 
     Returns:
