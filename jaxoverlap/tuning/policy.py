@@ -138,8 +138,8 @@ class Policy:
   see ``choose``) decide when they include ``xla:psum`` and reach the size:
   each impl's time is interpolated log-log between the two measured sizes of
   psum that bracket the size (taken as flat below the smallest), and the
-  fastest wins, psum on ties. An impl not measured at both ends of the bracket (e.g. rejected by its
-  correctness check there) does not compete.
+  fastest wins, psum on ties. An impl not measured at both ends of the
+  bracket (e.g. rejected by its correctness check there) does not compete.
   Otherwise the cost model decides among the algorithms valid for the
   topology, less ``MODEL_EXCLUDED``. one_shot/two_shot are never chosen
   across nodes, hierarchical never within one node.
