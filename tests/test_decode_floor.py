@@ -42,7 +42,8 @@ def test_variants_and_their_errors():
 
 def test_zero_padding_is_traced_inside_its_context_only():
   x, w = jnp.ones((1, 1, 8), jnp.float32), jnp.ones((8, 4), jnp.float32)
-  matmul = lambda: str(jax.make_jaxpr(lambda x, w: layers._matmul(x, w, 2))(x, w))  # noqa: E731, SLF001
+  def matmul():
+    return str(jax.make_jaxpr(lambda x, w: layers._matmul(x, w, 2))(x, w))  # noqa: SLF001
   assert " pad[" not in matmul()
   with decode_floor.padding("zeros"):
     assert " pad[" in matmul()
