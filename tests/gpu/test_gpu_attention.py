@@ -1,4 +1,4 @@
-"""ParallelAttention's cuDNN core of a decode step, on one GPU (ranks/rank_attention.py)."""
+"""Decode steps of NNX blocks on one GPU: cuDNN attention, padding (ranks/rank_attention.py)."""
 
 import pytest
 
