@@ -88,6 +88,15 @@ def test_start_up_errors_name_the_process_and_step():
 # ---------------------------------------------------------------------------- parameters
 
 
+def _refused(kw, match):
+  """runtime._resolve with ``kw`` over all-None parameters raises ValueError matching ``match``."""
+  args = dict(heap_bytes=None, overlap_heap_bytes=None, timeout_s=None, ranks_per_node=None,
+              init_timeout_s=None)
+  args.update(kw)
+  with pytest.raises(ValueError, match=match):
+    runtime._resolve(**args)
+
+
 @pytest.mark.parametrize("kw,match", [
     (dict(timeout_s=-1), "timeout_s must be a positive number of seconds, got -1"),
     (dict(heap_bytes=0), "heap_bytes must be a positive int"),
@@ -96,11 +105,7 @@ def test_start_up_errors_name_the_process_and_step():
     (dict(init_timeout_s=0), "init_timeout_s must be a positive number"),
 ])
 def test_bad_parameters(kw, match):
-  args = dict(heap_bytes=None, overlap_heap_bytes=None, timeout_s=None, ranks_per_node=None,
-              init_timeout_s=None)
-  args.update(kw)
-  with pytest.raises(ValueError, match=match):
-    runtime._resolve(**args)
+  _refused(kw, match)
 
 
 def test_parameters_from_the_environment(monkeypatch):
@@ -181,11 +186,7 @@ def test_numpy_integers_are_taken_as_ints():
                     (dict(ranks_per_node=np.bool_(True)), "ranks_per_node must be a positive"),
                     (dict(ranks_per_node=True), "ranks_per_node must be a positive int"),
                     (dict(timeout_s=True), "timeout_s must be a positive number")):
-    args = dict(heap_bytes=None, overlap_heap_bytes=None, timeout_s=None, ranks_per_node=None,
-                init_timeout_s=None)
-    args.update(kw)
-    with pytest.raises(ValueError, match=match):
-      runtime._resolve(**args)
+    _refused(kw, match)
 
 
 def test_the_runtime_is_named_as_either_kind(monkeypatch):

@@ -13,6 +13,15 @@ from _harness import World
 pytestmark = [pytest.mark.gpu, _harness.requires_gpus]
 
 
+def _run_timing_out(tmp_path, rank_test: str):
+  """One launch of rank_test in 2 processes with 2 s device waits; checked on every rank."""
+  run = _harness.run_ranks(tmp_path, "rank_errors.py", World(2, 2), select=("-k", rank_test),
+                           timeout_s=150, env={"JAXOVERLAP_TIMEOUT_S": "2"})
+  run.print_summary()
+  run.check()
+  return run
+
+
 def test_heap_too_small(tmp_path):
   # Its ranks are meant not to bring the runtime up: later packed launches must still run.
   run = _harness.run_ranks(tmp_path, "rank_errors.py", World(2, 2),
@@ -23,30 +32,18 @@ def test_heap_too_small(tmp_path):
 
 
 def test_device_wait_timeout(tmp_path):
-  run = _harness.run_ranks(tmp_path, "rank_errors.py", World(2, 2),
-                           select=("-k", "test_device_wait_timeout_names_the_peer"),
-                           timeout_s=150, env={"JAXOVERLAP_TIMEOUT_S": "2"})
-  run.print_summary()
-  run.check()
+  _run_timing_out(tmp_path, "test_device_wait_timeout_names_the_peer")
 
 
 def test_norm_wait_timeout(tmp_path):
   """Issue: the fused all-reduce + RMSNorm's timeouts were reported as all_reduce's."""
-  run = _harness.run_ranks(tmp_path, "rank_errors.py", World(2, 2),
-                           select=("-k", "test_norm_wait_timeout_names_the_op"),
-                           timeout_s=150, env={"JAXOVERLAP_TIMEOUT_S": "2"})
-  run.print_summary()
-  run.check()
+  run = _run_timing_out(tmp_path, "test_norm_wait_timeout_names_the_op")
   assert "jaxoverlap: all_reduce_rms_norm timed out on PE" in run.output(), run.tail()
 
 
 def test_mismatched_sizes_are_named(tmp_path):
   """Issue: ranks that all-reduce different sizes got only CUDA_ERROR_LAUNCH_FAILED."""
-  run = _harness.run_ranks(tmp_path, "rank_errors.py", World(2, 2),
-                           select=("-k", "test_mismatched_sizes_are_named"),
-                           timeout_s=150, env={"JAXOVERLAP_TIMEOUT_S": "2"})
-  run.print_summary()
-  run.check()
+  run = _run_timing_out(tmp_path, "test_mismatched_sizes_are_named")
   # The watchdog's line reaches stderr before the process ends.
   assert "jaxoverlap: all_reduce timed out on PE" in run.output(), run.tail()
 
