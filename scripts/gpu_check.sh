@@ -30,6 +30,9 @@
 #       twice) | epochab2 (the norm kernel the same way, then the bookkeeping probe)
 #       | pdlfloor (one GPU: the custom-call launch floor with and without programmatic
 #       dependent launch, and with the all-reduce kernels' per-call bookkeeping; PDL_FLAGS)
+#       | localcost (one GPU: the all-reduce and norm kernels for a group of one, so without
+#       communication, beside a copy and XLA's add + norm; LOCAL_CLUSTERS="0 1" also with every
+#       row on one block; LOCAL_FLAGS)
 #       | tune1process (every kernel timed in one process driving both GPUs, a tuning table
 #       with those records beside the committed two-process ones, then auto with it, in one
 #       and in two processes)
@@ -49,7 +52,7 @@ WHAT=${1:-}
 VERBS=" build suite bench bench2 autobench quickbench tune ovbench ovbenchfull ovwindowed"
 VERBS="$VERBS ovcalibrate train cmdbufcost profile ovprofilegraphs decode procbench multigpu_bench"
 VERBS="$VERBS multigpu_fused normbench decodefloor pallasbench retune lamportab contention"
-VERBS="$VERBS ovrepeat ovrepeat2 pdlfloor epochab epochab2 tune1process "
+VERBS="$VERBS ovrepeat ovrepeat2 pdlfloor epochab epochab2 tune1process localcost "
 if [ -z "$WHAT" ] || [[ "$VERBS" != *" $WHAT "* ]]; then
   echo "usage: bash scripts/gpu_check.sh <verb> (verbs:$VERBS)" >&2
   exit 2
@@ -319,6 +322,12 @@ if [ "$WHAT" = train ] && [ "$NGPU" -ge 2 ]; then
 fi
 if [ "$WHAT" = pdlfloor ]; then  # one GPU: what PDL saves a one-kernel custom call in XLA's graphs
   run launch_floor_pdl 200 $PY benchmarks/launch_floor_pdl.py --out "$OUT" ${PDL_FLAGS:-}
+fi
+if [ "$WHAT" = localcost ]; then  # one GPU: the kernels' cost without communication
+  for c in ${LOCAL_CLUSTERS:-0 1}; do  # 0: the kernel's own split of a row over blocks
+    run "local_cost_cluster$c" 200 JAXOVERLAP_NORM_CLUSTER=$c $PY benchmarks/local_cost.py \
+      --out "$OUT/cluster$c" ${LOCAL_FLAGS:-}
+  done
 fi
 if [ "$WHAT" = decodefloor ]; then  # one GPU is enough: no communication
   run decode_floor 400 $PY benchmarks/decode_floor.py --out "$OUT" --batches ${FLOOR_BATCHES:-1,16} \
