@@ -335,6 +335,21 @@ __device__ __forceinline__ void StorePadded(T* y, size_t first, size_t n, V v) {
   for (size_t i = 0; first + i < n; ++i) y[first + i] = tmp[i];
 }
 
+// Advances the pair epochs of this call, once every block has read them (one
+// thread of the grid calls it). No fence: only the next kernels read them,
+// and the end of this kernel makes its writes visible to them. A fence here
+// cost 0.1-0.3 us a call (docs/kernels.md, "The per-call bookkeeping").
+__device__ __forceinline__ void AdvanceEpochs(const Params& p) {
+  for (int i = 0; i < p.num_bump; ++i) {
+    // The next call with this peer runs at epoch + 1; its LL flag is the
+    // low 32 bits, which must not wrap to 0 (docs/kernels.md, assumptions).
+    const uint64_t epoch = ++p.pair_epochs[p.bump[i]];
+    if (static_cast<uint32_t>(epoch + 1) == 0u) {
+      ReportEpochWrapAndTrap(p.error, p.op, p.topo.rank, p.bump[i], epoch + 1);
+    }
+  }
+}
+
 // The last block to finish advances the pair epochs of this call.
 __device__ __forceinline__ void Finish(const Params& p, bool quiet) {
   __syncthreads();
@@ -343,19 +358,9 @@ __device__ __forceinline__ void Finish(const Params& p, bool quiet) {
     // No fence needed: every block read pair_epochs before its work, long
     // before its atomicAdd, and the last block writes them only after all adds.
     if (TookLastTicket(p.done_counter)) {
-      for (int i = 0; i < p.num_bump; ++i) {
-        // The next call with this peer runs at epoch + 1; its LL flag is the
-        // low 32 bits, which must not wrap to 0 (docs/kernels.md, assumptions).
-        const uint64_t epoch = ++p.pair_epochs[p.bump[i]];
-        if (static_cast<uint32_t>(epoch + 1) == 0u) {
-          ReportEpochWrapAndTrap(p.error, p.op, p.topo.rank, p.bump[i], epoch + 1);
-        }
-      }
+      AdvanceEpochs(p);
       p.done_counter[0] = 0;
       p.done_counter[1] = 0;  // every block took its ticket before it finished
-      // No fence: only the next kernels read these, and the end of this kernel
-      // makes its writes visible to them. A fence here cost 0.1-0.3 us a call
-      // (docs/kernels.md, "The per-call bookkeeping").
     }
   }
 }
@@ -873,12 +878,12 @@ __device__ __forceinline__ void ClusterSync() {
 #endif
 }
 
-// `*local` as held in the shared memory of the cluster's block `rank`.
-__device__ __forceinline__ float ClusterRead(float* local, unsigned int rank) {
+// Stores `v` at `*local` in the shared memory of the cluster's block `rank`.
+__device__ __forceinline__ void ClusterWrite(float* local, unsigned int rank, float v) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  return *cg::this_cluster().map_shared_rank(local, rank);
+  *cg::this_cluster().map_shared_rank(local, rank) = v;
 #else
-  return *local;
+  *local = v;
 #endif
 }
 
@@ -889,16 +894,19 @@ __device__ __forceinline__ float ClusterRead(float* local, unsigned int rank) {
 // cluster's rows to every peer (as OneShotLLKernel); then, row by row, it
 // loads the residual and the weight, sums the ranks' lines in rank order in
 // fp32, adds the residual, rounds h to T and stores it, and accumulates the
-// square of the rounded h. A block reduction (warp shuffles, then one value per
-// warp in shared memory) gives the block's part of the row's sum of squares;
-// after a cluster barrier thread 0 of every block adds the C parts from the
-// blocks' shared memory (distributed shared memory) in cluster-rank order, so
-// every block gets the same scale; each thread takes the h lines it stored
-// itself (the first from registers, any others re-read; no barrier needed for
-// those) and writes y = h * rsqrt(sum / hidden + eps) * weight. The parts are double-buffered by row parity: a block
-// overwrites a part only after the next cluster barrier, which every reader
-// of it passed after reading. The last barrier keeps every block's shared
-// memory alive until the cluster's readers are done.
+// square of the rounded h. Warp shuffles give each warp's part of the row's
+// sum of squares, which lane 0 stores into every block of the cluster
+// (distributed shared memory) at the slot of its (block, warp); after one
+// cluster barrier every thread adds the cluster's parts from its own block's
+// shared memory in slot order, so every block gets the same scale. Each
+// thread takes the h lines it stored itself (the first from registers, any
+// others re-read; no barrier needed for those) and writes
+// y = h * rsqrt(sum / hidden + eps) * weight. The parts are double-buffered
+// by row parity: a block stores into a slot again two rows later, after the
+// next row's cluster barrier, which every reader of the slot reaches only
+// after reading it. No block's shared memory is written after the last
+// barrier (the blocks of a cluster share their rows), so none waits for the
+// others before it leaves.
 //
 // Slots are addressed by line index, not by block, so ranks need not agree
 // on the grid; every block sends before it waits, and the launch keeps the
@@ -950,9 +958,9 @@ __global__ void __launch_bounds__(kThreads) OneShotLLRmsNormKernel(NormParams np
     }
   }
 
-  __shared__ float warp_sums[kThreads / 32];
-  __shared__ float block_sums[2];  // this block's part of a row's sum of squares, by parity
-  __shared__ float row_scale;
+  // Every warp's part of a row's sum of squares, by row parity, at slot
+  // (cluster rank) * warps + warp: written by the cluster's blocks.
+  __shared__ float warp_parts[2][kMaxNormCluster * (kThreads / 32)];
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int num_warps = (blockDim.x + 31) / 32;
   // A thread's first line of every row (with the grid's split, usually its
@@ -1001,21 +1009,21 @@ __global__ void __launch_bounds__(kThreads) OneShotLLRmsNormKernel(NormParams np
     for (int offset = 16; offset > 0; offset /= 2) {
       sumsq += __shfl_xor_sync(0xffffffffu, sumsq, offset);
     }
-    if (lane == 0) warp_sums[warp] = sumsq;
-    __syncthreads();
-    if (threadIdx.x == 0) {
-      float total = 0.0f;
-      for (int k = 0; k < num_warps; ++k) total += warp_sums[k];
-      block_sums[parity] = total;
+    const unsigned int slots = parts * static_cast<unsigned int>(num_warps);
+    if (lane == 0) {
+      const unsigned int slot = part * static_cast<unsigned int>(num_warps) + warp;
+      for (unsigned int k = 0; k < parts; ++k) ClusterWrite(&warp_parts[parity][slot], k, sumsq);
     }
-    ClusterSync();  // every block's part is in its shared memory (and a block barrier)
-    if (threadIdx.x == 0) {
-      float total = 0.0f;
-      for (unsigned int k = 0; k < parts; ++k) total += ClusterRead(&block_sums[parity], k);
-      row_scale = rsqrtf(total / static_cast<float>(np.hidden) + np.eps);
+    ClusterSync();  // every warp's part is in every block's shared memory
+    // Every warp adds the same slots in the same order (lane-strided, then the
+    // same butterfly), so every thread of the cluster gets the same total.
+    float total = 0.0f;
+    for (unsigned int k = lane; k < slots; k += 32) total += warp_parts[parity][k];
+#pragma unroll
+    for (int offset = 16; offset > 0; offset /= 2) {
+      total += __shfl_xor_sync(0xffffffffu, total, offset);
     }
-    __syncthreads();
-    const float scale = row_scale;
+    const float scale = rsqrtf(total / static_cast<float>(np.hidden) + np.eps);
     for (size_t l = first; l < le; l += blockDim.x) {
       const size_t g = row * L + l;
       const uint2 hv = l == first ? first_h : hout[g];  // stored by this thread above
@@ -1029,13 +1037,17 @@ __global__ void __launch_bounds__(kThreads) OneShotLLRmsNormKernel(NormParams np
       for (int i = 0; i < kLineElems; ++i) f[i] = f[i] * scale * w[i];
       yout[g] = make_uint2(Words<T>::FromFloat(f), Words<T>::FromFloat(f + kPerWord));
     }
-    // Thread 0 read warp_sums before this row's ClusterSync and the barrier
-    // after it, which every thread passes before the next row writes it;
-    // row_scale is next written after the next row's ClusterSync, which every
-    // thread reaches only after reading it here.
   }
-  ClusterSync();  // no block leaves while another may still read its block_sums
-  if (!p.epochs_at_start) Finish(p, /*quiet=*/false);
+  if (p.epochs_at_start) return;  // the knob advanced them at the start
+  if (gridDim.x == parts) {
+    // One cluster (a single row, as in decode at batch 1): every block read
+    // the epochs before the last row's cluster barrier, which they all passed,
+    // so its block 0 advances them without Finish's ticket, a global atomic
+    // round trip (docs/kernels.md, "all_reduce_rms_norm").
+    if (part == 0 && threadIdx.x == 0) AdvanceEpochs(p);
+  } else {
+    Finish(p, /*quiet=*/false);
+  }
 }
 
 // -------------------------------------------------- reduce-scatter/all-gather

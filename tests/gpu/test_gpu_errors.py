@@ -48,10 +48,16 @@ def test_mismatched_sizes_are_named(tmp_path):
   assert "jaxoverlap: all_reduce timed out on PE" in run.output(), run.tail()
 
 
-def test_ll_flag_wrap_stops_loudly(tmp_path):
-  """Issue: after 2^32 calls a pair's 32-bit LL flags wrapped and could read stale lines."""
+@pytest.mark.parametrize("rank_test", ["test_ll_flag_wrap_stops_loudly",
+                                       "test_norm_flag_wrap_stops_loudly"])
+def test_ll_flag_wrap_stops_loudly(rank_test, tmp_path):
+  """Issue: after 2^32 calls a pair's 32-bit LL flags wrapped and could read stale lines.
+
+  Both ways a call advances its epochs: Finish's ticket (the all-reduce) and
+  the one-cluster end of all_reduce_rms_norm at one row.
+  """
   run = _harness.run_ranks(tmp_path, "rank_errors.py", World(2, 2),
-                           select=("-k", "test_ll_flag_wrap_stops_loudly"), timeout_s=150,
+                           select=("-k", rank_test), timeout_s=150,
                            env={"JAXOVERLAP_TEST_PAIR_EPOCH": str(2**32 - 3)})
   run.print_summary()
   run.check()

@@ -16,6 +16,10 @@ conftest.py):
   (``JAXOVERLAP_TEST_PAIR_EPOCH``, set by the outer test): the first LL call,
   with flags 0xFFFFFFFE, is checked against the sum; the second would leave the
   next call's 32-bit flag at 0, so it stops the run with an error that says so.
+  Once for the one-shot LL all-reduce, once for all_reduce_rms_norm at one row.
+  The trap loses the GPU context, so these end their process too: with two
+  processes sharing one GPU, one whose second call never returned was seen
+  to abort in the interpreter's exit, after its test had passed.
 """
 
 from __future__ import annotations
@@ -170,27 +174,16 @@ def test_mismatched_sizes_are_named(runtime, topology, mesh, ops, rank, nproc, k
 
 
 @pytest.mark.ends_process
-def test_ll_flag_wrap_stops_loudly(runtime, topology, mesh, ops, rank, nproc, kv):
-  ops.require_cuda("the LL flags' wrap")
+def _check_flag_wrap(f, args, want, first_of, nproc, kv):
+  """Two calls of ``f`` from pair epoch 2^32 - 2: the first sums right, the second stops loudly.
+
+  ``first_of(result)``: this rank's float64 values to compare with ``want``.
+  """
   import os
 
   import jaxoverlap
 
-  if os.environ.get("JAXOVERLAP_TEST_PAIR_EPOCH") != str(2**32 - 3):
-    pytest.skip("run with JAXOVERLAP_TEST_PAIR_EPOCH=2**32 - 3 (tests/gpu/test_gpu_errors.py)")
-  if nproc != 2 or topology.num_nodes != 1:
-    pytest.skip("2 processes on one node")
-  f = jax.jit(jax.shard_map(
-      lambda x: jax.lax.pcast(ops.all_reduce(x, "x", algorithm="one_shot", protocol="ll"), "x",
-                              to="varying"),
-      mesh=mesh, in_specs=P("x"), out_specs=P("x")))
-  rng = np.random.default_rng([7, rank])
-  mine = rng.standard_normal(4096).astype(np.float32)
-  parts = [np.random.default_rng([7, r]).standard_normal(4096).astype(np.float32)
-           for r in range(nproc)]
-  want = np.sum(np.stack(parts).astype(np.float64), axis=0)
-  x = jax.make_array_from_process_local_data(NamedSharding(mesh, P("x")), mine, (4096 * nproc,))
-  first = np.asarray(f(x).addressable_data(0), np.float64)  # epoch 2^32 - 2: flag 0xFFFFFFFE
+  first = first_of(f(*args))  # epoch 2^32 - 2: flag 0xFFFFFFFE
   first_ok = bool(np.all(np.abs(first - want) <= 1e-5 * (np.abs(want) + 1)))
   # Epoch 2^32 - 1; the next would be 2^32: the kernel traps at the end of this call. The
   # call runs on a thread, bounded: with two processes on one GPU, the second context's
@@ -199,7 +192,7 @@ def test_ll_flag_wrap_stops_loudly(runtime, topology, mesh, ops, rank, nproc, kv
 
   def second_call():
     try:
-      f(x).block_until_ready()
+      jax.block_until_ready(f(*args))
       outcome[0] = "returned"
     except jax.errors.JaxRuntimeError:  # XLA reports the trapped kernel as a runtime error
       outcome[0] = "raised"
@@ -226,3 +219,54 @@ def test_ll_flag_wrap_stops_loudly(runtime, topology, mesh, ops, rank, nproc, kv
     assert "raised" in calls, f"no rank's call raised: {calls}"
   else:
     assert calls == ["raised"] * nproc, f"every rank's call must raise: {calls}"
+
+
+def _skip_unless_wrap_run(topology, nproc):
+  import os
+
+  if os.environ.get("JAXOVERLAP_TEST_PAIR_EPOCH") != str(2**32 - 3):
+    pytest.skip("run with JAXOVERLAP_TEST_PAIR_EPOCH=2**32 - 3 (tests/gpu/test_gpu_errors.py)")
+  if nproc != 2 or topology.num_nodes != 1:
+    pytest.skip("2 processes on one node")
+
+
+@pytest.mark.ends_process
+def test_ll_flag_wrap_stops_loudly(runtime, topology, mesh, ops, rank, nproc, kv):
+  ops.require_cuda("the LL flags' wrap")
+  _skip_unless_wrap_run(topology, nproc)
+  f = jax.jit(jax.shard_map(
+      lambda x: jax.lax.pcast(ops.all_reduce(x, "x", algorithm="one_shot", protocol="ll"), "x",
+                              to="varying"),
+      mesh=mesh, in_specs=P("x"), out_specs=P("x")))
+  mine = np.random.default_rng([7, rank]).standard_normal(4096).astype(np.float32)
+  parts = [np.random.default_rng([7, r]).standard_normal(4096).astype(np.float32)
+           for r in range(nproc)]
+  want = np.sum(np.stack(parts).astype(np.float64), axis=0)
+  x = jax.make_array_from_process_local_data(NamedSharding(mesh, P("x")), mine, (4096 * nproc,))
+  _check_flag_wrap(f, (x,), want, lambda out: np.asarray(out.addressable_data(0), np.float64),
+                   nproc, kv)
+
+
+@pytest.mark.ends_process
+def test_norm_flag_wrap_stops_loudly(runtime, topology, mesh, ops, rank, nproc, kv):
+  """The fused norm at one row (one cluster: its epochs advance without Finish's ticket)."""
+  ops.require_cuda("the LL flags' wrap")
+  _skip_unless_wrap_run(topology, nproc)
+  import jaxoverlap
+
+  f = jax.jit(jax.shard_map(
+      lambda p, r, w: jaxoverlap.all_reduce_rms_norm(p, r, w, "x", backend="cuda",
+                                                     algorithm="one_shot"),
+      mesh=mesh, in_specs=(P("x"), P(), P()), out_specs=(P(), P())))
+  hidden = 4096
+  parts = [np.random.default_rng([8, r]).standard_normal((1, hidden)).astype(np.float32)
+           for r in range(nproc)]
+  res = np.random.default_rng(9).standard_normal((1, hidden)).astype(np.float32)
+  want = res.astype(np.float64) + np.sum(np.stack(parts).astype(np.float64), axis=0)  # h
+  p = jax.make_array_from_process_local_data(NamedSharding(mesh, P("x")), parts[rank],
+                                             (nproc, hidden))
+  rep = NamedSharding(mesh, P())  # no device_put: its cross-process check needs NCCL
+  r = jax.make_array_from_process_local_data(rep, res, (1, hidden))
+  w = jax.make_array_from_process_local_data(rep, np.ones(hidden, np.float32), (hidden,))
+  _check_flag_wrap(f, (p, r, w), want,
+                   lambda out: np.asarray(out[0].addressable_data(0), np.float64), nproc, kv)
