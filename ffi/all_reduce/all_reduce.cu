@@ -878,6 +878,22 @@ __device__ __forceinline__ void ClusterSync() {
 #endif
 }
 
+// The two halves of a cluster barrier, for a wait placed later than the
+// arrival: every block of the cluster must have started before any block
+// touches another's shared memory (CUDA programming guide, distributed shared
+// memory). Relaxed: the arrival orders no memory access.
+__device__ __forceinline__ void ClusterArriveRelaxed() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("barrier.cluster.arrive.relaxed;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void ClusterWait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("barrier.cluster.wait;" ::: "memory");
+#endif
+}
+
 // Stores `v` at `*local` in the shared memory of the cluster's block `rank`.
 __device__ __forceinline__ void ClusterWrite(float* local, unsigned int rank, float v) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -945,6 +961,7 @@ __global__ void __launch_bounds__(kThreads) OneShotLLRmsNormKernel(NormParams np
   }
   __syncthreads();
   if (p.epochs_at_start) AdvanceEpochsAtStart(p);  // the knob (EpochKnob)
+  ClusterArriveRelaxed();  // this block has started; waited for before the first ClusterWrite
   for (size_t row = first_row; row < np.rows; row += row_stride) {
     for (size_t l = lb + threadIdx.x; l < le; l += blockDim.x) {
       const size_t g = row * L + l;
@@ -1010,6 +1027,7 @@ __global__ void __launch_bounds__(kThreads) OneShotLLRmsNormKernel(NormParams np
       sumsq += __shfl_xor_sync(0xffffffffu, sumsq, offset);
     }
     const unsigned int slots = parts * static_cast<unsigned int>(num_warps);
+    if (row == first_row) ClusterWait();  // every block of the cluster has started
     if (lane == 0) {
       const unsigned int slot = part * static_cast<unsigned int>(num_warps) + warp;
       for (unsigned int k = 0; k < parts; ++k) ClusterWrite(&warp_parts[parity][slot], k, sumsq);

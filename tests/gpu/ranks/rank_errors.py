@@ -17,9 +17,9 @@ conftest.py):
   with flags 0xFFFFFFFE, is checked against the sum; the second would leave the
   next call's 32-bit flag at 0, so it stops the run with an error that says so.
   Once for the one-shot LL all-reduce, once for all_reduce_rms_norm at one row.
-  The trap loses the GPU context, so these end their process too: with two
-  processes sharing one GPU, one whose second call never returned was seen
-  to abort in the interpreter's exit, after its test had passed.
+  The trap loses the GPU context, so these end their process too: without the
+  mark, with two processes sharing one GPU, one whose second call never
+  returned was seen to abort in the interpreter's exit after its test passed.
 """
 
 from __future__ import annotations
@@ -173,11 +173,11 @@ def test_mismatched_sizes_are_named(runtime, topology, mesh, ops, rank, nproc, k
     assert raised is not None, "the rank that timed out returned from its call"
 
 
-@pytest.mark.ends_process
-def _check_flag_wrap(f, args, want, first_of, nproc, kv):
-  """Two calls of ``f`` from pair epoch 2^32 - 2: the first sums right, the second stops loudly.
+def _check_flag_wrap(f, args, want, first_of, op, nproc, kv):
+  """Two calls of ``f`` from pair epoch 2^32 - 2: the first is right, the second stops loudly.
 
-  ``first_of(result)``: this rank's float64 values to compare with ``want``.
+  ``first_of(result)``: this rank's float64 values to compare with ``want``;
+  ``op``: the op the recorded error must name.
   """
   import os
 
@@ -212,7 +212,7 @@ def _check_flag_wrap(f, args, want, first_of, nproc, kv):
     ok, call, msg = o.split("|", 2)
     assert ok == "True", f"rank {r}: the first call (flags 0xFFFFFFFE) summed wrongly"
     assert call in ("raised", "hung"), f"rank {r}: the call before the wrap {call}"
-    for part in ("2^32 - 1 calls", "peer PE", "restart the processes"):
+    for part in (f"{op} stopped on PE", "2^32 - 1 calls", "peer PE", "restart the processes"):
       assert part in msg, f"rank {r}: {part!r} missing from the recorded error: {msg!r}"
   calls = [o.split("|", 2)[1] for o in outcomes]
   if os.environ.get("JAXOVERLAP_NO_NCCL"):  # processes share one GPU
@@ -244,7 +244,7 @@ def test_ll_flag_wrap_stops_loudly(runtime, topology, mesh, ops, rank, nproc, kv
   want = np.sum(np.stack(parts).astype(np.float64), axis=0)
   x = jax.make_array_from_process_local_data(NamedSharding(mesh, P("x")), mine, (4096 * nproc,))
   _check_flag_wrap(f, (x,), want, lambda out: np.asarray(out.addressable_data(0), np.float64),
-                   nproc, kv)
+                   "all_reduce", nproc, kv)
 
 
 @pytest.mark.ends_process
@@ -262,11 +262,16 @@ def test_norm_flag_wrap_stops_loudly(runtime, topology, mesh, ops, rank, nproc, 
   parts = [np.random.default_rng([8, r]).standard_normal((1, hidden)).astype(np.float32)
            for r in range(nproc)]
   res = np.random.default_rng(9).standard_normal((1, hidden)).astype(np.float32)
-  want = res.astype(np.float64) + np.sum(np.stack(parts).astype(np.float64), axis=0)  # h
+  weight = (1.0 + 0.1 * np.random.default_rng(10).standard_normal(hidden)).astype(np.float32)
+  h = res.astype(np.float64) + np.sum(np.stack(parts).astype(np.float64), axis=0)
+  y = h / np.sqrt(np.mean(h * h, axis=-1, keepdims=True) + 1e-6) * weight
   p = jax.make_array_from_process_local_data(NamedSharding(mesh, P("x")), parts[rank],
                                              (nproc, hidden))
   rep = NamedSharding(mesh, P())  # no device_put: its cross-process check needs NCCL
   r = jax.make_array_from_process_local_data(rep, res, (1, hidden))
-  w = jax.make_array_from_process_local_data(rep, np.ones(hidden, np.float32), (hidden,))
-  _check_flag_wrap(f, (p, r, w), want,
-                   lambda out: np.asarray(out[0].addressable_data(0), np.float64), nproc, kv)
+  w = jax.make_array_from_process_local_data(rep, weight, (hidden,))
+  # Both outputs of the first call: h, and y from the one-cluster reduction.
+  _check_flag_wrap(f, (p, r, w), np.concatenate([h, y]),
+                   lambda out: np.concatenate([np.asarray(o.addressable_data(0), np.float64)
+                                               for o in out]),
+                   "all_reduce_rms_norm", nproc, kv)
