@@ -21,7 +21,16 @@
 //     and fences; Finish no longer fences); or alternatives that need no ticket
 //     at the end (kStartCount, kStartTicket). The difference to the plain copy
 //     is what that bookkeeping costs a call on one GPU.
+//   * "_prefetch" copies on a given number of blocks, issues prefetches of the
+//     first bytes of a second operand (a weight the next XLA GEMM reads) into
+//     L2, then waits a given time before it ends, as a one-row all-reduce's
+//     few blocks wait for their peers: whether a collective's wait can load the
+//     next layer's weights into L2 and how much of the GEMM after it that
+//     saves (PRESERVE, Yuzuguler et al. 2025, arXiv:2501.08192;
+//     benchmarks/l2_prefetch.py).
 #include <cuda_runtime.h>
+
+#include <algorithm>
 
 #include <cstdint>
 #include <string>
@@ -163,6 +172,85 @@ ffi::Error CopyOnly(cudaStream_t stream, ffi::AnyBuffer x, ffi::Result<ffi::AnyB
   return LaunchFloorExecute<kMode>(stream, x, out, /*parts=*/0);
 }
 
+// How the prefetch variant loads its bytes into L2.
+constexpr int kPrefetchNone = 0;
+constexpr int kPrefetchBulk = 1;       // cp.async.bulk.prefetch.L2 (Hopper's TMA), chunks
+constexpr int kPrefetchLines = 2;      // prefetch.global.L2, one 128-byte line per thread
+constexpr int kPrefetchLinesLast = 3;  // prefetch.global.L2::evict_last
+
+__global__ void CopyPrefetchKernel(const uint4* in, uint4* out, size_t num_vectors,
+                                   const char* in_tail, char* out_tail, size_t tail_bytes,
+                                   const char* pref, size_t pref_bytes, int method,
+                                   uint32_t chunk, int64_t wait_ns) {
+  uint64_t start = 0;
+  if (threadIdx.x == 0) asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
+  // This block's share of the prefetch: a contiguous range, so that the
+  // blocks together cover the first pref_bytes in order.
+  const size_t share = (pref_bytes / gridDim.x + 127) / 128 * 128;
+  const size_t lo = std::min(pref_bytes, share * blockIdx.x);
+  const size_t hi = std::min(pref_bytes, lo + share);
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  if (method == kPrefetchBulk && threadIdx.x < 32) {  // warp 0 issues the chunks, lane-strided
+    for (size_t off = lo + static_cast<size_t>(threadIdx.x) * chunk; off < hi;
+         off += static_cast<size_t>(32) * chunk) {
+      const uint32_t n = static_cast<uint32_t>(std::min<size_t>(chunk, hi - off)) & ~15u;
+      if (n != 0) {
+        asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(pref + off), "r"(n)
+                     : "memory");
+      }
+    }
+  }
+#endif
+  if (method == kPrefetchLines || method == kPrefetchLinesLast) {
+    for (size_t off = lo + static_cast<size_t>(threadIdx.x) * 128; off < hi;
+         off += static_cast<size_t>(blockDim.x) * 128) {
+      if (method == kPrefetchLines) {
+        asm volatile("prefetch.global.L2 [%0];" ::"l"(pref + off));
+      } else {
+        asm volatile("prefetch.global.L2::evict_last [%0];" ::"l"(pref + off));
+      }
+    }
+  }
+  for (size_t i = blockIdx.x * blockDim.x + threadIdx.x; i < num_vectors;
+       i += static_cast<size_t>(gridDim.x) * blockDim.x) {
+    out[i] = in[i];
+  }
+  if (blockIdx.x == 0 && threadIdx.x < tail_bytes) out_tail[threadIdx.x] = in_tail[threadIdx.x];
+  if (threadIdx.x == 0 && wait_ns > 0) {  // the stand-in for waiting on peers
+    uint64_t now = start;
+    while (static_cast<int64_t>(now - start) < wait_ns) {
+      asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+    }
+  }
+  __syncthreads();
+}
+
+ffi::Error LaunchFloorPrefetch(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer weight,
+                               ffi::Result<ffi::AnyBuffer> out, int64_t prefetch_bytes,
+                               int32_t method, int32_t blocks, int32_t chunk,
+                               int64_t wait_ns) {
+  if (method < kPrefetchNone || method > kPrefetchLinesLast || blocks < 1 || blocks > 1024 ||
+      chunk < 16 || chunk % 16 != 0 || prefetch_bytes < 0 || wait_ns < 0 ||
+      reinterpret_cast<uintptr_t>(weight.untyped_data()) % 16 != 0) {
+    return ffi::Error::InvalidArgument(
+        "launch_floor_prefetch: method " + std::to_string(method) + ", blocks " +
+        std::to_string(blocks) + ", chunk " + std::to_string(chunk) + ", prefetch_bytes " +
+        std::to_string(prefetch_bytes) + ", wait_ns " + std::to_string(wait_ns) +
+        " (method 0-3, blocks 1-1024, chunk a positive multiple of 16, a 16-byte aligned weight)");
+  }
+  const size_t bytes = x.size_bytes();
+  const size_t vectors = bytes / 16;
+  const size_t pref = std::min<size_t>(static_cast<size_t>(prefetch_bytes), weight.size_bytes());
+  const char* in = static_cast<const char*>(x.untyped_data());
+  char* o = static_cast<char*>(out->untyped_data());
+  CopyPrefetchKernel<<<blocks, 256, 0, stream>>>(
+      reinterpret_cast<const uint4*>(in), reinterpret_cast<uint4*>(o), vectors, in + vectors * 16,
+      o + vectors * 16, bytes % 16, static_cast<const char*>(weight.untyped_data()), pref, method,
+      static_cast<uint32_t>(chunk), wait_ns);
+  JAXOVERLAP_RETURN_IF_LAUNCH_ERROR("CopyPrefetchKernel launch");
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 }  // namespace jaxoverlap
@@ -191,4 +279,18 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Arg<xla::ffi::AnyBuffer>()   // x: [...] any dtype
         .Ret<xla::ffi::AnyBuffer>()   // out: a copy of x
         .Attr<int32_t>("parts"),      // which bookkeeping: kEpochRead | kEndTicket | ... above
+    {xla::ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    JaxoverlapLaunchFloorPrefetch, jaxoverlap::LaunchFloorPrefetch,
+    xla::ffi::Ffi::Bind()
+        .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+        .Arg<xla::ffi::AnyBuffer>()        // x: [...] any dtype
+        .Arg<xla::ffi::AnyBuffer>()        // weight: [...] any dtype, 16-byte aligned
+        .Ret<xla::ffi::AnyBuffer>()        // out: a copy of x
+        .Attr<int64_t>("prefetch_bytes")   // the first bytes of weight to prefetch into L2
+        .Attr<int32_t>("method")           // kPrefetchNone, kPrefetchBulk, kPrefetchLines, ...
+        .Attr<int32_t>("blocks")           // the grid (256 threads a block)
+        .Attr<int32_t>("chunk")            // bytes per bulk prefetch
+        .Attr<int64_t>("wait_ns"),         // thread 0 of each block waits this long, then ends
     {xla::ffi::Traits::kCmdBufferCompatible});

@@ -20,6 +20,7 @@
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxoverlapLaunchFloor);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxoverlapLaunchFloorPdl);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxoverlapLaunchFloorBookkeeping);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxoverlapLaunchFloorPrefetch);
 
 namespace nb = nanobind;
 
@@ -80,6 +81,7 @@ NB_MODULE(_jaxoverlap_cuda, m) {
     d["jaxoverlap_launch_floor_pdl"] = EncapsulateFfiHandler(JaxoverlapLaunchFloorPdl);
     d["jaxoverlap_launch_floor_bookkeeping"] =
         EncapsulateFfiHandler(JaxoverlapLaunchFloorBookkeeping);
+    d["jaxoverlap_launch_floor_prefetch"] = EncapsulateFfiHandler(JaxoverlapLaunchFloorPrefetch);
     d["jaxoverlap_all_gather_matmul"] = EncapsulateFfiHandler(JaxoverlapAllGatherMatmul);
     d["jaxoverlap_all_gather_matmul_gathered"] =
         EncapsulateFfiHandler(JaxoverlapAllGatherMatmulGathered);

@@ -33,6 +33,8 @@
 #       | localcost (one GPU: the all-reduce and norm kernels for a group of one, so without
 #       communication, beside a copy and XLA's add + norm; LOCAL_CLUSTERS="0 1" also with every
 #       row on one block; LOCAL_FLAGS)
+#       | l2prefetch (one GPU: a custom call that waits while it prefetches the next GEMM's
+#       weight into L2, and what the GEMM after it saves; L2_FLAGS)
 #       | tune1process (every kernel timed in one process driving both GPUs, a tuning table
 #       with those records beside the committed two-process ones, then auto with it, in one
 #       and in two processes)
@@ -52,7 +54,7 @@ WHAT=${1:-}
 VERBS=" build suite bench bench2 autobench quickbench tune ovbench ovbenchfull ovwindowed"
 VERBS="$VERBS ovcalibrate train cmdbufcost profile ovprofilegraphs decode procbench multigpu_bench"
 VERBS="$VERBS multigpu_fused normbench decodefloor pallasbench retune lamportab contention"
-VERBS="$VERBS ovrepeat ovrepeat2 pdlfloor epochab epochab2 tune1process localcost "
+VERBS="$VERBS ovrepeat ovrepeat2 pdlfloor epochab epochab2 tune1process localcost l2prefetch "
 if [ -z "$WHAT" ] || [[ "$VERBS" != *" $WHAT "* ]]; then
   echo "usage: bash scripts/gpu_check.sh <verb> (verbs:$VERBS)" >&2
   exit 2
@@ -328,6 +330,9 @@ if [ "$WHAT" = localcost ]; then  # one GPU: the kernels' cost without communica
     run "local_cost_cluster$c" 200 JAXOVERLAP_NORM_CLUSTER=$c $PY benchmarks/local_cost.py \
       --out "$OUT/cluster$c" ${LOCAL_FLAGS:-}
   done
+fi
+if [ "$WHAT" = l2prefetch ]; then  # one GPU: prefetching the next GEMM's weight during a wait
+  run l2_prefetch 400 $PY benchmarks/l2_prefetch.py --out "$OUT" ${L2_FLAGS:-}
 fi
 if [ "$WHAT" = decodefloor ]; then  # one GPU is enough: no communication
   run decode_floor 400 $PY benchmarks/decode_floor.py --out "$OUT" --batches ${FLOOR_BATCHES:-1,16} \
