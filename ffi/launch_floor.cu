@@ -31,7 +31,6 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
-
 #include <cstdint>
 #include <string>
 
@@ -237,6 +236,20 @@ ffi::Error LaunchFloorPrefetch(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBu
         std::to_string(blocks) + ", chunk " + std::to_string(chunk) + ", prefetch_bytes " +
         std::to_string(prefetch_bytes) + ", wait_ns " + std::to_string(wait_ns) +
         " (method 0-3, blocks 1-1024, chunk a positive multiple of 16, a 16-byte aligned weight)");
+  }
+  if (method == kPrefetchBulk) {  // Hopper's instruction: refuse it where it would do nothing
+    int device = 0, major = 0;
+    cudaError_t err = cudaGetDevice(&device);
+    if (err == cudaSuccess) {
+      err = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
+    }
+    if (err != cudaSuccess) return CudaError(err, "launch_floor_prefetch: device query",
+                                             __FILE__, __LINE__);
+    if (major < 9) {
+      return ffi::Error::InvalidArgument(
+          "launch_floor_prefetch: method 1 (cp.async.bulk.prefetch) needs compute capability "
+          "9.0 or newer, this GPU has " + std::to_string(major) + ".x");
+    }
   }
   const size_t bytes = x.size_bytes();
   const size_t vectors = bytes / 16;
