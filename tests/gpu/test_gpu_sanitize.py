@@ -2,8 +2,8 @@
 
 Set ``JAXOVERLAP_SANITIZE=memcheck,racecheck`` (``SANITIZE=...`` for
 scripts/gpu_check.sh suite) to run them: each tool wraps every rank of one
-launch (the launcher's --wrapper) running the quick sweep of the all-reduce or
-of the fused ops at world 2. Besides the tests' own checks, every rank must
+launch (the launcher's --wrapper) running the quick sweep of the all-reduce,
+of ``all_reduce_rms_norm`` or of the fused ops at world 2. Besides the tests' own checks, every rank must
 print the tool's summary with no errors (and exit without the tool's error
 code).
 """
@@ -23,6 +23,7 @@ TOOLS = [t for t in re.split(r"[,\s]+", os.environ.get("JAXOVERLAP_SANITIZE", ""
 MODULES = {
     # (rank module, extra sanitizer options): the all-reduce's kernels only (XLA's are many).
     "all_reduce": ("rank_all_reduce.py", "--kernel-name kns=jaxoverlap"),
+    "norm": ("rank_norm.py", "--kernel-name kns=jaxoverlap"),  # all_reduce_rms_norm's kernel
     "fused": ("rank_overlap.py", ""),
 }
 SUMMARY = {
