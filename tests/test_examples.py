@@ -107,7 +107,13 @@ def test_train_writes_outputs_and_resumes(tmp_path, capsys):
   # Nothing left to train: it evaluates the checkpoint and says so.
   capsys.readouterr()
   done = train.train_and_evaluate(longer, workdir)
-  assert done["start_step"] == 8 and done["step_time_ms"] is None
+  assert done["evaluation_only"] and not again["evaluation_only"]
+  # The training call's record survives (it trained steps 7-8 from step 6).
+  for key in train.TRAINING_FIELDS:
+    assert done[key] == again[key], key
+  assert done["start_step"] == 6 and done["step_time_ms"] > 0 and done["backend"]
+  with open(os.path.join(workdir, train.METRICS_FILE)) as f:
+    assert json.load(f)["step_time_ms"] == again["step_time_ms"]
   assert done["val_loss"] == pytest.approx(second["val_loss"])
   assert ("already holds a checkpoint at step 8, and this run asks for 8 steps: nothing to train"
           in capsys.readouterr().out)

@@ -39,6 +39,9 @@ from config import Config
 from model import GPT
 
 METRICS_FILE = "metrics.json"
+# What a call that only evaluates (nothing left to train) carries over from the
+# metrics.json of the call that trained the checkpoint.
+TRAINING_FIELDS = ("start_step", "tokens_per_s", "step_time_ms", "first_step_s", "backend")
 HISTORY_FILE = "history.json"
 PLOT_FILE = "loss.png"
 CHECKPOINT_DIR = "checkpoints"
@@ -121,6 +124,16 @@ def _save_plot(path: str, history: dict[str, list], unigram: float, title: str):
   ax.legend()
   fig.tight_layout()
   fig.savefig(path, dpi=100)
+
+
+def _read_json(path: str) -> dict[str, Any] | None:
+  """The JSON object in ``path``; None where there is no such file or it does not parse."""
+  try:
+    with open(path) as f:
+      obj = json.load(f)
+  except (OSError, ValueError):
+    return None
+  return obj if isinstance(obj, dict) else None
 
 
 def _write_json(path: str, obj: Any):
@@ -218,7 +231,10 @@ def train_and_evaluate(config: Config, workdir: str) -> dict[str, Any]:
   Returns:
     The metrics written to ``metrics.json``: ``val_loss`` and ``unigram_loss``
     (nats/byte), ``train_loss``, ``steps``, ``tokens_per_s``,
-    ``step_time_ms``, ``config``, ``backend``, ``mesh`` and more.
+    ``step_time_ms``, ``config``, ``backend``, ``mesh`` and more. Where the
+    checkpoint is already at ``config.steps``, the call only evaluates it
+    (``evaluation_only``: true) and keeps the ``TRAINING_FIELDS`` that the
+    ``metrics.json`` of the training call recorded (null if there is none).
   """
   wall_start = time.perf_counter()
   workdir = os.path.abspath(workdir)
@@ -367,6 +383,15 @@ def train_and_evaluate(config: Config, workdir: str) -> dict[str, Any]:
                  "val_bytes": int(len(corpus.val)), "train_files": corpus.num_train_files,
                  "val_files": corpus.num_val_files},
   }
+  metrics["evaluation_only"] = first_step_s is None
+  if metrics["evaluation_only"]:
+    # Nothing trained in this call: keep what the call that trained the checkpoint
+    # recorded (its speed, the backend each op ran on), rather than overwrite it with nulls.
+    previous = _read_json(os.path.join(workdir, METRICS_FILE))
+    if previous and not previous.get("evaluation_only", False):
+      for key in TRAINING_FIELDS:
+        if key in previous:
+          metrics[key] = previous[key]
   if is_main:
     _write_json(os.path.join(workdir, METRICS_FILE), metrics)
     _save_plot(os.path.join(workdir, PLOT_FILE), history, unigram,
