@@ -42,6 +42,9 @@ __all__ = [
 ]
 
 DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+# The fused kernels' chunks per shard transfer at most (kMaxChunks in
+# ffi/include/jaxoverlap/runtime.h; tests/test_extension.py checks that they agree).
+MAX_CHUNKS = 32
 
 
 def _axis_names(op: str, axis_name) -> tuple[str, ...]:
@@ -207,13 +210,15 @@ def normalize_chunks(op: str, chunks) -> int | None:
   """``chunks`` as a Python int (NumPy integers too), or None.
 
   Raises:
-    ValueError: ``chunks`` is a bool or not an integer.
+    ValueError: ``chunks`` is a bool or not an integer (the range is checked by
+      ``check_options``).
   """
   if chunks is None:
     return None
   value = as_int(chunks)
   if value is None:
-    raise ValueError(f"{op}: chunks must be None or a positive int, got {chunks!r}")
+    raise ValueError(f"{op}: chunks must be None or an int from 1 to {MAX_CHUNKS}, got "
+                     f"{chunks!r}")
   return value
 
 
@@ -276,8 +281,9 @@ def check_options(op: str, *, backend, algorithm, protocol=names.AUTO, transport
       raise ValueError(f"{op}: transport={transport!r} applies to the fused algorithm, not to "
                        "'unfused' (whose all-reduce uses its own)")
   if chunks is not None:
-    if normalize_chunks(op, chunks) < 1:
-      raise ValueError(f"{op}: chunks must be None or a positive int, got {chunks!r}")
+    if not 1 <= normalize_chunks(op, chunks) <= MAX_CHUNKS:
+      raise ValueError(f"{op}: chunks must be None or an int from 1 to {MAX_CHUNKS}, got "
+                       f"{chunks!r}")
     if xla_only:
       raise ValueError(f"{op}: chunks={chunks} applies to backend 'cuda' only")
     if algorithm == names.UNFUSED:

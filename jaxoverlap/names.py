@@ -121,7 +121,7 @@ _TRANSPORTS = {
     ALL_GATHER_MATMUL: (COPY_ENGINE, NVSHMEM),
     MATMUL_REDUCE_SCATTER: (COPY_ENGINE, NVSHMEM),
     MATMUL_ALL_REDUCE: (COPY_ENGINE, NVSHMEM),
-    ALL_REDUCE_RMS_NORM: (NVSHMEM, PEER),
+    ALL_REDUCE_RMS_NORM: (),  # no transport keyword: its kernel runs over the runtime's
 }
 
 # Values of version 0.1 that now have another name or keyword.
@@ -173,7 +173,14 @@ def protocols(algorithm: str | None = None) -> tuple[str, ...]:
 
 
 def transports(op: str) -> tuple[str, ...]:
-  """The transports of ``op``'s CUDA kernels."""
+  """The values of ``op``'s ``transport`` keyword besides "auto" (backend "cuda").
+
+  Empty for ``all_reduce_rms_norm``, which takes no ``transport``: its kernel
+  runs over the runtime's transport, as ``all_reduce``'s "auto" does.
+
+  Raises:
+    ValueError: an unknown ``op``.
+  """
   _check_op(op)
   return _TRANSPORTS[op]
 

@@ -8,6 +8,7 @@ compiled or run either).
 """
 
 import functools
+import inspect
 import re
 
 import jax
@@ -16,7 +17,8 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from jaxoverlap import collectives, overlap
+import jaxoverlap
+from jaxoverlap import collectives, names, overlap
 
 AUTO = jax.sharding.AxisType.Auto
 F32 = jnp.float32
@@ -325,11 +327,14 @@ def test_all_reduce_protocol_and_transport(kw, msg):
     (dict(backend="xla", transport="nvshmem"), "transport='nvshmem' applies to backend 'cuda' "
                                                "only"),
     (dict(protocol="ll"), None),
-    (dict(chunks=0), "chunks must be None or a positive int, got 0"),
-    (dict(chunks=True), "chunks must be None or a positive int, got True"),
-    (dict(chunks=2.0), "chunks must be None or a positive int, got 2.0"),
+    (dict(chunks=0), "chunks must be None or an int from 1 to 32, got 0"),
+    (dict(chunks=33), "chunks must be None or an int from 1 to 32, got 33"),
+    (dict(backend="cuda", chunks=64), "chunks must be None or an int from 1 to 32, got 64"),
+    (dict(chunks=True), "chunks must be None or an int from 1 to 32, got True"),
+    (dict(chunks=2.0), "chunks must be None or an int from 1 to 32, got 2.0"),
     (dict(algorithm="collective", chunks=2), "chunks=2 applies to backend 'cuda' only"),
-], ids=["unknown", "xla", "protocol", "zero", "bool", "float", "xla-chunks"])
+], ids=["unknown", "xla", "protocol", "zero", "above-limit", "cuda-above-limit", "bool", "float",
+        "xla-chunks"])
 def test_gemm_transport_and_chunks(op, kw, msg):
   if msg is None:  # the GEMM ops take no protocol
     with pytest.raises(TypeError, match="protocol"):
@@ -355,7 +360,7 @@ def test_chunks_take_numpy_integers(op, chunks):
 @pytest.mark.parametrize("chunks", [np.bool_(True), np.float32(2.0), "2"], ids=str)
 def test_chunks_refuse_numpy_bools_and_non_integers(op, chunks):
   with pytest.raises(ValueError, match=re.escape(
-      f"{op}: chunks must be None or a positive int, got {chunks!r}")):
+      f"{op}: chunks must be None or an int from 1 to 32, got {chunks!r}")):
     trace(GEMM_OPS[op](backend="cuda", chunks=chunks), ((8, 64), F32), ((64, 16), F32))
 
 
@@ -444,3 +449,10 @@ def test_collectives_module_example_runs():
   runner = doctest.DocTestRunner()
   result = runner.run(test, out=lambda text: None)
   assert result.attempted >= 4 and result.failed == 0, result
+
+
+@pytest.mark.parametrize("op", names.OPS)
+def test_names_list_transports_only_for_ops_that_take_the_keyword(op):
+  """``names.transports(op)`` is the ``transport`` keyword's values: () where there is none."""
+  takes = "transport" in inspect.signature(getattr(jaxoverlap, op)).parameters
+  assert bool(names.transports(op)) == takes, (op, names.transports(op))
