@@ -118,13 +118,20 @@ def parse_variant(name: str) -> tuple[int | None, float | None, str, float | Non
   if not wait.startswith("wait"):
     raise ValueError(f"l2_prefetch: bad variant {name!r}")
   nblocks = int(blocks[1:]) if blocks else None
+  try:
+    wait_us = float(wait[4:])
+  except ValueError:
+    raise ValueError(f"l2_prefetch: bad wait in {name!r} (wait<us>)") from None
   if not pref:
-    return nblocks, float(wait[4:]), "", None
+    return nblocks, wait_us, "", None
   method = next((m for m in METHODS if pref.startswith(m)), None)
   if method is None:
     raise ValueError(f"l2_prefetch: bad method in {name!r} (one of {sorted(METHODS)})")
   mib = pref[len(method):]
-  return nblocks, float(wait[4:]), method, float("inf") if mib == "all" else float(mib)
+  try:
+    return nblocks, wait_us, method, float("inf") if mib == "all" else float(mib)
+  except ValueError:
+    raise ValueError(f"l2_prefetch: bad size in {name!r} (<method><MiB> or <method>all)") from None
 
 
 def variants(blocks: list[int], waits: list[float], methods: list[str],

@@ -2,6 +2,7 @@
 
 import math
 import os
+import re
 import sys
 
 import jax.numpy as jnp
@@ -26,7 +27,7 @@ def test_variant_names_round_trip():
 
 @pytest.mark.parametrize("bad", ["wait", "b4:sleep4", "bx:wait4", "b4:wait4+tma8", "wait4+bulk"])
 def test_bad_variant_names_are_refused(bad):
-  with pytest.raises(ValueError):
+  with pytest.raises(ValueError, match=r"^l2_prefetch: bad .*" + re.escape(repr(bad))):
     l2_prefetch.parse_variant(bad)
 
 

@@ -3,9 +3,9 @@
 Set ``JAXOVERLAP_SANITIZE=memcheck,racecheck`` (``SANITIZE=...`` for
 scripts/gpu_check.sh suite) to run them: each tool wraps every rank of one
 launch (the launcher's --wrapper) running the quick sweep of the all-reduce,
-of ``all_reduce_rms_norm`` or of the fused ops at world 2. Besides the tests' own checks, every rank must
-print the tool's summary with no errors (and exit without the tool's error
-code).
+of ``all_reduce_rms_norm`` or of the fused ops at world 2. Besides the tests'
+own checks, every rank must print the tool's summary with no errors (and exit
+without the tool's error code).
 """
 
 import os
