@@ -463,8 +463,7 @@ def main(argv):
             f"{fl.reps} calls of a jit'd fori_loop of {fl.tokens} greedy steps / {fl.tokens}, "
             "implementations interleaved; roofline = (weights + KV cache read per token) / HBM "
             "read bandwidth measured in the same run")
-  kind = jax.devices()[0].device_kind
-  machine = fl.machine or f"1x {kind.removeprefix('NVIDIA ')}"
+  kind, machine = harness.one_gpu_machine(fl.machine)
   path = harness.path(fl.out, BENCHMARK, machine)
   harness.write_result(path, records, benchmark=BENCHMARK, machine=machine, method=method,
                        script="benchmarks/decode_floor.py", latency=False,

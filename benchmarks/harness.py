@@ -228,6 +228,23 @@ def define_flags(*shared: str, **defaults: Any) -> None:
     getattr(flags, f"DEFINE_{kind}")(name, default, helptext, module_name=module)
 
 
+def require_one_gpu(script: str) -> None:
+  """Exits with a message unless this is one process on one NVIDIA GPU (the one-GPU probes)."""
+  import jax
+
+  if jax.default_backend() != "gpu" or jax.process_count() != 1 or jax.local_device_count() != 1:
+    raise SystemExit(f"{script}: needs one process on one NVIDIA GPU (set CUDA_VISIBLE_DEVICES "
+                     "to one GPU)")
+
+
+def one_gpu_machine(machine: str | None) -> tuple[str, str]:
+  """(the device kind, the machine name: ``machine``, or "1x <kind>") of a one-GPU run."""
+  import jax
+
+  kind = jax.devices()[0].device_kind
+  return kind, machine or f"1x {kind.removeprefix('NVIDIA ')}"
+
+
 def use_host_devices(count: int, *, cpu_only: bool = True) -> None:
   """Simulates ``count`` CPU devices (before jax's backends start; no-op for 0).
 

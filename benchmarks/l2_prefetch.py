@@ -268,9 +268,7 @@ def main(argv):
   from absl import flags
 
   fl = flags.FLAGS
-  if jax.default_backend() != "gpu" or jax.process_count() != 1 or jax.local_device_count() != 1:
-    raise SystemExit("l2_prefetch: needs one process on one NVIDIA GPU (set CUDA_VISIBLE_DEVICES "
-                     "to one GPU)")
+  harness.require_one_gpu("l2_prefetch")
   names = variants([int(b) for b in fl.blocks], [float(w) for w in fl.wait_us],
                    list(fl.methods), list(fl.mib))
   for name in names:
@@ -282,8 +280,7 @@ def main(argv):
       warmup=fl.warmup, seed=fl.seed, blocks=int(fl.blocks[0]), chunk=fl.chunk_kib * 1024,
       min_layer_bytes=fl.min_mib * MIB, profile_variants=tuple(fl.profile_variants),
       logdir=tempfile.mkdtemp(prefix="l2_prefetch_"))
-  kind = jax.devices()[0].device_kind
-  machine = fl.machine or f"1x {kind.removeprefix('NVIDIA ')}"
+  kind, machine = harness.one_gpu_machine(fl.machine)
   path = harness.path(fl.out, BENCHMARK, machine)
   method = (f"one GPU; per visit = median over {fl.reps} interleaved rounds of a jit'd chain of "
             f"{fl.chain} visits / {fl.chain}")

@@ -167,8 +167,7 @@ def main(argv):
     raise SystemExit("launch_floor_pdl: needs an NVIDIA GPU (the custom call is a CUDA kernel)")
   sizes = [harness.parse_bytes(s) for s in fl.sizes]
   records = run(sizes, chain=fl.chain, reps=fl.reps, warmup=fl.warmup, seed=fl.seed)
-  kind = jax.devices()[0].device_kind
-  machine = fl.machine or f"1x {kind.removeprefix('NVIDIA ')}"
+  kind, machine = harness.one_gpu_machine(fl.machine)
   path = harness.path(fl.out, BENCHMARK, machine)
   method = (f"one GPU; per call = (median over {fl.reps} interleaved rounds of a jit'd chain of "
             f"{fl.chain} steps - the same chain of XLA steps alone) / {fl.chain}")

@@ -226,16 +226,13 @@ def main(argv):
   import jaxoverlap
 
   fl = flags.FLAGS
-  if jax.default_backend() != "gpu" or jax.process_count() != 1 or jax.local_device_count() != 1:
-    raise SystemExit("local_cost: needs one process on one NVIDIA GPU (set CUDA_VISIBLE_DEVICES "
-                     "to one GPU)")
+  harness.require_one_gpu("local_cost")
   jaxoverlap.initialize()
   records, profiles = run(
       [int(v) for v in fl.rows], fl.hidden, chain=fl.chain, reps=fl.reps, warmup=fl.warmup,
       seed=fl.seed, profile_rows=tuple(int(v) for v in fl.profile_rows),
       profile_chain=fl.profile_chain, logdir=tempfile.mkdtemp(prefix="local_cost_"))
-  kind = jax.devices()[0].device_kind
-  machine = fl.machine or f"1x {kind.removeprefix('NVIDIA ')}"
+  kind, machine = harness.one_gpu_machine(fl.machine)
   path = harness.path(fl.out, BENCHMARK, machine)
   method = (f"one GPU, a group of one PE; per call = (median over {fl.reps} interleaved rounds "
             f"of a jit'd chain of {fl.chain} steps - the same chain of XLA steps alone) / "
