@@ -184,9 +184,29 @@ ffi::Error SetUpDevice(RuntimeState& st, Mode mode, int device, char* heap, cons
                        int pe, int num_pes, int ranks_per_node, size_t heap_bytes,
                        size_t overlap_bytes, uint64_t timeout_ns) {
   DebugStep("device buffers");
-  // Flags and LL8 cells start at zero; epochs start at 1, so nothing stale matches.
+  // Flags start at zero; epochs start at 1, so no flag matches before its call.
+  // LL8 cells start with a flag of the other parity than their slot's (the
+  // even slots, the first half, 0x01010101; the odd ones 0), which no call
+  // expects there (all_reduce.cu, "period end"), whatever the count starts at.
   // Lamport slots start empty (every word kLamportEmpty, all_reduce.cu).
-  JAXOVERLAP_CUDA_RETURN_IF_ERROR(cudaMemset(heap, 0, l.flag_bytes + l.ll_bytes));
+  JAXOVERLAP_CUDA_RETURN_IF_ERROR(cudaMemset(heap, 0, l.flag_bytes));
+  char* ll = heap + l.flag_bytes;
+  JAXOVERLAP_CUDA_RETURN_IF_ERROR(cudaMemset(ll, 0x01, l.ll_bytes / 2));
+  JAXOVERLAP_CUDA_RETURN_IF_ERROR(cudaMemset(ll + l.ll_bytes / 2, 0, l.ll_bytes / 2));
+  // Testing only: every cell stale as if left 2^32 calls earlier with the
+  // flags of the first calls after the wrap (0 in the even slots, 1 in the odd)
+  // and NaN data, so that a call at those flags that took such a cell as new
+  // returns NaN (tests/gpu/test_gpu_flag_wrap.py, with JAXOVERLAP_TEST_PAIR_EPOCH).
+  if (const char* stale = std::getenv("JAXOVERLAP_TEST_LL_STALE");
+      stale != nullptr && std::string(stale) == "1") {
+    const size_t words = l.ll_bytes / 2 / sizeof(uint32_t);
+    for (uint32_t parity = 0; parity < 2; ++parity) {
+      std::vector<uint32_t> cells(words);
+      for (size_t i = 0; i < words; ++i) cells[i] = i % 2 == 0 ? 0x7fc07fc0u : parity;
+      JAXOVERLAP_CUDA_RETURN_IF_ERROR(cudaMemcpy(ll + parity * (l.ll_bytes / 2), cells.data(),
+                                                 l.ll_bytes / 2, cudaMemcpyHostToDevice));
+    }
+  }
   JAXOVERLAP_CUDA_RETURN_IF_ERROR(
       cudaMemset(heap + l.flag_bytes + l.ll_bytes, 0xff, l.lamport_bytes));
   char* overlap = heap + heap_bytes;
@@ -584,11 +604,12 @@ ffi::Error DeviceErrorToFfi(const DeviceError& e, int pe) {
     return ffi::Error(
         ffi::ErrorCode::kOutOfRange,
         std::string("jaxoverlap: ") + OpName(e.op) + " stopped on PE " + std::to_string(pe) +
-            " (rank " + std::to_string(e.rank) + " of its group): it has made 2^32 - 1 calls "
-            "with peer PE " + peer + " since the runtime started, and the LL protocol's cells "
-            "carry the low 32 bits of the call count, so the next call could read a line left "
-            "2^32 calls earlier as new. The GPU context is lost (the kernel trapped); restart "
-            "the processes, which starts the count again.");
+            " (rank " + std::to_string(e.rank) + " of its group): call " +
+            std::to_string(e.epoch) + " with peer PE " + peer + " ends a period of the LL "
+            "protocol's 32-bit flags, and with JAXOVERLAP_EPOCH_AT_START=1 (a measurement knob) "
+            "the kernels advance their call count before they read, so they cannot re-stamp "
+            "the cells there as the default kernels do. The GPU context is lost (the kernel "
+            "trapped); unset JAXOVERLAP_EPOCH_AT_START and restart the processes.");
   }
   const double timeout_s = static_cast<double>(State().timeout_ns) * 1e-9;
   char timeout[32];

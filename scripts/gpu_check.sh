@@ -7,7 +7,7 @@
 #       runs (tests/gpu/test_gpu_sanitize.py, e.g. suite -k sanitize).
 #       On 2 GPUs, four parts of under 10 minutes each (the ids: tests/gpu/test_gpu_*.py):
 #         bash scripts/gpu_check.sh suite -k "fused or norm"   (build; the fused ops: w2, 4, 8; norm)
-#         SKIP_BUILD=1 bash scripts/gpu_check.sh suite -k "errors or (all_reduce and w2-)"
+#         SKIP_BUILD=1 bash scripts/gpu_check.sh suite -k "errors or flag_wrap or (all_reduce and w2-)"
 #         SKIP_BUILD=1 bash scripts/gpu_check.sh suite -k "all_reduce and not w2-"
 #         SKIP_BUILD=1 bash scripts/gpu_check.sh suite -k "models or attention or harness"
 #   benchmarks: bench | bench2 | autobench | quickbench | tune | ovbench | ovbenchfull

@@ -20,8 +20,10 @@
 // for each other within a call, so a sender can start call e+2 only after the
 // receiver has started call e+1, that is after the receiver's call-e kernel
 // (the one reading parity e%2) ended. Two parities therefore suffice: no
-// acknowledgement message, no reset, and the same device work on every call
-// (so the handler is CUDA-graph safe).
+// acknowledgement message, no reset, and the same launch on every call (so
+// the handler is CUDA-graph safe). LL8 flags, 32 bits of the epoch, repeat
+// every 2^32 calls; the calls at the end of each period re-stamp the cells
+// (see "period end" below).
 //
 // The Lamport protocol (one-shot, two-shot) needs no flag and no epoch in the payload:
 // its slots hold kLamportEmpty in every 32-bit word between calls, the sender
@@ -335,17 +337,50 @@ __device__ __forceinline__ void StorePadded(T* y, size_t first, size_t n, V v) {
   for (size_t i = 0; first + i < n; ++i) y[first + i] = tmp[i];
 }
 
+// The LL flags' period end. An LL8 cell carries the low 32 bits of its call's
+// pair epoch, so flags repeat every 2^32 calls: a cell written 2^32 calls
+// earlier and not overwritten since (a message longer than every later one of
+// that parity) would read as new. A slot of parity q (epoch & 1) only ever
+// expects flags of parity q, so a cell stamped with a flag of the other parity
+// can never match. The slots start stamped that way (runtime.cu), and the last
+// call of each parity before the low 32 bits wrap (flags 0xFFFFFFFE and
+// 0xFFFFFFFF) re-stamps every cell this PE receives from the peer in that
+// parity, in every phase, once all of the call's blocks have read theirs. The
+// peer's next store into that slot belongs to call e + 2, which it starts only
+// after this PE's call e + 1 has sent, that is after this kernel ended (the
+// two-parity argument at the top of this file). So the count may wrap: each
+// new period starts with no cell of the slot's parity left from the last.
+constexpr uint32_t kLastFlagsOfPeriod = 0xFFFFFFFEu;  // the calls that re-stamp
+
+// Re-stamps this PE's LL cells of `epoch`'s parity from `sender` (the heap's
+// LL region `ll`, laid out as LlAt reads it): 3 x ll_slot_bytes (up to 6 MiB)
+// of 16-byte stores from the one thread that advances the epochs, once every
+// 2^32 calls of the pair. Out of line and with scalar arguments, so that the
+// kernels' common path keeps its registers (a reference to the kernel's
+// parameters would copy them to the stack).
+__device__ __noinline__ void RestampLLFromPeer(char* ll, size_t ll_slot_bytes, int num_pes,
+                                               uint64_t epoch, int sender) {
+  const uint32_t other = static_cast<uint32_t>(epoch & 1) ^ 1u;
+  const uint4 stamp = make_uint4(0u, other, 0u, other);
+  const size_t cells = ll_slot_bytes / sizeof(uint4);
+  for (int phase = 0; phase < kNumPhases; ++phase) {
+    const size_t slot = ((static_cast<size_t>(epoch & 1) * kNumPhases + phase) * num_pes + sender);
+    uint4* cell = reinterpret_cast<uint4*>(ll + slot * ll_slot_bytes);
+    for (size_t i = 0; i < cells; ++i) cell[i] = stamp;
+  }
+}
+
 // Advances the pair epochs of this call, once every block has read them (one
-// thread of the grid calls it). No fence: only the next kernels read them,
-// and the end of this kernel makes its writes visible to them. A fence here
-// cost 0.1-0.3 us a call (docs/kernels.md, "The per-call bookkeeping").
+// thread of the grid calls it), and at a period end of a pair's LL flags
+// re-stamps that pair's cells (above). No fence: only the next kernels read
+// the epochs and the cells, and the end of this kernel makes its writes
+// visible to them. A fence here cost 0.1-0.3 us a call (docs/kernels.md, "The
+// per-call bookkeeping").
 __device__ __forceinline__ void AdvanceEpochs(const Params& p) {
   for (int i = 0; i < p.num_bump; ++i) {
-    // The next call with this peer runs at epoch + 1; its LL flag is the
-    // low 32 bits, which must not wrap to 0 (docs/kernels.md, assumptions).
-    const uint64_t epoch = ++p.pair_epochs[p.bump[i]];
-    if (static_cast<uint32_t>(epoch + 1) == 0u) {
-      ReportEpochWrapAndTrap(p.error, p.op, p.topo.rank, p.bump[i], epoch + 1);
+    const uint64_t epoch = ++p.pair_epochs[p.bump[i]];  // this call's (EpochWith)
+    if (static_cast<uint32_t>(epoch) >= kLastFlagsOfPeriod) {  // once every 2^32 calls
+      RestampLLFromPeer(p.heap.ll, p.heap.ll_slot_bytes, p.heap.num_pes, epoch, p.bump[i]);
     }
   }
 }
@@ -377,9 +412,10 @@ __device__ __forceinline__ void Finish(const Params& p, bool quiet) {
 // start ticket, which their own Finish resets; these kernels leave it alone).
 // The epochs must be read nowhere else in the
 // kernel (the one-shot simple, two-shot and stage kernels read them again
-// later, so they keep Finish). The wrap check moves with the advance to the
-// start: a rank then traps before all its blocks have sent, and a peer may
-// report a timeout instead of the wrap. Prediction, from the parts measured on
+// later, so they keep Finish). Such a kernel cannot re-stamp the LL cells at
+// the flags' period end (that needs every block's reads done), so there it
+// stops the run instead: a rank traps before all its blocks have sent, and a
+// peer may report a timeout instead. Prediction, from the parts measured on
 // one GPU (docs/kernels.md, "The per-call bookkeeping"): at most 0.2-0.3 us
 // less a call than the read + Finish (what Finish costs beyond the read, less
 // the barrier this adds); not yet measured (scripts/gpu_check.sh epochab).
@@ -392,9 +428,12 @@ __device__ __forceinline__ void AdvanceEpochsAtStart(const Params& p) {
                  : "memory");
     if (ticket == gridDim.x - 1) {
       for (int i = 0; i < p.num_bump; ++i) {
+        // The LL flags' period end needs a re-stamp after the call's reads
+        // (AdvanceEpochs), which an advance at the start cannot do: under
+        // the knob the run stops there instead.
         const uint64_t epoch = ++p.pair_epochs[p.bump[i]];
-        if (static_cast<uint32_t>(epoch + 1) == 0u) {
-          ReportEpochWrapAndTrap(p.error, p.op, p.topo.rank, p.bump[i], epoch + 1);
+        if (static_cast<uint32_t>(epoch) >= kLastFlagsOfPeriod) {
+          ReportEpochWrapAndTrap(p.error, p.op, p.topo.rank, p.bump[i], epoch);
         }
       }
       p.done_counter[0] = 0;

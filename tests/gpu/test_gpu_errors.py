@@ -48,17 +48,20 @@ def test_mismatched_sizes_are_named(tmp_path):
   assert "jaxoverlap: all_reduce timed out on PE" in run.output(), run.tail()
 
 
-@pytest.mark.parametrize("rank_test", ["test_ll_flag_wrap_stops_loudly",
-                                       "test_norm_flag_wrap_stops_loudly"])
-def test_ll_flag_wrap_stops_loudly(rank_test, tmp_path):
-  """Issue: after 2^32 calls a pair's 32-bit LL flags wrapped and could read stale lines.
+@pytest.mark.parametrize("rank_test", ["test_all_reduce_period_end_stops_under_epoch_knob",
+                                       "test_norm_period_end_stops_under_epoch_knob"])
+def test_period_end_stops_under_epoch_knob(rank_test, tmp_path):
+  """The LL flags' period end, where the kernels re-stamp their cells (test_gpu_flag_wrap.py),
+  stops the run loudly under JAXOVERLAP_EPOCH_AT_START=1, whose kernels advance their count
+  before they read and so cannot re-stamp: never a stale line read as new.
 
-  Both ways a call advances its epochs: Finish's ticket (the all-reduce) and
-  the one-cluster end of all_reduce_rms_norm at one row.
+  Both kernels the knob changes: the one-shot LL all-reduce and all_reduce_rms_norm at one row.
   """
   run = _harness.run_ranks(tmp_path, "rank_errors.py", World(2, 2),
                            select=("-k", rank_test), timeout_s=150,
-                           env={"JAXOVERLAP_TEST_PAIR_EPOCH": str(2**32 - 3)})
+                           env={"JAXOVERLAP_TEST_PAIR_EPOCH": str(2**32 - 4),
+                                "JAXOVERLAP_EPOCH_AT_START": "1"})
   run.print_summary()
   run.check()
-  assert "has made 2^32 - 1 calls with peer PE" in run.output(), run.tail()  # the watchdog
+  # The watchdog's line reaches stderr before the process ends.
+  assert "ends a period of the LL protocol's 32-bit flags" in run.output(), run.tail()

@@ -67,10 +67,11 @@ static __device__ __noinline__ void ReportTimeoutAndTrap(DeviceError* error, OpI
   __trap();
 }
 
-// Records that the calls with `peer_pe` reached `epoch`, whose low 32 bits
-// wrapped to 0 (the LL protocol's flags are those 32 bits, so a stale line
-// would read as new), prints it and traps: the run stops instead of summing a
-// stale line. Code 2 in `error`.
+// Records that the calls with `peer_pe` reached `epoch`, the end of a period
+// of the LL protocol's 32-bit flags, in a kernel that advanced its epochs at
+// its start (the measurement knob JAXOVERLAP_EPOCH_AT_START=1), which cannot
+// re-stamp the cells there (all_reduce.cu, "period end"); prints it and traps:
+// the run stops instead of reading a stale line. Code 2 in `error`.
 static __device__ __noinline__ void ReportEpochWrapAndTrap(DeviceError* error, OpId op, int rank,
                                                            int peer_pe, uint64_t epoch) {
   if (atomicCAS(&error->code, 0, 2) == 0) {
@@ -83,8 +84,9 @@ static __device__ __noinline__ void ReportEpochWrapAndTrap(DeviceError* error, O
     error->seen = 0;
     __threadfence_system();
   }
-  printf("jaxoverlap: rank %d made 2^32 - 1 calls with peer PE %d: the 32-bit LL flags would "
-         "wrap at the next; stopping\n", rank, peer_pe);
+  printf("jaxoverlap: rank %d reached call %llu with peer PE %d, the end of a period of the "
+         "32-bit LL flags, which JAXOVERLAP_EPOCH_AT_START=1 cannot cross; stopping\n",
+         rank, static_cast<unsigned long long>(epoch), peer_pe);
   __trap();
 }
 

@@ -79,7 +79,7 @@ const char* OpName(int32_t op);
 // that the host can read it even after the kernel trapped (the runtime's
 // watchdog thread prints it to stderr at once; DeviceErrorToFfi words it).
 struct DeviceError {
-  int32_t code;      // 0: none; 1: wait timed out; 2: a pair's epoch would wrap (LL flags)
+  int32_t code;      // 0: none; 1: wait timed out; 2: an LL flag period end under the epoch knob
   int32_t rank;      // rank (in its group) of the PE that waited
   int32_t peer_pe;   // PE whose signal did not arrive
   int32_t step;      // algorithm step (0: one-shot receive)

@@ -12,14 +12,17 @@ conftest.py):
   error names peer PE 1 and the step. The GPU context is lost after the trap,
   so the test is marked ``ends_process``: the conftest writes the report and
   ends the process with ``os._exit``.
-* wrap: every pair's call count starts 3 below 2^32
-  (``JAXOVERLAP_TEST_PAIR_EPOCH``, set by the outer test): the first LL call,
-  with flags 0xFFFFFFFE, is checked against the sum; the second would leave the
-  next call's 32-bit flag at 0, so it stops the run with an error that says so.
-  Once for the one-shot LL all-reduce, once for all_reduce_rms_norm at one row.
-  The trap loses the GPU context, so these end their process too: without the
-  mark, with two processes sharing one GPU, one whose second call never
-  returned was seen to abort in the interpreter's exit after its test passed.
+* epoch knob at the flags' period end: every pair's call count starts 4 below
+  2^32 (``JAXOVERLAP_TEST_PAIR_EPOCH``) and the one-shot LL kernels advance it at
+  their start (``JAXOVERLAP_EPOCH_AT_START=1``, a measurement knob, both set by
+  the outer test). Such a kernel cannot re-stamp the LL cells at the end of the
+  32-bit flags' period, as the default kernels do (test_gpu_flag_wrap.py), so the
+  first call, with flags 0xFFFFFFFD, is checked against the sum, and the second,
+  the first of the period's end, stops the run with an error that says so. Once
+  for the one-shot LL all-reduce, once for all_reduce_rms_norm at one row. The
+  trap loses the GPU context, so these end their process too: without the mark,
+  with two processes sharing one GPU, one whose second call never returned was
+  seen to abort in the interpreter's exit after its test passed.
 """
 
 from __future__ import annotations
@@ -173,8 +176,8 @@ def test_mismatched_sizes_are_named(runtime, topology, mesh, ops, rank, nproc, k
     assert raised is not None, "the rank that timed out returned from its call"
 
 
-def _check_flag_wrap(f, args, want, first_of, op, nproc, kv):
-  """Two calls of ``f`` from pair epoch 2^32 - 2: the first is right, the second stops loudly.
+def _check_period_end_stops(f, args, want, first_of, op, nproc, kv):
+  """Two calls of ``f`` from pair epoch 2^32 - 3: the first is right, the second stops loudly.
 
   ``first_of(result)``: this rank's float64 values to compare with ``want``;
   ``op``: the op the recorded error must name.
@@ -183,9 +186,9 @@ def _check_flag_wrap(f, args, want, first_of, op, nproc, kv):
 
   import jaxoverlap
 
-  first = first_of(f(*args))  # epoch 2^32 - 2: flag 0xFFFFFFFE
+  first = first_of(f(*args))  # epoch 2^32 - 3: flag 0xFFFFFFFD
   first_ok = bool(np.all(np.abs(first - want) <= 1e-5 * (np.abs(want) + 1)))
-  # Epoch 2^32 - 1; the next would be 2^32: the kernel traps at the end of this call. The
+  # Epoch 2^32 - 2, the first call of the period's end: the kernel traps at its start. The
   # call runs on a thread, bounded: with two processes on one GPU, the second context's
   # call was seen not to return after both kernels trapped (the first raised at once).
   outcome = ["hung"]
@@ -210,9 +213,10 @@ def _check_flag_wrap(f, args, want, first_of, op, nproc, kv):
   jax.distributed.shutdown()
   for r, o in enumerate(outcomes):
     ok, call, msg = o.split("|", 2)
-    assert ok == "True", f"rank {r}: the first call (flags 0xFFFFFFFE) summed wrongly"
-    assert call in ("raised", "hung"), f"rank {r}: the call before the wrap {call}"
-    for part in (f"{op} stopped on PE", "2^32 - 1 calls", "peer PE", "restart the processes"):
+    assert ok == "True", f"rank {r}: the first call (flags 0xFFFFFFFD) summed wrongly"
+    assert call in ("raised", "hung"), f"rank {r}: the call at the period's end {call}"
+    for part in (f"{op} stopped on PE", "ends a period of the LL protocol's 32-bit flags",
+                 "JAXOVERLAP_EPOCH_AT_START=1", "peer PE", "restart the processes"):
       assert part in msg, f"rank {r}: {part!r} missing from the recorded error: {msg!r}"
   calls = [o.split("|", 2)[1] for o in outcomes]
   if os.environ.get("JAXOVERLAP_NO_NCCL"):  # processes share one GPU
@@ -221,19 +225,22 @@ def _check_flag_wrap(f, args, want, first_of, op, nproc, kv):
     assert calls == ["raised"] * nproc, f"every rank's call must raise: {calls}"
 
 
-def _skip_unless_wrap_run(topology, nproc):
+def _skip_unless_knob_run(topology, nproc):
   import os
 
-  if os.environ.get("JAXOVERLAP_TEST_PAIR_EPOCH") != str(2**32 - 3):
-    pytest.skip("run with JAXOVERLAP_TEST_PAIR_EPOCH=2**32 - 3 (tests/gpu/test_gpu_errors.py)")
+  if (os.environ.get("JAXOVERLAP_TEST_PAIR_EPOCH") != str(2**32 - 4)
+      or os.environ.get("JAXOVERLAP_EPOCH_AT_START") != "1"):
+    pytest.skip("run with JAXOVERLAP_TEST_PAIR_EPOCH=2**32 - 4 and JAXOVERLAP_EPOCH_AT_START=1 "
+                "(tests/gpu/test_gpu_errors.py)")
   if nproc != 2 or topology.num_nodes != 1:
     pytest.skip("2 processes on one node")
 
 
 @pytest.mark.ends_process
-def test_ll_flag_wrap_stops_loudly(runtime, topology, mesh, ops, rank, nproc, kv):
-  ops.require_cuda("the LL flags' wrap")
-  _skip_unless_wrap_run(topology, nproc)
+def test_all_reduce_period_end_stops_under_epoch_knob(runtime, topology, mesh, ops, rank, nproc,
+                                                      kv):
+  ops.require_cuda("the LL flags' period end")
+  _skip_unless_knob_run(topology, nproc)
   f = jax.jit(jax.shard_map(
       lambda x: jax.lax.pcast(ops.all_reduce(x, "x", algorithm="one_shot", protocol="ll"), "x",
                               to="varying"),
@@ -243,15 +250,16 @@ def test_ll_flag_wrap_stops_loudly(runtime, topology, mesh, ops, rank, nproc, kv
            for r in range(nproc)]
   want = np.sum(np.stack(parts).astype(np.float64), axis=0)
   x = jax.make_array_from_process_local_data(NamedSharding(mesh, P("x")), mine, (4096 * nproc,))
-  _check_flag_wrap(f, (x,), want, lambda out: np.asarray(out.addressable_data(0), np.float64),
-                   "all_reduce", nproc, kv)
+  _check_period_end_stops(f, (x,), want,
+                          lambda out: np.asarray(out.addressable_data(0), np.float64),
+                          "all_reduce", nproc, kv)
 
 
 @pytest.mark.ends_process
-def test_norm_flag_wrap_stops_loudly(runtime, topology, mesh, ops, rank, nproc, kv):
-  """The fused norm at one row (one cluster: its epochs advance without Finish's ticket)."""
-  ops.require_cuda("the LL flags' wrap")
-  _skip_unless_wrap_run(topology, nproc)
+def test_norm_period_end_stops_under_epoch_knob(runtime, topology, mesh, ops, rank, nproc, kv):
+  """The fused norm at one row (under the knob its epochs advance at its start too)."""
+  ops.require_cuda("the LL flags' period end")
+  _skip_unless_knob_run(topology, nproc)
   import jaxoverlap
 
   f = jax.jit(jax.shard_map(
@@ -271,7 +279,7 @@ def test_norm_flag_wrap_stops_loudly(runtime, topology, mesh, ops, rank, nproc, 
   r = jax.make_array_from_process_local_data(rep, res, (1, hidden))
   w = jax.make_array_from_process_local_data(rep, weight, (hidden,))
   # Both outputs of the first call: h, and y from the one-cluster reduction.
-  _check_flag_wrap(f, (p, r, w), np.concatenate([h, y]),
-                   lambda out: np.concatenate([np.asarray(o.addressable_data(0), np.float64)
-                                               for o in out]),
-                   "all_reduce_rms_norm", nproc, kv)
+  _check_period_end_stops(f, (p, r, w), np.concatenate([h, y]),
+                          lambda out: np.concatenate(
+                              [np.asarray(o.addressable_data(0), np.float64) for o in out]),
+                          "all_reduce_rms_norm", nproc, kv)
