@@ -345,11 +345,16 @@ __device__ __forceinline__ void StorePadded(T* y, size_t first, size_t n, V v) {
 // can never match. The slots start stamped that way (runtime.cu), and the last
 // call of each parity before the low 32 bits wrap (flags 0xFFFFFFFE and
 // 0xFFFFFFFF) re-stamps every cell this PE receives from the peer in that
-// parity, in every phase, once all of the call's blocks have read theirs. The
-// peer's next store into that slot belongs to call e + 2, which it starts only
-// after this PE's call e + 1 has sent, that is after this kernel ended (the
-// two-parity argument at the top of this file). So the count may wrap: each
-// new period starts with no cell of the slot's parity left from the last.
+// parity, in every phase, once all of the call's blocks have read theirs
+// (each block has used the values it loaded, summed or stored them, before
+// Finish's barrier and ticket, so the re-stamp cannot change what they read).
+// The peer's next store into that slot belongs to call e + 2, which it starts
+// only after this PE's call e + 1 has sent, that is after this kernel ended
+// (the two-parity argument at the top of this file; in the hierarchical
+// kernels a pair whose inter-node shard is empty in a call exchanges no cell,
+// and the wait is then indirect, through the call's other exchanges). So the
+// count may wrap: each new period starts with no cell of the slot's parity
+// left from the last.
 constexpr uint32_t kLastFlagsOfPeriod = 0xFFFFFFFEu;  // the calls that re-stamp
 
 // Re-stamps this PE's LL cells of `epoch`'s parity from `sender` (the heap's
