@@ -1,4 +1,4 @@
-"""The LL flags' wrap after 2^32 calls of a pair (2 processes; tests/gpu/ranks/rank_flag_wrap.py).
+"""The LL flags' wrap after 2^32 calls of a pair (2 and 4 processes; tests/gpu/ranks/rank_flag_wrap.py).
 
 Issue: the LL protocol's cells carry the low 32 bits of a pair's call count, so the run used
 to stop with an error after 2^32 - 1 calls (about 2.3 days of 32-layer decode). The kernels
@@ -22,7 +22,11 @@ WRAP_ENV = {"JAXOVERLAP_TEST_PAIR_EPOCH": str(2**32 - 3), "JAXOVERLAP_TEST_LL_ST
     ("test_wrap_after_cluster_end", World(2, 2)),
     ("test_wrap_hierarchical", World(2, 1)),
     ("test_wrap_hierarchical", World(2, 1, put=True)),
-], ids=["finish", "cluster_end", "hierarchical", "hierarchical_put"])
+    ("test_wrap_after_finish", World(4, 4)),  # 3 peers to re-stamp from
+    ("test_wrap_after_cluster_end", World(4, 4)),
+    ("test_wrap_hierarchical", World(4, 1)),  # 4 emulated nodes: 2 recursive-doubling steps
+], ids=["finish", "cluster_end", "hierarchical", "hierarchical_put", "finish-w4",
+        "cluster_end-w4", "hierarchical-w4"])
 def test_ll_flags_wrap(rank_test, world, tmp_path):
   run = _harness.run_ranks(tmp_path, "rank_flag_wrap.py", world, select=("-k", rank_test),
                            timeout_s=180, env=WRAP_ENV)

@@ -1,6 +1,6 @@
 """Rank side: the LL flags wrap after 2^32 calls of a pair, and every result stays right.
 
-Run by tests/gpu/test_gpu_flag_wrap.py in 2 processes, each test in its own launch (the
+Run by tests/gpu/test_gpu_flag_wrap.py in 2 or 4 processes, each test in its own launch (the
 pair's call count must start afresh), with
 
 * ``JAXOVERLAP_TEST_PAIR_EPOCH=2**32 - 3``: every pair's count starts there, so the first
@@ -19,7 +19,8 @@ calls after the wrap read cells that only the re-stamp can have changed:
   call is one launch, which the test checks), so a re-stamp of part of a slot fails too;
 * in each call after the wrap one rank starts late (``LATE_S``), so the other polls its
   cells before any of the late rank's stores can have landed: a stale cell is read, not
-  raced over. The late rank alternates, so each rank is checked. Every call is compiled
+  raced over. The late rank rotates (rank i % nproc in call i), so at 2 processes each rank
+  is checked (at 4, three of them). Every call is compiled
   ahead (AOT), so that compilation cannot eat the delay.
 
 Which kernel ends the period differs by test, since each ends its calls its own way:
@@ -29,9 +30,9 @@ Which kernel ends the period differs by test, since each ends its calls its own 
 * ``cluster_end``: all_reduce_rms_norm at one row (its one-cluster end, no ticket), then
   one-shot Lamport (a kernel that uses no LL cell still re-stamps them); after the wrap the
   norm at 4 rows (several clusters: Finish) and at one row;
-* ``hierarchical``: 2 emulated nodes (JAXOVERLAP_RANKS_PER_NODE=1, with or without NVSHMEM
-  puts): hierarchical LL, then hierarchical simple; after the wrap hierarchical LL twice
-  (the inter-node phase).
+* ``hierarchical``: 2 or 4 emulated nodes of one rank (JAXOVERLAP_RANKS_PER_NODE=1, with or
+  without NVSHMEM puts; 4 nodes take two recursive-doubling steps): hierarchical LL, then
+  hierarchical simple; after the wrap hierarchical LL twice (the inter-node phase).
 
 Every element of every call is checked against float64 on every rank, with fresh inputs.
 With ``JAXOVERLAP_RANK_TESTS_XLA=1`` (a CPU dry run on backend "xla") the same sequences run
@@ -64,8 +65,8 @@ DRY_RUN_LL_SLOT_BYTES = 2 << 20  # the slot of the default heap, for the CPU dry
 @pytest.fixture
 def ll_slot_bytes(topology, nproc, ops) -> int:
   """The LL slot per sender, bytes; skips unless this is a wrap launch (or a dry run)."""
-  if nproc != 2:
-    pytest.skip("2 processes")
+  if nproc not in (2, 4):
+    pytest.skip("2 or 4 processes")
   if ops.dry_run:
     return DRY_RUN_LL_SLOT_BYTES
   if (os.environ.get("JAXOVERLAP_TEST_PAIR_EPOCH") != str(START)
@@ -175,8 +176,8 @@ def test_wrap_after_cluster_end(ll_slot_bytes, topology, mesh, ops, rank, nproc)
 
 
 def test_wrap_hierarchical(ll_slot_bytes, topology, mesh, ops, rank, nproc):
-  if topology.num_nodes != 2:
-    pytest.skip("2 emulated nodes (JAXOVERLAP_RANKS_PER_NODE=1)")
+  if topology.num_nodes != nproc:
+    pytest.skip("emulated nodes of one rank (JAXOVERLAP_RANKS_PER_NODE=1)")
   full = ll_slot_bytes // 8  # floats of the inter-node exchange that fill an LL slot
   calls = [_all_reduce(mesh, ops, rank, nproc, 21, SMALL, "hierarchical", "ll"),
            _all_reduce(mesh, ops, rank, nproc, 22, SMALL, "hierarchical", "simple"),
