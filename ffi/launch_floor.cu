@@ -171,6 +171,39 @@ ffi::Error CopyOnly(cudaStream_t stream, ffi::AnyBuffer x, ffi::Result<ffi::AnyB
   return LaunchFloorExecute<kMode>(stream, x, out, /*parts=*/0);
 }
 
+// The plain copy with `threads` a block and one 16-byte vector a thread (grid-stride
+// beyond 1056 blocks), or with threads == 0 no kernel at all: the output aliases the input
+// (jaxoverlap/_cuda.py passes input_output_aliases), so the call is XLA's custom-call node
+// with an empty captured graph. Side by side these tell a custom call's own cost in XLA's
+// graphs from its kernel's (benchmarks/launch_floor_pdl.py, "Anatomy").
+ffi::Error LaunchFloorShaped(cudaStream_t stream, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> out,
+                             int32_t threads) {
+  if (threads == 0) {
+    if (out->untyped_data() != x.untyped_data()) {
+      return ffi::Error::InvalidArgument(
+          "launch_floor: threads=0 launches nothing, so the output must alias the input "
+          "(input_output_aliases={0: 0})");
+    }
+    return ffi::Error::Success();
+  }
+  if (threads < 32 || threads > 1024 || threads % 32 != 0) {
+    return ffi::Error::InvalidArgument("launch_floor: threads=" + std::to_string(threads) +
+                                       " is not a multiple of 32 in 32..1024");
+  }
+  const size_t bytes = x.size_bytes();
+  if (bytes == 0) return ffi::Error::Success();
+  const size_t vectors = bytes / 16;
+  const int blocks = static_cast<int>(
+      std::max<size_t>(1, std::min<size_t>(1056, (vectors + threads - 1) / threads)));
+  const char* in = static_cast<const char*>(x.untyped_data());
+  char* o = static_cast<char*>(out->untyped_data());
+  CopyKernel<FloorMode::kPlain><<<blocks, threads, 0, stream>>>(
+      reinterpret_cast<const uint4*>(in), reinterpret_cast<uint4*>(o), vectors,
+      in + vectors * 16, o + vectors * 16, bytes % 16, 0);
+  JAXOVERLAP_RETURN_IF_LAUNCH_ERROR("CopyKernel launch (shaped)");
+  return ffi::Error::Success();
+}
+
 // How the prefetch variant loads its bytes into L2.
 constexpr int kPrefetchNone = 0;
 constexpr int kPrefetchBulk = 1;       // cp.async.bulk.prefetch.L2 (Hopper's TMA), chunks
@@ -292,6 +325,15 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Arg<xla::ffi::AnyBuffer>()   // x: [...] any dtype
         .Ret<xla::ffi::AnyBuffer>()   // out: a copy of x
         .Attr<int32_t>("parts"),      // which bookkeeping: kEpochRead | kEndTicket | ... above
+    {xla::ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    JaxoverlapLaunchFloorShaped, jaxoverlap::LaunchFloorShaped,
+    xla::ffi::Ffi::Bind()
+        .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+        .Arg<xla::ffi::AnyBuffer>()   // x: [...] any dtype
+        .Ret<xla::ffi::AnyBuffer>()   // out: a copy of x (threads=0: x itself, aliased)
+        .Attr<int32_t>("threads"),    // threads a block; 0: no kernel
     {xla::ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(

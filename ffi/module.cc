@@ -21,6 +21,7 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxoverlapLaunchFloor);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxoverlapLaunchFloorPdl);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxoverlapLaunchFloorBookkeeping);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxoverlapLaunchFloorPrefetch);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxoverlapLaunchFloorShaped);
 
 namespace nb = nanobind;
 
@@ -82,6 +83,7 @@ NB_MODULE(_jaxoverlap_cuda, m) {
     d["jaxoverlap_launch_floor_bookkeeping"] =
         EncapsulateFfiHandler(JaxoverlapLaunchFloorBookkeeping);
     d["jaxoverlap_launch_floor_prefetch"] = EncapsulateFfiHandler(JaxoverlapLaunchFloorPrefetch);
+    d["jaxoverlap_launch_floor_shaped"] = EncapsulateFfiHandler(JaxoverlapLaunchFloorShaped);
     d["jaxoverlap_all_gather_matmul"] = EncapsulateFfiHandler(JaxoverlapAllGatherMatmul);
     d["jaxoverlap_all_gather_matmul_gathered"] =
         EncapsulateFfiHandler(JaxoverlapAllGatherMatmulGathered);

@@ -94,7 +94,8 @@ def fused(ctx, args, plan, *, gathered: bool = False):
 # 16 a ticket at the start instead.
 _BOOKKEEPING_PARTS = {"bookkeeping": 1 | 2 | 4, "bookkeeping_nofence": 1 | 2, "epoch_read": 1,
                       "end_ticket": 2 | 4, "start_count": 8, "start_ticket": 16}
-LAUNCH_FLOOR_VARIANTS = ("plain", "pdl", *_BOOKKEEPING_PARTS)
+_SHAPED = {"empty": 0, "threads128": 128}  # threads a block of the copy; 0: no kernel
+LAUNCH_FLOOR_VARIANTS = ("plain", "pdl", *_BOOKKEEPING_PARTS, *_SHAPED)
 
 
 def launch_floor(x: jax.Array, *, variant: str = "plain") -> jax.Array:
@@ -116,7 +117,10 @@ def launch_floor(x: jax.Array, *, variant: str = "plain") -> jax.Array:
       release add to a start counter; at the end block 0 waits for every
       block's add and advances the epoch: no ticket at the end), "start_ticket"
       (one read per block, a barrier, then a ticket; the last block to take one
-      advances the epoch at its start: nothing at the end).
+      advances the epoch at its start: nothing at the end); "threads128" (the
+      copy in blocks of 128 threads, as XLA's small fusions, instead of 512);
+      "empty" (no kernel: the output aliases ``x``, so the call is only XLA's
+      custom-call node).
 
   Raises:
     ValueError: an unknown ``variant``.
@@ -125,6 +129,10 @@ def launch_floor(x: jax.Array, *, variant: str = "plain") -> jax.Array:
     raise ValueError(f"launch_floor: variant must be one of {LAUNCH_FLOOR_VARIANTS}, got "
                      f"{variant!r}")
   _ffi.load()
+  if variant in _SHAPED:
+    aliases = {0: 0} if _SHAPED[variant] == 0 else {}
+    return jax.ffi.ffi_call("jaxoverlap_launch_floor_shaped", jax.typeof(x),
+                            input_output_aliases=aliases)(x, threads=np.int32(_SHAPED[variant]))
   if variant in _BOOKKEEPING_PARTS:
     return jax.ffi.ffi_call("jaxoverlap_launch_floor_bookkeeping", jax.typeof(x))(
         x, parts=np.int32(_BOOKKEEPING_PARTS[variant]))

@@ -30,6 +30,9 @@
 #       twice) | epochab2 (the norm kernel the same way, then the bookkeeping probe)
 #       | pdlfloor (one GPU: the custom-call launch floor with and without programmatic
 #       dependent launch, and with the all-reduce kernels' per-call bookkeeping; PDL_FLAGS)
+#       | childgraph (one GPU, CUDA alone: a copy kernel's cost as a kernel node, as a
+#       child-graph node (how XLA records a custom call) and captured into the graph;
+#       CHILD_SIZES, CHILD_THREADS (threads a block); benchmarks/child_graph_probe.cu)
 #       | localcost (one GPU: the all-reduce and norm kernels for a group of one, so without
 #       communication, beside a copy and XLA's add + norm; LOCAL_CLUSTERS="0 1" also with every
 #       row on one block; LOCAL_FLAGS)
@@ -54,7 +57,8 @@ WHAT=${1:-}
 VERBS=" build suite bench bench2 autobench quickbench tune ovbench ovbenchfull ovwindowed"
 VERBS="$VERBS ovcalibrate train cmdbufcost profile ovprofilegraphs decode procbench multigpu_bench"
 VERBS="$VERBS multigpu_fused normbench decodefloor pallasbench retune lamportab contention"
-VERBS="$VERBS ovrepeat ovrepeat2 pdlfloor epochab epochab2 tune1process localcost l2prefetch "
+VERBS="$VERBS ovrepeat ovrepeat2 pdlfloor epochab epochab2 tune1process localcost l2prefetch"
+VERBS="$VERBS childgraph "
 if [ -z "$WHAT" ] || [[ "$VERBS" != *" $WHAT "* ]]; then
   echo "usage: bash scripts/gpu_check.sh <verb> (verbs:$VERBS)" >&2
   exit 2
@@ -324,6 +328,26 @@ if [ "$WHAT" = train ] && [ "$NGPU" -ge 2 ]; then
 fi
 if [ "$WHAT" = pdlfloor ]; then  # one GPU: what PDL saves a one-kernel custom call in XLA's graphs
   run launch_floor_pdl 200 $PY benchmarks/launch_floor_pdl.py --out "$OUT" ${PDL_FLAGS:-}
+fi
+if [ "$WHAT" = childgraph ]; then  # one GPU: a kernel as a kernel node and as a child graph
+  # Built three ways: whole-program, -rdc=true (as the extension's code), and -rdc=true with
+  # NVSHMEM's device library linked into the module (as the extension's).
+  NV=$($PY -c "import nvidia.nvshmem as m; print(list(m.__path__)[0])")
+  SRC=benchmarks/child_graph_probe.cu
+  NVCC="nvcc -O2 -std=c++17 -arch=sm_90"
+  $NVCC -o "$OUT/probe_whole" $SRC && $NVCC -rdc=true -o "$OUT/probe_rdc" $SRC \
+    && $NVCC -rdc=true -DPROBE_WITH_NVSHMEM -I"$NV/include" -o "$OUT/probe_nvshmem" $SRC \
+      "$NV/lib/libnvshmem_device.a" -Xlinker "$NV/lib/libnvshmem_host.so.3" \
+      -Xlinker -rpath,"$NV/lib" 2>"$OUT/probe_build.log" \
+    || { echo "!! child_graph_probe did not build"; tail -5 "$OUT/probe_build.log"; status=1; }
+  for t in ${CHILD_THREADS:-256}; do
+    for b in ${CHILD_SIZES:-8192 65536 262144 1048576}; do
+      for build in whole rdc nvshmem; do
+        "$OUT/probe_$build" "$b" 200 50 "$t" | tee -a "$OUT/child_graph_probe.jsonl" || status=1
+      done
+    done
+  done
+  rm -f "$OUT"/probe_whole "$OUT"/probe_rdc "$OUT"/probe_nvshmem "$OUT/probe_build.log"
 fi
 if [ "$WHAT" = localcost ]; then  # one GPU: the kernels' cost without communication
   for c in ${LOCAL_CLUSTERS:-0 1}; do  # 0: the kernel's own split of a row over blocks

@@ -44,6 +44,7 @@ def test_extension_loads_and_registers_targets():
                        "jaxoverlap_all_reduce_all_gather", "jaxoverlap_all_reduce_rms_norm",
                        "jaxoverlap_launch_floor", "jaxoverlap_launch_floor_pdl",
                        "jaxoverlap_launch_floor_bookkeeping", "jaxoverlap_launch_floor_prefetch",
+                       "jaxoverlap_launch_floor_shaped",
                        "jaxoverlap_all_gather_matmul", "jaxoverlap_all_gather_matmul_gathered",
                        "jaxoverlap_matmul_reduce_scatter", "jaxoverlap_matmul_all_reduce",
                        "jaxoverlap_all_gather_matmul_cmdbuf",
