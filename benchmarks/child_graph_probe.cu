@@ -25,7 +25,9 @@
 // code is built, -rdc=true, and with NVSHMEM's device library linked in, PROBE_WITH_NVSHMEM,
 // to tell whether the module a kernel lives in changes its cost):
 //   nvcc -O2 -std=c++17 -arch=sm_90 -o /tmp/child_graph_probe benchmarks/child_graph_probe.cu
-//   /tmp/child_graph_probe 8192 200 50 256 > out.json   # bytes, chain, reps, threads
+//   /tmp/child_graph_probe 8192 200 50 256 8 > out.json  # bytes, chain, reps, threads, pad
+// PAD: bytes of extra kernel parameters (8, 640 or 4096; the all-reduce kernels' Params
+// struct is about 650 bytes).
 // Output: one JSON object (sizes, per-node medians in us, the GPU's name) on stdout.
 
 #include <cuda_runtime.h>
@@ -34,6 +36,7 @@
 #endif
 
 #include <algorithm>
+#include <iterator>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -60,12 +63,25 @@ constexpr const char* kBuild = "rdc";
 constexpr const char* kBuild = "whole";
 #endif
 
-__global__ void Copy(const float4* __restrict__ in, float4* __restrict__ out, size_t n) {
+// Kernel parameters of kPad bytes beside the copy's own (the all-reduce kernels take a
+// Params struct of about 650 bytes by value): whether the size of a kernel's parameters
+// changes its cost in a graph.
+template <int kPad>
+struct Pad {
+  unsigned char bytes[kPad];
+};
+
+template <int kPad>
+__global__ void Copy(const float4* __restrict__ in, float4* __restrict__ out, size_t n,
+                     Pad<kPad> pad) {
   for (size_t i = blockIdx.x * size_t{blockDim.x} + threadIdx.x; i < n;
        i += size_t{gridDim.x} * blockDim.x) {
     out[i] = in[i];
   }
+  if (n == 0 && threadIdx.x == 0) out[0].x = pad.bytes[kPad - 1];  // never: keeps pad a parameter
 }
+
+constexpr int kPads[] = {8, 640, 4096};
 
 #ifdef PROBE_WITH_NVSHMEM
 // Never launched: it makes the device link pull NVSHMEM's device library into this
@@ -78,12 +94,24 @@ struct Chain {
   size_t n;  // float4 elements
   int blocks;
   int threads;
+  int pad;  // one of kPads: bytes of extra kernel parameters
 };
+
+template <int kPad>
+void* KernelOf() { return reinterpret_cast<void*>(Copy<kPad>); }
+
+void* CopyFunction(int pad) {
+  return pad == 8 ? KernelOf<8>() : pad == 640 ? KernelOf<640>() : KernelOf<4096>();
+}
 
 // Launches copy i of the chain on `stream` (from buf[i % 2] into buf[(i + 1) % 2]).
 void LaunchCopy(const Chain& c, int i, cudaStream_t stream) {
-  Copy<<<c.blocks, c.threads, 0, stream>>>(c.buf[i % 2], c.buf[(i + 1) % 2], c.n);
-  CHECK(cudaGetLastError());
+  const float4* in = c.buf[i % 2];
+  float4* out = c.buf[(i + 1) % 2];
+  size_t n = c.n;
+  Pad<4096> pad{};  // the kernel reads only its first c.pad bytes
+  void* args[] = {&in, &out, &n, &pad};
+  CHECK(cudaLaunchKernel(CopyFunction(c.pad), dim3(c.blocks), dim3(c.threads), args, 0, stream));
 }
 
 cudaGraph_t BuildKernelNodes(const Chain& c, int chain) {
@@ -94,9 +122,10 @@ cudaGraph_t BuildKernelNodes(const Chain& c, int chain) {
     const float4* in = c.buf[i % 2];
     float4* out = c.buf[(i + 1) % 2];
     size_t n = c.n;
-    void* args[] = {&in, &out, &n};
+    Pad<4096> pad{};
+    void* args[] = {&in, &out, &n, &pad};
     cudaKernelNodeParams p{};
-    p.func = reinterpret_cast<void*>(Copy);
+    p.func = CopyFunction(c.pad);
     p.gridDim = dim3(c.blocks);
     p.blockDim = dim3(c.threads);
     p.kernelParams = args;
@@ -174,16 +203,18 @@ int main(int argc, char** argv) {
   const int chain = argc > 2 ? std::atoi(argv[2]) : 200;
   const int reps = argc > 3 ? std::atoi(argv[3]) : 50;
   const int threads = argc > 4 ? std::atoi(argv[4]) : 256;
+  const int pad = argc > 5 ? std::atoi(argv[5]) : 8;
   const int warmup = 5;
   if (bytes == 0 || bytes % 16 || chain < 2 || reps < 1 || threads < 32 || threads > 1024 ||
-      threads % 32) {
+      threads % 32 || std::find(std::begin(kPads), std::end(kPads), pad) == std::end(kPads)) {
     std::fprintf(stderr, "usage: child_graph_probe BYTES(multiple of 16) CHAIN(>=2) REPS(>=1) "
-                 "[THREADS(32..1024, a multiple of 32)]\n");
+                 "[THREADS(32..1024, a multiple of 32) [PAD(8, 640 or 4096)]]\n");
     return 2;
   }
   Chain c{};
   c.n = bytes / 16;
   c.threads = threads;
+  c.pad = pad;
   c.blocks = static_cast<int>(std::min<size_t>((c.n + threads - 1) / threads, 1024));
   CHECK(cudaMalloc(&c.buf[0], bytes));
   CHECK(cudaMalloc(&c.buf[1], bytes));
@@ -223,11 +254,11 @@ int main(int argc, char** argv) {
   CHECK(cudaRuntimeGetVersion(&runtime));
   CHECK(cudaDriverGetVersion(&driver));
   std::printf("{\"bytes\": %zu, \"chain\": %d, \"reps\": %d, \"threads\": %d, \"blocks\": %d, "
-              "\"build\": \"%s\", \"gpu\": \"%s\", "
+              "\"param_pad_bytes\": %d, \"build\": \"%s\", \"gpu\": \"%s\", "
               "\"cuda_runtime\": %d, \"cuda_driver\": %d, \"us_per_node\": {\"kernel\": %.4f, "
               "\"child\": %.4f, \"capture_to\": %.4f}}\n",
-              bytes, chain, reps, c.threads, c.blocks, kBuild, prop.name, runtime, driver, per_node[0], per_node[1],
-              per_node[2]);
+              bytes, chain, reps, c.threads, c.blocks, c.pad, kBuild, prop.name, runtime, driver,
+              per_node[0], per_node[1], per_node[2]);
   CHECK(cudaFree(c.buf[0]));
   CHECK(cudaFree(c.buf[1]));
   CHECK(cudaStreamDestroy(stream));

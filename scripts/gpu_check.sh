@@ -32,7 +32,8 @@
 #       dependent launch, and with the all-reduce kernels' per-call bookkeeping; PDL_FLAGS)
 #       | childgraph (one GPU, CUDA alone: a copy kernel's cost as a kernel node, as a
 #       child-graph node (how XLA records a custom call) and captured into the graph;
-#       CHILD_SIZES, CHILD_THREADS (threads a block); benchmarks/child_graph_probe.cu)
+#       CHILD_SIZES, CHILD_THREADS (threads a block), CHILD_BUILDS, CHILD_PADS (bytes of
+#       extra kernel parameters); benchmarks/child_graph_probe.cu)
 #       | localcost (one GPU: the all-reduce and norm kernels for a group of one, so without
 #       communication, beside a copy and XLA's add + norm; LOCAL_CLUSTERS="0 1" also with every
 #       row on one block; LOCAL_FLAGS)
@@ -342,8 +343,11 @@ if [ "$WHAT" = childgraph ]; then  # one GPU: a kernel as a kernel node and as a
     || { echo "!! child_graph_probe did not build"; tail -5 "$OUT/probe_build.log"; status=1; }
   for t in ${CHILD_THREADS:-256}; do
     for b in ${CHILD_SIZES:-8192 65536 262144 1048576}; do
-      for build in whole rdc nvshmem; do
-        "$OUT/probe_$build" "$b" 200 50 "$t" | tee -a "$OUT/child_graph_probe.jsonl" || status=1
+      for build in ${CHILD_BUILDS:-whole rdc nvshmem}; do
+        for pad in ${CHILD_PADS:-8}; do
+          "$OUT/probe_$build" "$b" 200 50 "$t" "$pad" | tee -a "$OUT/child_graph_probe.jsonl" \
+            || status=1
+        done
       done
     done
   done
