@@ -18,7 +18,10 @@
 //                  capture and cudaGraphAddChildGraphNode (as XLA records a custom call);
 //   * capture_to:  every copy captured straight into the parent graph with
 //                  cudaStreamBeginCaptureToGraph (CUDA 12.3+): a kernel node again, made by
-//                  capture; the way a custom call's work could be recorded without a child.
+//                  capture; the way a custom call's work could be recorded without a child;
+//   * alternating: kernel nodes and child-graph nodes in turn, as in XLA's graph of fusions
+//                  with a custom call after each (CUDA might run an all-child graph as it
+//                  does kernel nodes and still pay at the boundaries between the two).
 // Before timing, each graph's output is checked against the input (a chain of copies).
 //
 // Build and run (one GPU; scripts/gpu_check.sh childgraph also builds it as the extension's
@@ -114,42 +117,45 @@ void LaunchCopy(const Chain& c, int i, cudaStream_t stream) {
   CHECK(cudaLaunchKernel(CopyFunction(c.pad), dim3(c.blocks), dim3(c.threads), args, 0, stream));
 }
 
-cudaGraph_t BuildKernelNodes(const Chain& c, int chain) {
-  cudaGraph_t graph;
-  CHECK(cudaGraphCreate(&graph, 0));
-  cudaGraphNode_t prev = nullptr;
-  for (int i = 0; i < chain; ++i) {
-    const float4* in = c.buf[i % 2];
-    float4* out = c.buf[(i + 1) % 2];
-    size_t n = c.n;
-    Pad<4096> pad{};
-    void* args[] = {&in, &out, &n, &pad};
-    cudaKernelNodeParams p{};
-    p.func = CopyFunction(c.pad);
-    p.gridDim = dim3(c.blocks);
-    p.blockDim = dim3(c.threads);
-    p.kernelParams = args;
-    cudaGraphNode_t node;
-    CHECK(cudaGraphAddKernelNode(&node, graph, prev ? &prev : nullptr, prev ? 1 : 0, &p));
-    prev = node;
-  }
-  return graph;
+// Adds copy i as a kernel node after `prev` (none for the first); returns the node.
+cudaGraphNode_t AddKernel(cudaGraph_t graph, cudaGraphNode_t prev, const Chain& c, int i) {
+  const float4* in = c.buf[i % 2];
+  float4* out = c.buf[(i + 1) % 2];
+  size_t n = c.n;
+  Pad<4096> pad{};
+  void* args[] = {&in, &out, &n, &pad};
+  cudaKernelNodeParams p{};
+  p.func = CopyFunction(c.pad);
+  p.gridDim = dim3(c.blocks);
+  p.blockDim = dim3(c.threads);
+  p.kernelParams = args;
+  cudaGraphNode_t node;
+  CHECK(cudaGraphAddKernelNode(&node, graph, prev ? &prev : nullptr, prev ? 1 : 0, &p));
+  return node;
 }
 
-cudaGraph_t BuildChildNodes(const Chain& c, int chain, cudaStream_t stream) {
+// Adds copy i as a child-graph node holding it (made by stream capture, as XLA records a
+// custom call) after `prev`; returns the node.
+cudaGraphNode_t AddChild(cudaGraph_t graph, cudaGraphNode_t prev, const Chain& c, int i,
+                         cudaStream_t stream) {
+  cudaGraph_t child;
+  CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+  LaunchCopy(c, i, stream);
+  CHECK(cudaStreamEndCapture(stream, &child));
+  cudaGraphNode_t node;
+  CHECK(cudaGraphAddChildGraphNode(&node, graph, prev ? &prev : nullptr, prev ? 1 : 0, child));
+  CHECK(cudaGraphDestroy(child));  // the node holds a clone
+  return node;
+}
+
+// The chain with copy i a child-graph node where child(i), else a kernel node.
+template <typename ChildIf>
+cudaGraph_t BuildChain(const Chain& c, int chain, cudaStream_t stream, ChildIf child) {
   cudaGraph_t graph;
   CHECK(cudaGraphCreate(&graph, 0));
   cudaGraphNode_t prev = nullptr;
   for (int i = 0; i < chain; ++i) {
-    cudaGraph_t child;
-    CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-    LaunchCopy(c, i, stream);
-    CHECK(cudaStreamEndCapture(stream, &child));
-    cudaGraphNode_t node;
-    CHECK(cudaGraphAddChildGraphNode(&node, graph, prev ? &prev : nullptr, prev ? 1 : 0,
-                                     child));
-    CHECK(cudaGraphDestroy(child));  // the node holds a clone
-    prev = node;
+    prev = child(i) ? AddChild(graph, prev, c, i, stream) : AddKernel(graph, prev, c, i);
   }
   return graph;
 }
@@ -223,12 +229,14 @@ int main(int argc, char** argv) {
   cudaStream_t stream;
   CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
 
-  const char* names[] = {"kernel", "child", "capture_to"};
-  double per_node[3];
-  for (int form = 0; form < 3; ++form) {
-    cudaGraph_t graph = form == 0   ? BuildKernelNodes(c, chain)
-                        : form == 1 ? BuildChildNodes(c, chain, stream)
-                                    : BuildCaptureTo(c, chain, stream);
+  const char* names[] = {"kernel", "child", "capture_to", "alternating"};
+  double per_node[4];
+  for (int form = 0; form < 4; ++form) {
+    cudaGraph_t graph =
+        form == 0   ? BuildChain(c, chain, stream, [](int) { return false; })
+        : form == 1 ? BuildChain(c, chain, stream, [](int) { return true; })
+        : form == 2 ? BuildCaptureTo(c, chain, stream)
+                    : BuildChain(c, chain, stream, [](int i) { return i % 2 == 1; });
     cudaGraphExec_t exec;
     CHECK(cudaGraphInstantiate(&exec, graph, 0));
     // The check: after one replay the chain's last output equals the input.
@@ -256,9 +264,9 @@ int main(int argc, char** argv) {
   std::printf("{\"bytes\": %zu, \"chain\": %d, \"reps\": %d, \"threads\": %d, \"blocks\": %d, "
               "\"param_pad_bytes\": %d, \"build\": \"%s\", \"gpu\": \"%s\", "
               "\"cuda_runtime\": %d, \"cuda_driver\": %d, \"us_per_node\": {\"kernel\": %.4f, "
-              "\"child\": %.4f, \"capture_to\": %.4f}}\n",
+              "\"child\": %.4f, \"capture_to\": %.4f, \"alternating\": %.4f}}\n",
               bytes, chain, reps, c.threads, c.blocks, c.pad, kBuild, prop.name, runtime, driver,
-              per_node[0], per_node[1], per_node[2]);
+              per_node[0], per_node[1], per_node[2], per_node[3]);
   CHECK(cudaFree(c.buf[0]));
   CHECK(cudaFree(c.buf[1]));
   CHECK(cudaStreamDestroy(stream));
