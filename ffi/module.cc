@@ -169,6 +169,7 @@ NB_MODULE(_jaxoverlap_cuda, m) {
     d["lamport_blocks_per_sm"] = s.lamport_blocks_per_sm;
     d["ranks_per_node"] = s.ranks_per_node;
     d["force_nvshmem_put"] = s.force_put;
+    d["hierarchical_ll_kernel"] = all_reduce::HierarchicalLLKernelName();
     d["timeout_ns"] = s.timeout_ns;
     d["overlap_heap_bytes"] = s.overlap_bytes;
     d["overlap_slot_bytes"] = s.overlap_slot_bytes;

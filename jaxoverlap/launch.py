@@ -54,7 +54,7 @@ SETTINGS = ("FUSED_CMD_BUFFER", "GEMM_ALIGNMENT_CAP", "OVERLAP_HEAP_BYTES", "HEA
             "NET_BETA_GBPS", "TIMEOUT_S",
             # the kernels' measurement knobs (docs/design.md)
             "LAMPORT_BLOCKS_PER_SM", "LAMPORT_BLOCK_BYTES", "LAMPORT_MAX_BLOCKS",
-            "LAMPORT_POLL_NS", "NORM_CLUSTER", "EPOCH_AT_START")
+            "LAMPORT_POLL_NS", "NORM_CLUSTER", "EPOCH_AT_START", "HIERARCHICAL_LL")
 
 
 def reproduce_command(script: str, argv: list[str] | None = None) -> str:

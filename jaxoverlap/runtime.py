@@ -726,7 +726,8 @@ def runtime_info() -> dict[str, Any]:
     when the heap leaves no room for it), ``lamport_blocks_per_sm`` (blocks
     of the Lamport kernels an SM holds at once: their grid is at most that
     many per SM, one wave), ``max_group_size``,
-    ``inter_node_transport``, ``timeout_s``,
+    ``inter_node_transport``, ``hierarchical_ll_kernel`` ("v4", or "v3"
+    under the measurement knob ``JAXOVERLAP_HIERARCHICAL_LL=v3``), ``timeout_s``,
     ``device_error`` (None, or what a timed-out wait recorded); always
     ``backends``: for each op, ``"cuda"`` or the reason it runs on ``"xla"``.
     What each lowered call chose is in ``jaxoverlap.decisions()``.
@@ -750,6 +751,7 @@ def runtime_info() -> dict[str, Any]:
     # NVSHMEM puts otherwise (always, with JAXOVERLAP_FORCE_NVSHMEM_PUT=1).
     info["inter_node_transport"] = ("nvshmem put" if native["force_nvshmem_put"]
                                     else "direct store if reachable, else nvshmem put")
+    info["hierarchical_ll_kernel"] = native["hierarchical_ll_kernel"]
     info["device_error"] = ext.device_error()
   unavailable = unavailable_reason()
   info["backends"] = {op: unavailable or names.CUDA for op in names.OPS}

@@ -28,6 +28,8 @@
 #       | epochab (the one-shot LL all-reduce advancing its epochs at the start,
 #       JAXOVERLAP_EPOCH_AT_START=1, against the default, in one and in two processes, each way
 #       twice) | epochab2 (the norm kernel the same way, then the bookkeeping probe)
+#       | hierab (2 emulated nodes x 1 GPU: the hierarchical LL all-reduce's v4 kernel against
+#       v3, JAXOVERLAP_HIERARCHICAL_LL=v3, each twice, with direct stores and with puts)
 #       | pdlfloor (one GPU: the custom-call launch floor with and without programmatic
 #       dependent launch, and with the all-reduce kernels' per-call bookkeeping; PDL_FLAGS)
 #       | childgraph (one GPU, CUDA alone: a copy kernel's cost as a kernel node, as a
@@ -59,7 +61,7 @@ VERBS=" build suite bench bench2 autobench quickbench tune ovbench ovbenchfull o
 VERBS="$VERBS ovcalibrate train cmdbufcost profile ovprofilegraphs decode procbench multigpu_bench"
 VERBS="$VERBS multigpu_fused normbench decodefloor pallasbench retune lamportab contention"
 VERBS="$VERBS ovrepeat ovrepeat2 pdlfloor epochab epochab2 tune1process localcost l2prefetch"
-VERBS="$VERBS childgraph "
+VERBS="$VERBS childgraph hierab "
 if [ -z "$WHAT" ] || [[ "$VERBS" != *" $WHAT "* ]]; then
   echo "usage: bash scripts/gpu_check.sh <verb> (verbs:$VERBS)" >&2
   exit 2
@@ -81,6 +83,27 @@ if [ -z "${SKIP_BUILD:-}" ] || [ "$WHAT" = build ]; then
     || { tail -40 "$OUT/build.log"; echo "BUILD FAILED"; exit 1; }
   echo "built in $(( $(date +%s) - start )) s"
 fi
+
+ab_summary() {  # ab_summary <impl> <group>...: per group and size, <impl>'s us by knob, medians
+  # Reads $OUT/<group>_knob<k>_<i>/all_reduce-*.json (k: 0 the default, 1 the knob set).
+  local impl=$1; shift
+  $PY - "$OUT" "$impl" "$@" <<'PYEOF'
+import glob, json, statistics, sys
+out, impl, groups = sys.argv[1], sys.argv[2], sys.argv[3:]
+for group in groups:
+  runs = {0: {}, 1: {}}
+  for knob in (0, 1):
+    for f in sorted(glob.glob(f"{out}/{group}_knob{knob}_*/all_reduce-*.json")):
+      for r in json.load(open(f))["records"]:
+        if r["impl"] == impl:
+          runs[knob].setdefault(r["bytes"], []).append(r["time_us"])
+  for b in sorted(runs[0]):
+    a, c = runs[0][b], runs[1].get(b, [])
+    if a and c:
+      print(f"{group} {b:>8} B: knob 0 {a} -> median {statistics.median(a):.2f} us; "
+            f"knob 1 {c} -> median {statistics.median(c):.2f} us")
+PYEOF
+}
 
 run() {  # run <log name> <timeout s> <env...> -- <launcher args...>
   local name=$1 limit=$2; shift 2
@@ -191,31 +214,35 @@ if [ "$WHAT" = epochab ] && [ "$NGPU" -ge 2 ]; then
   for knob in 0 1 1 0; do
     i=$((i + 1))
     run "epochab_1process_knob${knob}_$i" 80 JAXOVERLAP_EPOCH_AT_START=$knob $PY \
-      benchmarks/all_reduce.py --out "$OUT/epoch${knob}_1process_$i" "${EA_ARGS[@]}"
+      benchmarks/all_reduce.py --out "$OUT/epoch_1process_knob${knob}_$i" "${EA_ARGS[@]}"
   done
   for knob in 0 1 1 0; do
     i=$((i + 1))
     run "epochab_2processes_knob${knob}_$i" 80 JAXOVERLAP_EPOCH_AT_START=$knob $PY \
       -m jaxoverlap.launch --nproc 2 --timeout_s 75 benchmarks/all_reduce.py \
-      --out "$OUT/epoch${knob}_2processes_$i" "${EA_ARGS[@]}"
+      --out "$OUT/epoch_2processes_knob${knob}_$i" "${EA_ARGS[@]}"
   done
   # One line per process model and size: one_shot_ll's us in each run, by knob, and the medians.
-  $PY - "$OUT" <<'PYEOF' | tee "$OUT/epochab_summary.txt"
-import glob, json, statistics, sys
-out = sys.argv[1]
-for model in ("1process", "2processes"):
-  runs = {0: {}, 1: {}}
-  for knob in (0, 1):
-    for f in sorted(glob.glob(f"{out}/epoch{knob}_{model}_*/all_reduce-*.json")):
-      for r in json.load(open(f))["records"]:
-        if r["impl"] == "jaxoverlap:one_shot_ll":
-          runs[knob].setdefault(r["bytes"], []).append(r["time_us"])
-  for b in sorted(runs[0]):
-    a, c = runs[0][b], runs[1].get(b, [])
-    if a and c:
-      print(f"{model} {b:>8} B: knob 0 {a} -> median {statistics.median(a):.2f} us; "
-            f"knob 1 {c} -> median {statistics.median(c):.2f} us")
-PYEOF
+  ab_summary jaxoverlap:one_shot_ll epoch_1process epoch_2processes | tee "$OUT/epochab_summary.txt"
+fi
+if [ "$WHAT" = hierab ] && [ "$NGPU" -ge 2 ]; then
+  # The hierarchical LL all-reduce over 2 emulated nodes of 1 GPU (the inter-node step over
+  # NVLink): the v4 kernel (HierarchicalLLKernel) against v3 (JAXOVERLAP_HIERARCHICAL_LL=v3,
+  # knob 1), in the order 0 1 1 0, with direct stores, then with NVSHMEM puts forced
+  # (JAXOVERLAP_FORCE_NVSHMEM_PUT=1; HA_PUT="0" or "1" runs one of the two). About 8 minutes.
+  HA_ARGS=(--impls jaxoverlap:hierarchical_ll,xla:psum --sizes "${HA_SIZES:-8K,64K,256K,512K}" --reps 30)
+  i=0
+  for put in ${HA_PUT:-0 1}; do
+    for knob in 0 1 1 0; do
+      i=$((i + 1))
+      v=$([ $knob = 1 ] && echo v3 || echo "")
+      run "hierab_put${put}_knob${knob}_$i" 110 JAXOVERLAP_RANKS_PER_NODE=1 \
+        JAXOVERLAP_FORCE_NVSHMEM_PUT=$put JAXOVERLAP_HIERARCHICAL_LL=$v $PY -m jaxoverlap.launch \
+        --nproc 2 --timeout_s 100 benchmarks/all_reduce.py --out "$OUT/hier_put${put}_knob${knob}_$i" \
+        "${HA_ARGS[@]}"
+    done
+  done
+  ab_summary jaxoverlap:hierarchical_ll hier_put0 hier_put1 | tee "$OUT/hierab_summary.txt"
 fi
 if [ "$WHAT" = epochab2 ] && [ "$NGPU" -ge 2 ]; then
   # The norm kernel the same way (0 1 1 0), then the one-GPU bookkeeping probe

@@ -1203,9 +1203,12 @@ __device__ const float* InterNodeRecv(const Params& p, size_t off, size_t count,
 // Reduce-scatter within the node, recursive doubling across nodes (with the
 // MPICH fold for a node count that is not a power of two), all-gather within
 // the node. With one node this is the two-shot algorithm. Partial sums cross
-// nodes in fp32. Stage::kReduceScatter runs only the first phase and writes
-// the fp32 shard out of the call; Stage::kAllGather only the last, from an
-// fp32 shard given to the call (the caller reduces across nodes in between).
+// nodes in fp32. The whole all-reduce with the LL protocol runs
+// HierarchicalLLKernel (below) instead, unless JAXOVERLAP_HIERARCHICAL_LL=v3
+// picks this one (an A/B knob). Stage::kReduceScatter runs only the first
+// phase and writes the fp32 shard out of the call; Stage::kAllGather only the
+// last, from an fp32 shard given to the call (the caller reduces across nodes
+// in between).
 template <typename T, bool kLL>
 __global__ void __launch_bounds__(kThreads) ReduceScatterAllGatherKernel(Params p) {
   constexpr int kVec = Vec16<T>::kElems;
@@ -1404,6 +1407,196 @@ __global__ void __launch_bounds__(kThreads) ReduceScatterAllGatherKernel(Params 
   Finish(p, /*quiet=*/used_put);
 }
 
+// ------------------------------------------------------- hierarchical LL (v4)
+
+// This thread's partial (the kLineElems fp32 values of its shard line `l`, in
+// `acc`; nothing where !has) to inter-node partner `pe`, as LL8 cells: line l
+// is cells [l * kCells, (l + 1) * kCells), two floats a cell, the layout of
+// InterNodeSend<true>. A load/store-reachable partner gets direct stores from
+// each thread; any other partner one bulk put of the block's cells [cb, ce)
+// from the staging buffer, after a barrier (every thread of the block calls
+// this, `has` or not). Before the staging buffer is rewritten, this PE's
+// earlier puts are completed (`*used_put`: an NVSHMEM put was issued).
+template <int kCells>
+__device__ void SendPartialLL(const Params& p, const float* acc, size_t l, bool has, size_t cb,
+                              size_t ce, int pe, int stage_index, bool* used_put) {
+  const HeapView& h = p.heap;
+  const uint64_t e = EpochWith(p, pe);
+  const uint32_t flag = static_cast<uint32_t>(e);
+  uint4* slot = LlAt(h, e, kPhaseInterNode, p.my_pe);
+  uint4* direct = p.force_put ? nullptr : PeerPtr(h, slot, pe);
+  if (direct != nullptr) {
+    if (has) {
+#pragma unroll
+      for (int c = 0; c < kCells; ++c) {
+        StoreLL(direct + l * kCells + c,
+                make_uint2(__float_as_uint(acc[2 * c]), __float_as_uint(acc[2 * c + 1])), flag);
+      }
+    }
+    return;
+  }
+  if (*used_put) {  // the put that last read this staging buffer must have completed
+    if (threadIdx.x == 0) nvshmem_quiet();
+    __syncthreads();
+  }
+  uint4* stage = h.stage[stage_index];
+  if (has) {
+#pragma unroll
+    for (int c = 0; c < kCells; ++c) {
+      stage[l * kCells + c] = make_uint4(__float_as_uint(acc[2 * c]), flag,
+                                         __float_as_uint(acc[2 * c + 1]), flag);
+    }
+  }
+  __syncthreads();
+  if (ce > cb) nvshmemx_putmem_nbi_block(slot + cb, stage + cb, (ce - cb) * sizeof(uint4), pe);
+  *used_put = true;
+}
+
+// Partner `pe`'s partial of this thread's line `l` (LL8 cells in this PE's
+// inter-node slot for that sender), added into `acc`, or replacing it.
+template <int kCells>
+__device__ void RecvPartialLL(const Params& p, float* acc, size_t l, int pe, int step, bool add) {
+  const HeapView& h = p.heap;
+  const uint64_t e = EpochWith(p, pe);
+  const uint4* cells = LlAt(h, e, kPhaseInterNode, pe);
+#pragma unroll
+  for (int c = 0; c < kCells; ++c) {
+    const uint2 v = LoadLL(cells + l * kCells + c, static_cast<uint32_t>(e), p, pe, step);
+    // fp32 addition commutes, so both partners of a step hold identical bits.
+    acc[2 * c] = add ? acc[2 * c] + __uint_as_float(v.x) : __uint_as_float(v.x);
+    acc[2 * c + 1] = add ? acc[2 * c + 1] + __uint_as_float(v.y) : __uint_as_float(v.y);
+  }
+}
+
+// The hierarchical all-reduce with the LL8 protocol in every phase, each
+// thread carrying one 8-byte line of its rank's shard through all of them in
+// registers: the intra-node reduce-scatter sends every peer its shard's lines
+// as LL8 cells (as TwoShotLLKernel), the thread sums its line in rank order in
+// fp32, exchanges that partial with each recursive-doubling partner (MPICH
+// fold for a node count that is not a power of two) as fp32 LL8 cells,
+// direct stores or NVSHMEM puts, rounds the result to T once and sends it to
+// every local peer's all-gather slot. Same sums in the same order as
+// ReduceScatterAllGatherKernel<T, true>, so the same bits; without its fp32
+// accumulator passes through memory, its barriers between phases (only the
+// put path has one, for the bulk put) and its flag round trips within the
+// node. A block holds at most kThreads lines of a shard (ChunkCapacity cuts
+// larger messages into launches). Source: NVRAR (arXiv 2511.09557, sec. 4);
+// docs/kernels.md, "hierarchical v4".
+template <typename T>
+__global__ void __launch_bounds__(kThreads) HierarchicalLLKernel(Params p) {
+  constexpr size_t kLineElems = 8 / sizeof(T);
+  constexpr int kCells = kLineElems / 2;  // inter-node LL8 cells a line (two fp32 each)
+  const Topology& t = p.topo;
+  const HeapView& h = p.heap;
+  const T* in = static_cast<const T*>(p.in);
+  T* out = static_cast<T*>(p.out);
+  const int G = t.local_size;
+  const size_t lines_per_block = p.per_block / kLineElems;  // <= kThreads
+  auto line_end = [&](int q) {  // q's shard: this block's lines end here
+    size_t lb, le;
+    UnitRange(ShardLen(p, q), kLineElems, lines_per_block, blockIdx.x, &lb, &le);
+    return le;
+  };
+  const size_t l = blockIdx.x * lines_per_block + threadIdx.x;  // this thread's line
+  const bool in_block = threadIdx.x < lines_per_block;
+  uint64_t epoch[kMaxGroupSize];
+#pragma unroll
+  for (int r = 0; r < kMaxGroupSize; ++r) {
+    if (r < G && r != t.local_rank) epoch[r] = EpochWith(p, t.local_pes[r]);
+  }
+
+  // Reduce-scatter within the node: line l of every peer's shard to that peer.
+#pragma unroll
+  for (int q = 0; q < kMaxGroupSize; ++q) {
+    if (q >= G || q == t.local_rank || !in_block || l >= line_end(q)) continue;
+    uint4* dst = PeerPtr(h, LlAt(h, epoch[q], kPhaseReduceScatter, p.my_pe), t.local_pes[q]);
+    StoreLL(dst + l, LoadPadded<uint2>(in + static_cast<size_t>(q) * p.shard, l * kLineElems,
+                                       ShardLen(p, q)),
+            static_cast<uint32_t>(epoch[q]));
+  }
+  const size_t my_len = ShardLen(p, t.local_rank);
+  const size_t my_off = static_cast<size_t>(t.local_rank) * p.shard;
+  const size_t my_end = line_end(t.local_rank);
+  const bool has = in_block && l < my_end;
+  float acc[kLineElems];
+#pragma unroll
+  for (int i = 0; i < kLineElems; ++i) acc[i] = 0.0f;
+  if (has) {
+#pragma unroll
+    for (int r = 0; r < kMaxGroupSize; ++r) {
+      if (r >= G) break;
+      const uint2 v = r == t.local_rank
+                          ? LoadPadded<uint2>(in + my_off, l * kLineElems, my_len)
+                          : LoadLL(LlAt(h, epoch[r], kPhaseReduceScatter, t.local_pes[r]) + l,
+                                   static_cast<uint32_t>(epoch[r]), p, t.local_pes[r],
+                                   /*step=*/0);
+      float f[kLineElems];
+      Words<T>::ToFloat(v.x, f);
+      Words<T>::ToFloat(v.y, f + Words<T>::kPerWord);
+#pragma unroll
+      for (int i = 0; i < kLineElems; ++i) acc[i] += f[i];
+    }
+  }
+
+  // Recursive doubling among the nodes (same local rank), with the MPICH fold:
+  // node pow2 + i hands its partial to node i before the doubling and gets
+  // the result back after it. The block's cells for a bulk put:
+  const size_t cb = min(my_end, blockIdx.x * lines_per_block) * kCells;
+  const size_t ce = my_end * kCells;
+  bool used_put = false;
+  if (t.num_nodes > 1) {
+    int pow2 = 1;
+    while (pow2 * 2 <= t.num_nodes) pow2 *= 2;
+    int step = 1;  // step numbers in timeout reports (0: reduce-scatter, 99: all-gather)
+    int stage_index = 0;
+    if (t.node >= pow2) {
+      const int partner = t.node_pes[t.node - pow2];
+      SendPartialLL<kCells>(p, acc, l, has, cb, ce, partner, stage_index, &used_put);
+      if (has) RecvPartialLL<kCells>(p, acc, l, partner, step, /*add=*/false);
+    } else {
+      const bool has_extra = t.node + pow2 < t.num_nodes;
+      if (has_extra && has) {
+        RecvPartialLL<kCells>(p, acc, l, t.node_pes[t.node + pow2], step, /*add=*/true);
+      }
+      if (has_extra) ++step;
+      for (int mask = 1; mask < pow2; mask <<= 1) {
+        const int partner = t.node_pes[t.node ^ mask];
+        SendPartialLL<kCells>(p, acc, l, has, cb, ce, partner, stage_index, &used_put);
+        stage_index ^= 1;
+        if (has) RecvPartialLL<kCells>(p, acc, l, partner, step, /*add=*/true);
+        ++step;
+      }
+      if (has_extra) {
+        SendPartialLL<kCells>(p, acc, l, has, cb, ce, t.node_pes[t.node + pow2], stage_index,
+                              &used_put);
+      }
+    }
+  }
+
+  // All-gather within the node: the line, rounded to T once, to my output and
+  // to every peer; then the peers' lines from my slots.
+  if (has) {
+    const uint2 res =
+        make_uint2(Words<T>::FromFloat(acc), Words<T>::FromFloat(acc + Words<T>::kPerWord));
+#pragma unroll
+    for (int r = 0; r < kMaxGroupSize; ++r) {
+      if (r < G && r != t.local_rank) {
+        StoreLL(PeerPtr(h, LlAt(h, epoch[r], kPhaseAllGather, p.my_pe), t.local_pes[r]) + l, res,
+                static_cast<uint32_t>(epoch[r]));
+      }
+    }
+    StorePadded(out + my_off, l * kLineElems, my_len, res);
+  }
+#pragma unroll
+  for (int q = 0; q < kMaxGroupSize; ++q) {
+    if (q >= G || q == t.local_rank || !in_block || l >= line_end(q)) continue;
+    StorePadded(out + static_cast<size_t>(q) * p.shard, l * kLineElems, ShardLen(p, q),
+                LoadLL(LlAt(h, epoch[q], kPhaseAllGather, t.local_pes[q]) + l,
+                       static_cast<uint32_t>(epoch[q]), p, t.local_pes[q], /*step=*/99));
+  }
+  Finish(p, /*quiet=*/used_put);
+}
+
 // ---------------------------------------------------------------- host side
 
 size_t ElementBytes(ffi::DataType dtype) {
@@ -1480,6 +1673,24 @@ bool EpochKnob() {
   return on;
 }
 
+// JAXOVERLAP_HIERARCHICAL_LL=v3, a measurement knob: hierarchical with the
+// LL protocol runs ReduceScatterAllGatherKernel<T, true> (the v3 kernel: an
+// fp32 accumulator in memory, flags within the node) instead of
+// HierarchicalLLKernel, for an A/B of the two (scripts/gpu_check.sh hierab).
+// Unset, it changes nothing; set, the process says so on stderr.
+bool HierarchicalV3Knob() {
+  static const bool on = [] {
+    const char* v = std::getenv("JAXOVERLAP_HIERARCHICAL_LL");
+    const bool set = v != nullptr && std::strcmp(v, "v3") == 0;
+    if (set) {
+      std::fprintf(stderr, "jaxoverlap: measurement knob set: hierarchical LL runs the v3 "
+                   "kernel (JAXOVERLAP_HIERARCHICAL_LL=v3)\n");
+    }
+    return set;
+  }();
+  return on;
+}
+
 // The Lamport grid's cap: as many blocks as the GPU holds at once, so that it
 // runs in one wave (RuntimeState::lamport_blocks_per_sm, from LamportBlocksPerSm).
 int LamportMaxBlocks(const RuntimeState& s) {
@@ -1535,6 +1746,10 @@ size_t ChunkCapacity(Algorithm algorithm, Protocol protocol, size_t elem, int lo
     // Shard in T (RS/AG slots), in fp32 (acc, inter-node slots), in LL8 lines.
     size_t shard = std::min(s.slot_bytes / elem, s.acc_bytes / sizeof(float));
     if (protocol == Protocol::kLL) shard = std::min(shard, s.ll_slot_bytes / 8);
+    if (protocol == Protocol::kLL && algorithm == Algorithm::kHierarchical && !HierarchicalV3Knob()) {
+      // HierarchicalLLKernel: at most one 8-byte line of the shard a thread.
+      shard = std::min(shard, static_cast<size_t>(kMaxBlocks) * kThreads * (8 / elem));
+    }
     cap = shard * local_size;
   }
   return cap / unit * unit;
@@ -1584,7 +1799,11 @@ cudaError_t Launch(Algorithm algorithm, Protocol protocol, const LaunchConfig& c
       default: TwoShotLamportKernel<T, kLamportBlocksPerSm><<<c.blocks, kThreads, 0, stream>>>(p);
     }
   } else if (protocol == Protocol::kLL) {
-    ReduceScatterAllGatherKernel<T, true><<<c.blocks, kThreads, 0, stream>>>(p);
+    if (HierarchicalV3Knob()) {
+      ReduceScatterAllGatherKernel<T, true><<<c.blocks, kThreads, 0, stream>>>(p);
+    } else {
+      HierarchicalLLKernel<T><<<c.blocks, kThreads, 0, stream>>>(p);
+    }
   } else {
     ReduceScatterAllGatherKernel<T, false><<<c.blocks, kThreads, 0, stream>>>(p);
   }
@@ -1609,6 +1828,7 @@ ffi::Error PreloadKernelsOf() {
       cudaFuncGetAttributes(&a, ReduceScatterAllGatherKernel<T, true>));
   JAXOVERLAP_CUDA_RETURN_IF_ERROR(
       cudaFuncGetAttributes(&a, ReduceScatterAllGatherKernel<T, false>));
+  JAXOVERLAP_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&a, HierarchicalLLKernel<T>));
   JAXOVERLAP_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&a, OneShotLLRmsNormKernel<T>));
   return ffi::Error::Success();
 }
@@ -1749,6 +1969,8 @@ ffi::Error PreloadKernels() {
   JAXOVERLAP_RETURN_IF_ERROR(PreloadKernelsOf<__nv_bfloat16>());
   return PreloadKernelsOf<__half>();
 }
+
+const char* HierarchicalLLKernelName() { return HierarchicalV3Knob() ? "v3" : "v4"; }
 
 ffi::Error NormClustersAtOnce(int* clusters) {
   int device = 0, cluster_launch = 0, sms = 0;
@@ -1925,6 +2147,13 @@ ffi::Error AllReduce(const RuntimeState& s, cudaStream_t stream, Algorithm algor
     const size_t n = std::min(capacity, num_elements - offset);
     const LaunchConfig c =
         MakeLaunchConfig(algorithm, protocol, n, elem, topo.local_size, LamportMaxBlocks(s));
+    if (algorithm == Algorithm::kHierarchical && protocol == Protocol::kLL &&
+        !HierarchicalV3Knob() && c.per_block / (8 / elem) > static_cast<size_t>(kThreads)) {
+      return ffi::Error(ffi::ErrorCode::kInternal,
+                        "all_reduce (hierarchical, ll): " + std::to_string(c.per_block) +
+                            " elements a block exceed one line a thread (ChunkCapacity and "
+                            "MakeLaunchConfig disagree)");
+    }
     p.in = static_cast<const char*>(in) + offset * elem;
     p.out = static_cast<char*>(out) + offset * elem;
     p.n = n;

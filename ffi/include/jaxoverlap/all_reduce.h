@@ -102,6 +102,11 @@ ffi::Error LamportBlocksPerSm(int* blocks);
 // Hopper) clusters[2 ..] are 0.
 ffi::Error NormClustersAtOnce(int* clusters);
 
+// The kernel that algorithm hierarchical with protocol ll runs in this
+// process: "v4" (HierarchicalLLKernel), or "v3" under the measurement knob
+// JAXOVERLAP_HIERARCHICAL_LL=v3 (read once per process).
+const char* HierarchicalLLKernelName();
+
 }  // namespace jaxoverlap::all_reduce
 
 XLA_FFI_REGISTER_ENUM_ATTR_DECODING(jaxoverlap::all_reduce::Algorithm);

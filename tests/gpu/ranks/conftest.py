@@ -168,6 +168,15 @@ def pytest_sessionfinish(session, exitstatus):
 # ---------------------------------------------------------------------------- bring-up
 
 
+def _kernels(runtime_up: bool) -> dict:
+  """For the report: which kernel variants the runtime runs (the measurement knobs' effect)."""
+  if not runtime_up:
+    return {}
+  from jaxoverlap import runtime
+
+  return {"hierarchical_ll_kernel": runtime.runtime_info()["hierarchical_ll_kernel"]}
+
+
 def _bring_up(nvshmem: bool) -> dict:
   """jax.distributed (and NVSHMEM when asked) for this process, once."""
   from jaxoverlap import launch
@@ -176,14 +185,15 @@ def _bring_up(nvshmem: bool) -> dict:
     _state["info"] = launch.initialize_from_env(nvshmem=nvshmem and not DRY_RUN)
     _state["runtime"] = nvshmem and not DRY_RUN
     if _report is not None:
-      _report.stage("runtime" if nvshmem else "distributed", runtime_up=nvshmem)
+      _report.stage("runtime" if nvshmem else "distributed", runtime_up=nvshmem,
+                    **_kernels(_state["runtime"]))
   elif nvshmem and not _state["runtime"] and not DRY_RUN:
     import jaxoverlap
 
     jaxoverlap.initialize()
     _state["runtime"] = True
     if _report is not None:
-      _report.stage("runtime", runtime_up=True)
+      _report.stage("runtime", runtime_up=True, **_kernels(True))
   return _state["info"]
 
 
