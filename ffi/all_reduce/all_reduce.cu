@@ -1414,12 +1414,15 @@ __global__ void __launch_bounds__(kThreads) ReduceScatterAllGatherKernel(Params 
 // is cells [l * kCells, (l + 1) * kCells), two floats a cell, the layout of
 // InterNodeSend<true>. A load/store-reachable partner gets direct stores from
 // each thread; any other partner one bulk put of the block's cells [cb, ce)
-// from the staging buffer, after a barrier (every thread of the block calls
-// this, `has` or not). Before the staging buffer is rewritten, this PE's
-// earlier puts are completed (`*used_put`: an NVSHMEM put was issued).
+// from staging buffer `stage_index`, after a barrier (every thread of the
+// block calls this, `has` or not). A put may still read its buffer until a
+// quiet: `busy` marks the buffers of puts not yet quieted, and a busy buffer
+// is quieted before it is rewritten (with two buffers in turn, from the third
+// put on; v3 quieted after every step). `*used_put`: an NVSHMEM put was issued
+// (Finish quiets at the end).
 template <int kCells>
 __device__ void SendPartialLL(const Params& p, const float* acc, size_t l, bool has, size_t cb,
-                              size_t ce, int pe, int stage_index, bool* used_put) {
+                              size_t ce, int pe, int stage_index, bool busy[2], bool* used_put) {
   const HeapView& h = p.heap;
   const uint64_t e = EpochWith(p, pe);
   const uint32_t flag = static_cast<uint32_t>(e);
@@ -1435,9 +1438,10 @@ __device__ void SendPartialLL(const Params& p, const float* acc, size_t l, bool 
     }
     return;
   }
-  if (*used_put) {  // the put that last read this staging buffer must have completed
+  if (busy[stage_index]) {  // the put that last read this staging buffer must have completed
     if (threadIdx.x == 0) nvshmem_quiet();
     __syncthreads();
+    busy[0] = busy[1] = false;
   }
   uint4* stage = h.stage[stage_index];
   if (has) {
@@ -1449,6 +1453,7 @@ __device__ void SendPartialLL(const Params& p, const float* acc, size_t l, bool 
   }
   __syncthreads();
   if (ce > cb) nvshmemx_putmem_nbi_block(slot + cb, stage + cb, (ce - cb) * sizeof(uint4), pe);
+  busy[stage_index] = true;
   *used_put = true;
 }
 
@@ -1544,6 +1549,7 @@ __global__ void __launch_bounds__(kThreads) HierarchicalLLKernel(Params p) {
   const size_t cb = min(my_end, blockIdx.x * lines_per_block) * kCells;
   const size_t ce = my_end * kCells;
   bool used_put = false;
+  bool busy[2] = {false, false};  // staging buffers a put may still read (SendPartialLL)
   if (t.num_nodes > 1) {
     int pow2 = 1;
     while (pow2 * 2 <= t.num_nodes) pow2 *= 2;
@@ -1551,7 +1557,7 @@ __global__ void __launch_bounds__(kThreads) HierarchicalLLKernel(Params p) {
     int stage_index = 0;
     if (t.node >= pow2) {
       const int partner = t.node_pes[t.node - pow2];
-      SendPartialLL<kCells>(p, acc, l, has, cb, ce, partner, stage_index, &used_put);
+      SendPartialLL<kCells>(p, acc, l, has, cb, ce, partner, stage_index, busy, &used_put);
       if (has) RecvPartialLL<kCells>(p, acc, l, partner, step, /*add=*/false);
     } else {
       const bool has_extra = t.node + pow2 < t.num_nodes;
@@ -1561,14 +1567,14 @@ __global__ void __launch_bounds__(kThreads) HierarchicalLLKernel(Params p) {
       if (has_extra) ++step;
       for (int mask = 1; mask < pow2; mask <<= 1) {
         const int partner = t.node_pes[t.node ^ mask];
-        SendPartialLL<kCells>(p, acc, l, has, cb, ce, partner, stage_index, &used_put);
+        SendPartialLL<kCells>(p, acc, l, has, cb, ce, partner, stage_index, busy, &used_put);
         stage_index ^= 1;
         if (has) RecvPartialLL<kCells>(p, acc, l, partner, step, /*add=*/true);
         ++step;
       }
       if (has_extra) {
         SendPartialLL<kCells>(p, acc, l, has, cb, ce, t.node_pes[t.node + pow2], stage_index,
-                              &used_put);
+                              busy, &used_put);
       }
     }
   }

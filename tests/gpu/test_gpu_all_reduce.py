@@ -4,7 +4,8 @@ Each case is one launch of ranks/rank_all_reduce.py; every rank's outcome of
 every test is checked (_harness.py). World 2 runs everything, as one node of 2
 GPUs, as 2 "nodes" of 1 (the inter-node path over NVLink stores) and with
 NVSHMEM puts forced; larger worlds run the quick tests, in every ranks-per-node
-split, including a non-power-of-two node count (3 and 3 x 2: the MPICH fold).
+split, including a non-power-of-two node count (3 and 3 x 2: the MPICH fold),
+and with puts forced at 3 and 8 nodes.
 On a machine with fewer GPUs than ranks, processes share GPUs evenly (ids end
 in -Npergpu) and what needs NCCL is skipped.
 """
@@ -31,6 +32,10 @@ CASES = [
     Case(World(6, 2), QUICK, timeout_s=240),             # 3 nodes x 2
     Case(World(8, 4), QUICK, timeout_s=240),
     Case(World(8, 1), QUICK, timeout_s=240),
+    # NVSHMEM puts forced across 3 and 8 emulated nodes: the fold's two sends, and three
+    # recursive-doubling steps, whose third put reuses the first one's staging buffer.
+    Case(World(3, 1, put=True), QUICK, timeout_s=180),
+    Case(World(8, 1, put=True), QUICK, timeout_s=240),
 ]
 
 
