@@ -19,7 +19,11 @@
 // epoch in every 8-byte cell. In every algorithm both members of a pair wait
 // for each other within a call, so a sender can start call e+2 only after the
 // receiver has started call e+1, that is after the receiver's call-e kernel
-// (the one reading parity e%2) ended. Two parities therefore suffice: no
+// (the one reading parity e%2) ended. (Where a pair's shards are both empty,
+// as for two ranks past the end of a short message in the shard-based
+// kernels, the pair exchanges nothing in that call; the wait is then
+// indirect: each waits for local rank 0, whose shard is never empty, and
+// rank 0 for them.) Two parities therefore suffice: no
 // acknowledgement message, no reset, and the same launch on every call (so
 // the handler is CUDA-graph safe). LL8 flags, 32 bits of the epoch, repeat
 // every 2^32 calls; the calls at the end of each period re-stamp the cells
@@ -350,9 +354,10 @@ __device__ __forceinline__ void StorePadded(T* y, size_t first, size_t n, V v) {
 // Finish's barrier and ticket, so the re-stamp cannot change what they read).
 // The peer's next store into that slot belongs to call e + 2, which it starts
 // only after this PE's call e + 1 has sent, that is after this kernel ended
-// (the two-parity argument at the top of this file; in the hierarchical
-// kernels a pair whose inter-node shard is empty in a call exchanges no cell,
-// and the wait is then indirect, through the call's other exchanges). So the
+// (the two-parity argument at the top of this file; in the shard-based
+// kernels a pair whose shards are empty in a call, within a node or across
+// nodes, exchanges no cell, and the wait is then indirect, through the call's
+// other exchanges). So the
 // count may wrap: each new period starts with no cell of the slot's parity
 // left from the last.
 constexpr uint32_t kLastFlagsOfPeriod = 0xFFFFFFFEu;  // the calls that re-stamp

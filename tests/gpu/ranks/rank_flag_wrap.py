@@ -178,7 +178,11 @@ def test_wrap_after_cluster_end(ll_slot_bytes, topology, mesh, ops, rank, nproc)
 def test_wrap_hierarchical(ll_slot_bytes, topology, mesh, ops, rank, nproc):
   if topology.num_nodes != nproc:
     pytest.skip("emulated nodes of one rank (JAXOVERLAP_RANKS_PER_NODE=1)")
-  full = ll_slot_bytes // 8  # floats of the inter-node exchange that fill an LL slot
+  # Floats of the inter-node exchange that fill an LL slot. The v4 kernel cuts them into
+  # launches of at most 128 blocks x 512 lines (ChunkCapacity), each of which fills the cells
+  # a v4 launch uses; the cells above those, v4 neither writes nor polls (the v3 kernel,
+  # JAXOVERLAP_HIERARCHICAL_LL=v3, fills the whole slot).
+  full = ll_slot_bytes // 8
   calls = [_all_reduce(mesh, ops, rank, nproc, 21, SMALL, "hierarchical", "ll"),
            _all_reduce(mesh, ops, rank, nproc, 22, SMALL, "hierarchical", "simple"),
            _all_reduce(mesh, ops, rank, nproc, 23, full, "hierarchical", "ll"),
