@@ -1757,7 +1757,8 @@ size_t ChunkCapacity(Algorithm algorithm, Protocol protocol, size_t elem, int lo
     // Shard in T (RS/AG slots), in fp32 (acc, inter-node slots), in LL8 lines.
     size_t shard = std::min(s.slot_bytes / elem, s.acc_bytes / sizeof(float));
     if (protocol == Protocol::kLL) shard = std::min(shard, s.ll_slot_bytes / 8);
-    if (protocol == Protocol::kLL && algorithm == Algorithm::kHierarchical && !HierarchicalV3Knob()) {
+    if (protocol == Protocol::kLL && algorithm == Algorithm::kHierarchical &&
+        !HierarchicalV3Knob()) {
       // HierarchicalLLKernel: at most one 8-byte line of the shard a thread.
       shard = std::min(shard, static_cast<size_t>(kMaxBlocks) * kThreads * (8 / elem));
     }
