@@ -10,7 +10,7 @@ conftest.py for the fixtures and the SPMD rules). What is checked:
   results compared bit for bit across ranks through the key-value store.
   ``sweep_quick``: float32, 4 sizes, every algorithm; ``sweep_quick_16bit``:
   bfloat16 and float16 across nodes (whose inter-node LL8 cells carry two fp32
-  partials per 8-byte line of 16-bit data), every algorithm.
+  partials per 8-byte line of 16-bit data), the CUDA algorithms (not "auto").
 * refused: algorithms that need one node raise a clear error across nodes.
 * stress (2 ranks): 10,000 calls per algorithm in one jit'd ``fori_loop``
   (10 sizes straddling the protocol and chunk cut-offs, inputs changing every
