@@ -170,6 +170,8 @@ NB_MODULE(_jaxoverlap_cuda, m) {
     d["ranks_per_node"] = s.ranks_per_node;
     d["force_nvshmem_put"] = s.force_put;
     d["hierarchical_ll_kernel"] = all_reduce::HierarchicalLLKernelName();
+    d["epochs_at_start"] = all_reduce::EpochsAtStart();
+    d["norm_blocks_per_row"] = all_reduce::NormBlocksPerRowKnob();
     d["timeout_ns"] = s.timeout_ns;
     d["overlap_heap_bytes"] = s.overlap_bytes;
     d["overlap_slot_bytes"] = s.overlap_slot_bytes;

@@ -726,8 +726,11 @@ def runtime_info() -> dict[str, Any]:
     when the heap leaves no room for it), ``lamport_blocks_per_sm`` (blocks
     of the Lamport kernels an SM holds at once: their grid is at most that
     many per SM, one wave), ``max_group_size``,
-    ``inter_node_transport``, ``hierarchical_ll_kernel`` ("v4", or "v3"
-    under the measurement knob ``JAXOVERLAP_HIERARCHICAL_LL=v3``), ``timeout_s``,
+    ``inter_node_transport``, and the measurement knobs in effect
+    (docs/design.md): ``hierarchical_ll_kernel`` ("v4", or "v3" under
+    ``JAXOVERLAP_HIERARCHICAL_LL=v3``), ``epochs_at_start`` (True under
+    ``JAXOVERLAP_EPOCH_AT_START=1``), ``norm_blocks_per_row``
+    (``JAXOVERLAP_NORM_CLUSTER``, 0 when unset); ``timeout_s``,
     ``device_error`` (None, or what a timed-out wait recorded); always
     ``backends``: for each op, ``"cuda"`` or the reason it runs on ``"xla"``.
     What each lowered call chose is in ``jaxoverlap.decisions()``.
@@ -752,6 +755,8 @@ def runtime_info() -> dict[str, Any]:
     info["inter_node_transport"] = ("nvshmem put" if native["force_nvshmem_put"]
                                     else "direct store if reachable, else nvshmem put")
     info["hierarchical_ll_kernel"] = native["hierarchical_ll_kernel"]
+    info["epochs_at_start"] = native["epochs_at_start"]
+    info["norm_blocks_per_row"] = native["norm_blocks_per_row"]
     info["device_error"] = ext.device_error()
   unavailable = unavailable_reason()
   info["backends"] = {op: unavailable or names.CUDA for op in names.OPS}

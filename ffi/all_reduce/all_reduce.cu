@@ -1625,15 +1625,35 @@ size_t ElementBytes(ffi::DataType dtype) {
 size_t CeilDiv(size_t a, size_t b) { return (a + b - 1) / b; }
 size_t RoundUp(size_t a, size_t b) { return CeilDiv(a, b) * b; }
 
-// Measurement knobs of the Lamport kernels, read once from the environment,
-// for timing grid variants side by side (scripts/gpu_check.sh lamportab;
-// docs/design.md lists them): JAXOVERLAP_LAMPORT_BLOCKS_PER_SM (1, 2 or 4: the
-// blocks an SM the kernels are compiled for, so their register cap; default
-// kLamportBlocksPerSm), JAXOVERLAP_LAMPORT_BLOCK_BYTES (default
+// Measurement knobs: environment variables, each read once per process, that
+// switch a kernel variant or a grid shape for an A/B timing (docs/design.md
+// lists them). Unset, they change nothing; set, the process says so on stderr.
+
+// Whether the environment variable `name` is exactly `value`; if it is, says
+// so on stderr with `what` (the variant it selects).
+bool KnobIs(const char* name, const char* value, const char* what) {
+  const char* v = std::getenv(name);
+  const bool set = v != nullptr && std::strcmp(v, value) == 0;
+  if (set) std::fprintf(stderr, "jaxoverlap: measurement knob set: %s (%s=%s)\n", what, name, value);
+  return set;
+}
+
+// The integer in the environment variable `name`, or `fallback` where it is
+// unset or empty; *set becomes true where it is set.
+long long KnobInt(const char* name, long long fallback, bool* set) {
+  const char* v = std::getenv(name);
+  if (v == nullptr || *v == '\0') return fallback;
+  *set = true;
+  return std::atoll(v);
+}
+
+// The Lamport kernels' grid, for timing its variants side by side
+// (scripts/gpu_check.sh lamportab): JAXOVERLAP_LAMPORT_BLOCKS_PER_SM (1, 2 or
+// 4: the blocks an SM the kernels are compiled for, so their register cap;
+// default kLamportBlocksPerSm), JAXOVERLAP_LAMPORT_BLOCK_BYTES (default
 // kLamportBytesPerBlock), JAXOVERLAP_LAMPORT_MAX_BLOCKS (0: what the GPU holds
 // at once) and JAXOVERLAP_LAMPORT_POLL_NS (a back-off after a poll that found
-// the slot empty; 0: none). Unset, they change nothing; set, the process says
-// so on stderr.
+// the slot empty; 0: none).
 struct LamportKnobConfig {
   int blocks_per_sm = kLamportBlocksPerSm;
   size_t block_bytes = kLamportBytesPerBlock;
@@ -1645,17 +1665,12 @@ const LamportKnobConfig& LamportKnobs() {
   static const LamportKnobConfig knobs = [] {
     LamportKnobConfig k;
     bool any = false;
-    auto get = [&any](const char* name, long long fallback) {
-      const char* v = std::getenv(name);
-      if (v == nullptr || *v == '\0') return fallback;
-      any = true;
-      return std::atoll(v);
-    };
-    k.blocks_per_sm = static_cast<int>(get("JAXOVERLAP_LAMPORT_BLOCKS_PER_SM", k.blocks_per_sm));
+    k.blocks_per_sm =
+        static_cast<int>(KnobInt("JAXOVERLAP_LAMPORT_BLOCKS_PER_SM", k.blocks_per_sm, &any));
     k.block_bytes = std::max<size_t>(
-        16, static_cast<size_t>(get("JAXOVERLAP_LAMPORT_BLOCK_BYTES", k.block_bytes)));
-    k.max_blocks = static_cast<size_t>(get("JAXOVERLAP_LAMPORT_MAX_BLOCKS", 0));
-    k.poll_ns = static_cast<unsigned int>(get("JAXOVERLAP_LAMPORT_POLL_NS", 0));
+        16, static_cast<size_t>(KnobInt("JAXOVERLAP_LAMPORT_BLOCK_BYTES", k.block_bytes, &any)));
+    k.max_blocks = static_cast<size_t>(KnobInt("JAXOVERLAP_LAMPORT_MAX_BLOCKS", 0, &any));
+    k.poll_ns = static_cast<unsigned int>(KnobInt("JAXOVERLAP_LAMPORT_POLL_NS", 0, &any));
     if (k.blocks_per_sm != 1 && k.blocks_per_sm != 4) k.blocks_per_sm = kLamportBlocksPerSm;
     if (any) {
       std::fprintf(stderr, "jaxoverlap: Lamport measurement knobs set: %d blocks/SM, %zu B a "
@@ -1667,38 +1682,22 @@ const LamportKnobConfig& LamportKnobs() {
   return knobs;
 }
 
-// JAXOVERLAP_EPOCH_AT_START=1, a measurement knob: the one-shot LL kernels
-// (all_reduce's and all_reduce_rms_norm's) advance the pair epochs at their
-// start (AdvanceEpochsAtStart) instead of in Finish.
-// Unset, it changes nothing; set, the process says so on stderr.
+// JAXOVERLAP_EPOCH_AT_START=1: the one-shot LL kernels (all_reduce's and
+// all_reduce_rms_norm's) advance the pair epochs at their start
+// (AdvanceEpochsAtStart) instead of in Finish.
 bool EpochKnob() {
-  static const bool on = [] {
-    const char* v = std::getenv("JAXOVERLAP_EPOCH_AT_START");
-    const bool set = v != nullptr && std::strcmp(v, "1") == 0;
-    if (set) {
-      std::fprintf(stderr, "jaxoverlap: measurement knob set: the one-shot LL kernels advance "
-                   "the epochs at their start (JAXOVERLAP_EPOCH_AT_START=1)\n");
-    }
-    return set;
-  }();
+  static const bool on = KnobIs("JAXOVERLAP_EPOCH_AT_START", "1",
+                                "the one-shot LL kernels advance the epochs at their start");
   return on;
 }
 
-// JAXOVERLAP_HIERARCHICAL_LL=v3, a measurement knob: hierarchical with the
-// LL protocol runs ReduceScatterAllGatherKernel<T, true> (the v3 kernel: an
-// fp32 accumulator in memory, flags within the node) instead of
-// HierarchicalLLKernel, for an A/B of the two (scripts/gpu_check.sh hierab).
-// Unset, it changes nothing; set, the process says so on stderr.
+// JAXOVERLAP_HIERARCHICAL_LL=v3: hierarchical with the LL protocol runs
+// ReduceScatterAllGatherKernel<T, true> (the v3 kernel: an fp32 accumulator in
+// memory, flags within the node) instead of HierarchicalLLKernel, for an A/B of
+// the two (scripts/gpu_check.sh hierab).
 bool HierarchicalV3Knob() {
-  static const bool on = [] {
-    const char* v = std::getenv("JAXOVERLAP_HIERARCHICAL_LL");
-    const bool set = v != nullptr && std::strcmp(v, "v3") == 0;
-    if (set) {
-      std::fprintf(stderr, "jaxoverlap: measurement knob set: hierarchical LL runs the v3 "
-                   "kernel (JAXOVERLAP_HIERARCHICAL_LL=v3)\n");
-    }
-    return set;
-  }();
+  static const bool on =
+      KnobIs("JAXOVERLAP_HIERARCHICAL_LL", "v3", "hierarchical LL runs the v3 kernel");
   return on;
 }
 
@@ -1926,16 +1925,17 @@ ffi::Error LamportBlocksPerSm(int* blocks) {
 
 namespace {
 
-// all_reduce_rms_norm's blocks per row, JAXOVERLAP_NORM_CLUSTER (1 ..
-// kMaxNormCluster), a measurement knob like the Lamport ones; 0 (unset or 0):
-// from the row's size (kNormLinesPerBlock). Set, the process says so on stderr.
+// all_reduce_rms_norm's blocks per row, the measurement knob
+// JAXOVERLAP_NORM_CLUSTER (1 .. kMaxNormCluster); 0 (unset or 0): from the
+// row's size (kNormLinesPerBlock).
 int NormKnob() {
   static const int knob = [] {
-    const char* v = std::getenv("JAXOVERLAP_NORM_CLUSTER");
-    if (v == nullptr || *v == '\0' || std::atoi(v) <= 0) return 0;
-    const int k = std::min(std::atoi(v), kMaxNormCluster);
+    bool set = false;
+    const long long v = KnobInt("JAXOVERLAP_NORM_CLUSTER", 0, &set);
+    if (v <= 0) return 0;
+    const int k = static_cast<int>(std::min<long long>(v, kMaxNormCluster));
     std::fprintf(stderr, "jaxoverlap: measurement knob set: all_reduce_rms_norm with %d "
-                 "blocks a row\n", k);
+                 "blocks a row (JAXOVERLAP_NORM_CLUSTER)\n", k);
     return k;
   }();
   return knob;
@@ -1983,6 +1983,10 @@ ffi::Error PreloadKernels() {
 }
 
 const char* HierarchicalLLKernelName() { return HierarchicalV3Knob() ? "v3" : "v4"; }
+
+bool EpochsAtStart() { return EpochKnob(); }
+
+int NormBlocksPerRowKnob() { return NormKnob(); }
 
 ffi::Error NormClustersAtOnce(int* clusters) {
   int device = 0, cluster_launch = 0, sms = 0;

@@ -182,6 +182,22 @@ def run_case(tmp_path: Path, module: str, case: Case) -> None:
   run.check()
 
 
+def run_with_knob(tmp_path: Path, module: str, case: Case, env: dict[str, str],
+                  expect: dict) -> None:
+  """Runs ``module`` as ``case`` says with a measurement knob set in ``env``, checks every rank,
+  and checks that every rank's runtime reported the knob in effect: ``expect`` maps
+  ``runtime_info`` keys to their values (ranks/conftest.py records them at start-up; the knob's
+  message on stderr, printed at a rank's first call inside a test, can be missing from the log).
+  """
+  run = run_ranks(tmp_path, module, case.world, select=case.select, timeout_s=case.timeout_s,
+                  env=env)
+  run.print_summary()
+  run.check()
+  for key, value in expect.items():
+    seen = {r: (rep or {}).get(key) for r, rep in run.reports.items()}
+    assert set(seen.values()) == {value}, f"{key}: expected {value!r} on every rank, got {seen}"
+
+
 # ---------------------------------------------------------------------------- a run
 
 

@@ -52,11 +52,8 @@ EPOCH_CASES = [Case(World(2, 2), ("-m", "quick or stress"), timeout_s=240)]
 
 @pytest.mark.parametrize("case", EPOCH_CASES, ids=[c.world.label() for c in EPOCH_CASES])
 def test_all_reduce_epochs_at_start(case, tmp_path):
-  run = _harness.run_ranks(tmp_path, "rank_all_reduce.py", case.world, select=case.select,
-                           timeout_s=case.timeout_s, env={"JAXOVERLAP_EPOCH_AT_START": "1"})
-  run.print_summary()
-  run.check()
-  assert "the one-shot LL kernels advance the epochs at their start" in run.output(), run.tail()
+  _harness.run_with_knob(tmp_path, "rank_all_reduce.py", case, {"JAXOVERLAP_EPOCH_AT_START": "1"},
+                         {"epochs_at_start": True})
 
 
 # The measurement knob JAXOVERLAP_HIERARCHICAL_LL=v3 (ffi/all_reduce/all_reduce.cu,
@@ -69,12 +66,5 @@ V3_CASES = [Case(World(2, 1), QUICK, timeout_s=180), Case(World(6, 2), QUICK, ti
 
 @pytest.mark.parametrize("case", V3_CASES, ids=[c.world.label() for c in V3_CASES])
 def test_all_reduce_hierarchical_v3_kernel(case, tmp_path):
-  run = _harness.run_ranks(tmp_path, "rank_all_reduce.py", case.world, select=case.select,
-                           timeout_s=case.timeout_s, env={"JAXOVERLAP_HIERARCHICAL_LL": "v3"})
-  run.print_summary()
-  run.check()
-  # What each rank's runtime reported at start-up (ranks/conftest.py), not the knob's message
-  # on stderr: printed at a rank's first hierarchical call inside a test, it was missing from
-  # the log of two launches of 6 ranks (a capture by the ranks' pytest, it seems).
-  kernels = {r: (rep or {}).get("hierarchical_ll_kernel") for r, rep in run.reports.items()}
-  assert set(kernels.values()) == {"v3"}, kernels
+  _harness.run_with_knob(tmp_path, "rank_all_reduce.py", case, {"JAXOVERLAP_HIERARCHICAL_LL": "v3"},
+                         {"hierarchical_ll_kernel": "v3"})

@@ -33,20 +33,13 @@ def test_norm(case, tmp_path):
 
 @pytest.mark.parametrize("parts", [1, 8])
 def test_norm_blocks_per_row(parts, tmp_path):
-  run = _harness.run_ranks(tmp_path, "rank_norm.py", World(2, 2),
-                           select=("-k", "test_sweep and bfloat16"), timeout_s=180,
-                           env={"JAXOVERLAP_NORM_CLUSTER": str(parts)})
-  run.print_summary()
-  run.check()
-  knob = f"all_reduce_rms_norm with {parts} blocks a row"
-  assert knob in run.output(), f"the knob's message {knob!r} is missing"
+  case = Case(World(2, 2), ("-k", "test_sweep and bfloat16"), timeout_s=180)
+  _harness.run_with_knob(tmp_path, "rank_norm.py", case, {"JAXOVERLAP_NORM_CLUSTER": str(parts)},
+                         {"norm_blocks_per_row": parts})
 
 
 def test_norm_epochs_at_start(tmp_path):
   """The measurement knob JAXOVERLAP_EPOCH_AT_START=1: the norm kernel advances the epochs at its
   start; the sweep, refusals, stress loop (interleaved with the plain all-reduce) at world 2."""
-  run = _harness.run_ranks(tmp_path, "rank_norm.py", World(2, 2), timeout_s=240,
-                           env={"JAXOVERLAP_EPOCH_AT_START": "1"})
-  run.print_summary()
-  run.check()
-  assert "the one-shot LL kernels advance the epochs at their start" in run.output(), run.tail()
+  _harness.run_with_knob(tmp_path, "rank_norm.py", Case(World(2, 2), timeout_s=240),
+                         {"JAXOVERLAP_EPOCH_AT_START": "1"}, {"epochs_at_start": True})

@@ -102,10 +102,17 @@ ffi::Error LamportBlocksPerSm(int* blocks);
 // Hopper) clusters[2 ..] are 0.
 ffi::Error NormClustersAtOnce(int* clusters);
 
-// The kernel that algorithm hierarchical with protocol ll runs in this
-// process: "v4" (HierarchicalLLKernel), or "v3" under the measurement knob
-// JAXOVERLAP_HIERARCHICAL_LL=v3 (read once per process).
+// The measurement knobs in effect in this process (each read once per process;
+// docs/design.md lists them), for runtime_info():
+// The kernel that algorithm hierarchical with protocol ll runs: "v4"
+// (HierarchicalLLKernel), or "v3" under JAXOVERLAP_HIERARCHICAL_LL=v3.
 const char* HierarchicalLLKernelName();
+// Whether the one-shot LL kernels advance the epochs at their start
+// (JAXOVERLAP_EPOCH_AT_START=1) rather than at their end.
+bool EpochsAtStart();
+// all_reduce_rms_norm's blocks a row as JAXOVERLAP_NORM_CLUSTER sets them, or
+// 0 (unset: from the row's size).
+int NormBlocksPerRowKnob();
 
 }  // namespace jaxoverlap::all_reduce
 

@@ -174,7 +174,12 @@ def _kernels(runtime_up: bool) -> dict:
     return {}
   from jaxoverlap import runtime
 
-  return {"hierarchical_ll_kernel": runtime.runtime_info()["hierarchical_ll_kernel"]}
+  info = runtime.runtime_info()
+  return {k: info[k] for k in KNOB_KEYS}
+
+
+# The runtime_info keys that say which measurement knobs are in effect (docs/design.md).
+KNOB_KEYS = ("hierarchical_ll_kernel", "epochs_at_start", "norm_blocks_per_row")
 
 
 def _bring_up(nvshmem: bool) -> dict:
