@@ -115,5 +115,10 @@ def test_train_writes_outputs_and_resumes(tmp_path, capsys):
   with open(os.path.join(workdir, train.METRICS_FILE)) as f:
     assert json.load(f)["step_time_ms"] == again["step_time_ms"]
   assert done["val_loss"] == pytest.approx(second["val_loss"])
+  # A second evaluation-only call keeps them as well (from the first one's file).
+  twice = train.train_and_evaluate(longer, workdir)
+  assert twice["evaluation_only"]
+  for key in train.TRAINING_FIELDS:
+    assert twice[key] == again[key], key
   assert ("already holds a checkpoint at step 8, and this run asks for 8 steps: nothing to train"
           in capsys.readouterr().out)

@@ -387,8 +387,10 @@ def train_and_evaluate(config: Config, workdir: str) -> dict[str, Any]:
   if metrics["evaluation_only"]:
     # Nothing trained in this call: keep what the call that trained the checkpoint
     # recorded (its speed, the backend each op ran on), rather than overwrite it with nulls.
+    # An evaluation-only file carries those fields on from the training call, so they are
+    # kept from it too.
     previous = _read_json(os.path.join(workdir, METRICS_FILE))
-    if previous and not previous.get("evaluation_only", False):
+    if previous:
       for key in TRAINING_FIELDS:
         if key in previous:
           metrics[key] = previous[key]
