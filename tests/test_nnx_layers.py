@@ -321,6 +321,28 @@ def test_layers_reject_bad_sizes():
     layer(jnp.zeros((B, D)))
 
 
+@pytest.mark.parametrize("bad", [-4, 0, 8.0, True, "8"])
+def test_layers_reject_sizes_that_are_not_positive_ints(bad):
+  """Before any parameter is made, with the layer and the argument named (JAX's own errors for
+  a negative or float shape named neither)."""
+  kw = dict(config=ParallelConfig(mesh=_mesh(1, 2)), rngs=nnx.Rngs(0))
+  cases = [
+      ("ColumnParallelLinear", "in_features", lambda v: ColumnParallelLinear(v, F, **kw)),
+      ("ColumnParallelLinear", "out_features", lambda v: ColumnParallelLinear(D, v, **kw)),
+      ("RowParallelLinear", "in_features", lambda v: RowParallelLinear(v, D, **kw)),
+      ("RowParallelLinear", "out_features", lambda v: RowParallelLinear(F, v, **kw)),
+      ("RMSNorm", "num_features", lambda v: RMSNorm(v, **kw)),
+      ("LayerNorm", "num_features", lambda v: LayerNorm(v, **kw)),
+      ("ParallelMLP", "mlp_features", lambda v: ParallelMLP(D, v, **kw)),
+      ("ParallelAttention", "head_features",
+       lambda v: ParallelAttention(D, 2, head_features=v, **kw)),
+      ("TransformerBlock", "num_heads", lambda v: TransformerBlock(D, v, F, **kw)),
+  ]
+  for layer, arg, make in cases:
+    with pytest.raises(ValueError, match=f"{layer}: {arg} must be a positive int, got {bad!r}"):
+      make(bad)
+
+
 @pytest.mark.parametrize("norm_cls", [RMSNorm, LayerNorm])
 @pytest.mark.parametrize("sharded", [False, True], ids=["unsharded", "tp"])
 def test_norms_check_the_feature_width(norm_cls, sharded):

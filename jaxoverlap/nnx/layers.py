@@ -59,6 +59,7 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from flax.nnx.nn import dtypes as nnx_dtypes
 from jax import lax
@@ -129,6 +130,15 @@ def _matmul(x: jax.Array, w: jax.Array, min_rows: int = 1) -> jax.Array:
   x_rk = x_ck.reshape(copies * rows, x.shape[-1])
   y_rn = jnp.matmul(x_rk, w, preferred_element_type=jnp.float32)[:rows]
   return y_rn.reshape(*x.shape[:-1], w.shape[-1]).astype(x.dtype)
+
+
+def _check_sizes(layer: str, **sizes):
+  """Raises ValueError unless every size is a positive int (None: not given, skipped)."""
+  for name, value in sizes.items():
+    if value is None:
+      continue
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0:
+      raise ValueError(f"{layer}: {name} must be a positive int, got {value!r}")
 
 
 def _check_divisible(what: str, value: int, by: int, by_what: str):
@@ -281,9 +291,10 @@ class ColumnParallelLinear(nnx.Module):
       rngs: random number streams for the initializers.
 
     Raises:
-      ValueError: ``out_features`` is not divisible by the tp size, or
-        ``kernel_axes`` do not map to (None, tp).
+      ValueError: a size is not a positive int, ``out_features`` is not
+        divisible by the tp size, or ``kernel_axes`` do not map to (None, tp).
     """
+    _check_sizes("ColumnParallelLinear", in_features=in_features, out_features=out_features)
     _check_divisible("ColumnParallelLinear: out_features", out_features, config.tp_size,
                      "tp size")
     if config.mesh is not None and (
@@ -400,9 +411,10 @@ class RowParallelLinear(nnx.Module):
       rngs: random number streams for the initializers.
 
     Raises:
-      ValueError: ``in_features`` is not divisible by the tp size, or
-        ``kernel_axes`` do not map to (tp, None).
+      ValueError: a size is not a positive int, ``in_features`` is not
+        divisible by the tp size, or ``kernel_axes`` do not map to (tp, None).
     """
+    _check_sizes("RowParallelLinear", in_features=in_features, out_features=out_features)
     _check_divisible("RowParallelLinear: in_features", in_features, config.tp_size, "tp size")
     if config.mesh is not None and (
         config.mesh_axis(kernel_axes[0]) != config.tp_axis
@@ -534,8 +546,12 @@ class RMSNorm(nnx.Module):
       dtype: compute dtype; None promotes the input and parameter dtypes.
       param_dtype: parameter dtype.
       rngs: unused (no random initializers); kept for a uniform signature.
+
+    Raises:
+      ValueError: ``num_features`` is not a positive int.
     """
     del rngs
+    _check_sizes("RMSNorm", num_features=num_features)
     self.num_features = num_features
     self.config = config
     self.epsilon = epsilon
@@ -593,8 +609,12 @@ class LayerNorm(nnx.Module):
       dtype: compute dtype; None promotes the input and parameter dtypes.
       param_dtype: parameter dtype.
       rngs: unused (no random initializers); kept for a uniform signature.
+
+    Raises:
+      ValueError: ``num_features`` is not a positive int.
     """
     del rngs
+    _check_sizes("LayerNorm", num_features=num_features)
     self.num_features = num_features
     self.config = config
     self.epsilon = epsilon
@@ -684,9 +704,10 @@ class ParallelMLP(nnx.Module):
       rngs: random number streams for the initializers.
 
     Raises:
-      ValueError: unknown ``activation``, or ``mlp_features`` not divisible by
-        the tp size.
+      ValueError: a size is not a positive int, unknown ``activation``, or
+        ``mlp_features`` not divisible by the tp size.
     """
+    _check_sizes("ParallelMLP", num_features=num_features, mlp_features=mlp_features)
     if activation not in _ACTIVATIONS:
       raise ValueError(f"activation must be one of {_ACTIVATIONS}, got {activation!r}")
     _check_divisible("ParallelMLP: mlp_features", mlp_features, config.tp_size, "tp size")
@@ -860,11 +881,13 @@ class ParallelAttention(nnx.Module):
       rngs: random number streams for the initializers.
 
     Raises:
-      ValueError: ``num_heads`` not divisible by the tp size or by
-        ``num_kv_heads``, ``num_kv_heads`` not divisible by the tp size,
+      ValueError: a size is not a positive int, ``num_heads`` not divisible
+        by the tp size or by ``num_kv_heads``, ``num_kv_heads`` not divisible by the tp size,
         ``head_features`` is None and ``d`` not divisible by ``h``, or RoPE
         with an odd ``head_features``.
     """
+    _check_sizes("ParallelAttention", num_features=num_features, num_heads=num_heads,
+                 head_features=head_features, num_kv_heads=num_kv_heads)
     _check_divisible("ParallelAttention: num_heads", num_heads, config.tp_size, "tp size")
     if head_features is None:
       _check_divisible("ParallelAttention: num_features", num_features, num_heads, "num_heads")
@@ -1065,9 +1088,13 @@ class TransformerBlock(nnx.Module):
       rngs: random number streams for the initializers.
 
     Raises:
-      ValueError: unknown ``norm`` or ``activation``, or sizes not divisible
-        as the sub-layers require.
+      ValueError: a size is not a positive int, unknown ``norm`` or
+        ``activation``, ``config.fuse_norm`` with ``norm="layer"``, or sizes
+        not divisible as the sub-layers require.
     """
+    _check_sizes("TransformerBlock", num_features=num_features, num_heads=num_heads,
+                 mlp_features=mlp_features, head_features=head_features,
+                 num_kv_heads=num_kv_heads)
     if norm not in _NORMS:
       raise ValueError(f"norm must be one of {_NORMS}, got {norm!r}")
     if config.fuse_norm and norm != "rms":
