@@ -225,12 +225,17 @@ def table_from_results(paths, command: str) -> dict:
     command: recorded as the table's ``"command"``.
 
   Raises:
-    ValueError: a file without records, or files of different machines.
+    OSError: a file that cannot be read.
+    ValueError: a file that is not JSON or has no records, or files of
+      different machines.
   """
   results = []
   for path in paths:
     with open(path) as f:
-      results.append(json.load(f))
+      try:
+        results.append(json.load(f))
+      except json.JSONDecodeError as e:
+        raise ValueError(f"tune --from_results: {path} is not JSON ({e})") from e
     if not results[-1].get("records"):
       raise ValueError(f"tune --from_results: {path} has no records")
   machines = {r.get("machine") for r in results}
@@ -252,8 +257,12 @@ def table_from_results(paths, command: str) -> dict:
 def main(argv):
   del argv
   if FLAGS.from_results:
-    result = table_from_results(FLAGS.from_results,
-                                "python -m jaxoverlap.tune " + " ".join(sys.argv[1:]))
+    try:
+      result = table_from_results(FLAGS.from_results,
+                                  "python -m jaxoverlap.tune " + " ".join(sys.argv[1:]))
+    except (OSError, ValueError) as e:  # a missing or unreadable file, not JSON, no records
+      print(f"jaxoverlap.tune: error: {e}", file=sys.stderr, flush=True)
+      return 1
     print(f"wrote {tuning.save_result(result, FLAGS.out or None)} "
           f"({len(result['records'])} records)", flush=True)
     return

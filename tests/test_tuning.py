@@ -473,6 +473,29 @@ def test_shipped_table_is_rebuilt_from_the_results_files(tmp_path):
     tune.table_from_results([files[0], str(other)], "cmd")
 
 
+def test_from_results_reports_bad_files_in_one_line(tmp_path):
+  """`python -m jaxoverlap.tune --from_results` with a missing, non-JSON or empty file: exit 1
+  and one line on stderr naming the file, no traceback."""
+  import subprocess
+  import sys
+
+  bad = tmp_path / "bad.json"
+  bad.write_text("not json")
+  empty = tmp_path / "empty.json"
+  empty.write_text(json.dumps({"records": []}))
+  missing = tmp_path / "missing.json"
+  for path, says in ((missing, "No such file"), (bad, "is not JSON"), (empty, "has no records")):
+    proc = subprocess.run([sys.executable, "-m", "jaxoverlap.tune", "--from_results", str(path),
+                           "--out", str(tmp_path / "table.json")],
+                          capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    assert proc.returncode == 1, proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr
+    line = [ln for ln in proc.stderr.splitlines() if ln.startswith("jaxoverlap.tune: error:")]
+    assert len(line) == 1 and str(path) in line[0] and says in line[0], proc.stderr
+  assert not (tmp_path / "table.json").exists()
+
+
 def test_the_model_alone_never_picks_an_excluded_kernel():
   pol = tuning.Policy(())
   for rpn in (2, 4, 8):
