@@ -175,8 +175,23 @@ class Plan:
   node_groups: tuple[tuple[int, ...], ...] | None = None
   pieces: tuple[tuple[int, int, int], ...] | None = None
 
+  # The choices a plan can give a reason for (the first items of ``why``).
+  CHOICES = ("backend", "algorithm", "protocol", "transport", "chunks", "inter_node")
+
+  def __post_init__(self):
+    unknown = [k for k, _ in self.why if k not in self.CHOICES]
+    if unknown:  # a planner's bug: reason() could not return these
+      raise ValueError(f"Plan: reasons for unknown choices {unknown}; one of {self.CHOICES}")
+
   def reason(self, choice: str) -> str | None:
-    """Why ``choice`` ("backend", "algorithm", "protocol", ...) was made, or None."""
+    """Why ``choice`` (one of ``Plan.CHOICES``) was made; None where this plan made no such
+    choice (e.g. "protocol" on the XLA backend).
+
+    Raises:
+      ValueError: ``choice`` is not one of ``Plan.CHOICES``.
+    """
+    if choice not in self.CHOICES:
+      raise ValueError(f"Plan.reason: {choice!r} is not a choice; one of {self.CHOICES}")
     return dict(self.why).get(choice)
 
   def summary(self) -> str:

@@ -90,6 +90,15 @@ def test_all_reduce_one_node_picks_a_kernel_and_protocol(one_process_per_device)
   assert p.reason("protocol") == "with the algorithm: " + p.reason("algorithm")
 
 
+def test_plan_reason_refuses_a_name_that_is_not_a_choice(one_process_per_device):
+  p = plan(Request("all_reduce", "tp"), [(4096,)])
+  with pytest.raises(ValueError, match="'bakend' is not a choice; one of"):
+    p.reason("bakend")
+  assert p.reason("chunks") is None  # a choice this op does not make
+  with pytest.raises(ValueError, match=r"reasons for unknown choices \['why_not'\]"):
+    dataclasses_replace(p, why=p.why + (("why_not", "a typo in a planner"),))
+
+
 @pytest.mark.parametrize("algorithm,rpn,nbytes,protocol", [
     ("one_shot", 4, 8 << 10, "ll"), ("one_shot", 4, 1 << 20, "ll"),
     ("one_shot", 4, (1 << 20) + 16, "simple"), ("two_shot", 4, 16, "simple"),
