@@ -72,11 +72,11 @@ class ParallelConfig:
     dp_axis: the data-parallel mesh axis (shards the batch), or None when the
       mesh has none.
     tp_axis: the tensor-parallel mesh axis (shards weights, Megatron-LM
-      arXiv 1909.08053).
+      arXiv 1909.08053, section 3).
     sequence_parallel: if True, activations outside the attention core and the
       MLP hidden layer are sharded on the sequence over ``tp_axis``
-      (Megatron-SP, arXiv 2205.05198); all-reduces become all-gather +
-      reduce-scatter pairs fused with the adjacent GEMMs.
+      (Megatron-SP, arXiv 2205.05198, section 4.2.2); all-reduces become
+      all-gather + reduce-scatter pairs fused with the adjacent GEMMs.
     backend: ``"auto" | "xla" | "cuda"``, passed to every functional op
       (another value raises ``ValueError`` here).
     algorithm: passed to the overlap ops (``all_gather_matmul`` and
@@ -173,6 +173,11 @@ class ParallelConfig:
       ``row_reduction="none"``; an axis missing from the mesh, mesh axes not
       of type ``AxisType.Auto``, or logical-axis rules that break the
       layers' layout.
+
+  Source: tensor parallelism from Megatron-LM (arXiv 1909.08053, section 3),
+  sequence parallelism from Megatron-SP (arXiv 2205.05198, section 4.2.2);
+  the fused ops (``overlap``) from CommFuse (arXiv 2604.24013), the decode
+  all-reduces from NVRAR (arXiv 2511.09557).
   """
 
   mesh: jax.sharding.Mesh | None = None

@@ -844,8 +844,9 @@ class ParallelAttention(nnx.Module):
   ``matmul_reduce_scatter``).
 
   Source: Megatron-LM (arXiv 1909.08053, section 3, figure 3b); grouped-query
-  attention (Ainslie et al., arXiv 2305.13245); RoPE (Su et al., arXiv
-  2104.09864).
+  attention (Ainslie et al., arXiv 2305.13245, section 2.2); RoPE (Su et al.,
+  arXiv 2104.09864, sections 3.2.2 and 3.4.2: the general form and its
+  element-wise computation).
   """
 
   def __init__(
@@ -1044,8 +1045,8 @@ class TransformerBlock(nnx.Module):
   it is a Llama-style block; ``init_cache`` and ``decode=True`` decode with
   the attention's KV cache.
 
-  Source: Megatron-LM (arXiv 1909.08053) and Megatron-SP (arXiv 2205.05198,
-  figure 5).
+  Source: Megatron-LM (arXiv 1909.08053, section 3, figure 3) and Megatron-SP
+  (arXiv 2205.05198, section 4.2.2, figure 5).
   """
 
   def __init__(
@@ -1226,6 +1227,11 @@ def apply_blocks(blocks: Sequence[TransformerBlock], x_bsd: jax.Array,
     ValueError: no blocks; ``fuse_norm`` (on a mesh) with a ``LayerNorm`` or a
       norm that computes in a dtype other than the activations'
       (``TransformerBlock.__call__``).
+
+  Source: the all-reduce after each row-parallel layer (Megatron-LM, arXiv
+  1909.08053, section 3) fused with the residual add and the RMSNorm after it
+  (``jaxoverlap.all_reduce_rms_norm``; RMSNorm: arXiv 1910.07467), as
+  TensorRT-LLM's and FlashInfer's all-reduce fusions do for decode.
   """
   if len(blocks) == 0:
     raise ValueError("apply_blocks needs at least one block")
