@@ -395,7 +395,7 @@ def make_plan(request: Request, avals: Sequence[Any], mesh, facts: runtime.Facts
   if r.backend == names.XLA:
     return _xla_plan(r, base, "requested")
   if names.backend_of_algorithm(r.op, r.algorithm) == names.XLA:
-    return _xla_plan(r, base, f"algorithm {r.algorithm!r} is backend 'xla''s")
+    return _xla_plan(r, base, f"algorithm {r.algorithm!r} belongs to backend 'xla'")
   if any(math.prod(s) == 0 for s in shapes):
     # Nothing moves; the xla expression gives the (empty or zero) result.
     return _xla_plan(r, base, "empty operands: nothing to communicate (the xla expression, "

@@ -302,7 +302,7 @@ def test_fused_command_buffer_and_precision(one_process_per_device):
 def test_xla_requests_are_plain(one_process_per_device):
   p = plan(Request(AG, "tp", algorithm="ppermute", dim=0), [(8, 64), (64, 8)])
   assert (p.backend, p.algorithm, p.groups) == ("xla", "ppermute", None)
-  assert p.reason("backend") == "algorithm 'ppermute' is backend 'xla''s"
+  assert p.reason("backend") == "algorithm 'ppermute' belongs to backend 'xla'"
   p = plan(Request(AG, "tp", backend="xla", dim=0), [(8, 64), (64, 8)])
   assert (p.algorithm, p.reason("algorithm")) == ("collective", "default of backend 'xla'")
 

@@ -301,9 +301,11 @@ def train_and_evaluate(config: Config, workdir: str) -> dict[str, Any]:
   if start_step == 0:
     history["val"].append((0, evaluate(state)))
 
-  # Train.
-  bar = tqdm.tqdm(total=config.steps, initial=start_step, disable=not is_main,
-                  dynamic_ncols=True, desc="train")
+  # Train. The bar starts after the first step: its compilation logs a warning per op that
+  # runs on XLA (and why), which would break into the bar's line.
+  bar = None
+  if is_main and start_step < config.steps:
+    print(f"step {start_step + 1}: compiling the train step and running it", flush=True)
   pending: list[jax.Array] = []
   train_loss = val_loss = math.nan
   train_time = 0.0   # seconds of train steps after the first (compiling) one
@@ -324,8 +326,11 @@ def train_and_evaluate(config: Config, workdir: str) -> dict[str, Any]:
       tick = time.perf_counter()
       backends = _ran_backends(config)  # the step's plans, made when it compiled
       if is_main:
-        tqdm.tqdm.write(f"ops ran on: {backends['resolved']} (jaxoverlap.decisions() has "
-                        "each call's plan)")
+        print(f"first step (compilation included) {first_step_s:.1f} s; ops ran on: "
+              f"{backends['resolved']} (jaxoverlap.decisions() has each call's plan)",
+              flush=True)
+      bar = tqdm.tqdm(total=config.steps, initial=step, disable=not is_main,
+                      dynamic_ncols=True, desc="train")
     else:
       window_steps += 1
     boundary = (done % config.log_every == 0 or done % config.eval_every == 0
@@ -352,7 +357,8 @@ def train_and_evaluate(config: Config, workdir: str) -> dict[str, Any]:
     if done % config.ckpt_every == 0 or done == config.steps:
       checkpoint(done, state)
     tick = time.perf_counter()
-  bar.close()
+  if bar is not None:
+    bar.close()
   manager.wait_until_finished()
 
   if math.isnan(val_loss):  # nothing trained in this call (already at config.steps)
