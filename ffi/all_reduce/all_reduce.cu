@@ -1634,7 +1634,9 @@ size_t RoundUp(size_t a, size_t b) { return CeilDiv(a, b) * b; }
 bool KnobIs(const char* name, const char* value, const char* what) {
   const char* v = std::getenv(name);
   const bool set = v != nullptr && std::strcmp(v, value) == 0;
-  if (set) std::fprintf(stderr, "jaxoverlap: measurement knob set: %s (%s=%s)\n", what, name, value);
+  if (set) {
+    std::fprintf(stderr, "jaxoverlap: measurement knob set: %s (%s=%s)\n", what, name, value);
+  }
   return set;
 }
 
