@@ -48,7 +48,8 @@
 #       2 x 1 run, then auto with that table beside psum, in two and in one process); 4/8 GPUs:
 #       multigpu_bench | multigpu_fused
 #   (several benchmark verbs in one call: bash scripts/gpu_check.sh bench autobench)
-# Uses the machine's preinstalled packages (nothing is downloaded).
+# Uses the machine's preinstalled packages (nothing is downloaded). A verb that needs more GPUs
+# than the machine has (most benchmarks need 2) says so and exits 2 before the build.
 set -uo pipefail
 SELF="$(cd "$(dirname "$0")" && pwd)/$(basename "$0")"
 cd "$(dirname "$SELF")/.." || exit 1
@@ -75,6 +76,14 @@ FILTER='GRPC|WatchTasks|coordination_service|Connection refused|CANCELLED|Source
 
 nvidia-smi -L | tee "$OUT/gpus.txt"
 NGPU=$(nvidia-smi -L | wc -l)
+# The GPUs this verb needs: the N of its `if [ "$WHAT" = <verb> ] && [ "$NGPU" -ge N ]` below
+# (1 where it has none). Too few: say so and stop, before the build, rather than run nothing.
+NEED=$(grep -oE "\"\\\$WHAT\" = $WHAT \\] && \\[ \"\\\$NGPU\" -ge [0-9]+" "$SELF" \
+  | grep -oE '[0-9]+$' | sort -n | tail -1)
+if [ "$NGPU" -lt "${NEED:-1}" ]; then
+  echo "gpu_check.sh: $WHAT needs $NEED GPUs; this machine has $NGPU" | tee "$OUT/too-few-gpus.txt" >&2
+  exit 2
+fi
 if [ -z "${SKIP_BUILD:-}" ] || [ "$WHAT" = build ]; then
   echo "== build ($NGPU GPUs)"
   start=$(date +%s)
