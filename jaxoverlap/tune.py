@@ -45,7 +45,7 @@ import json
 import os
 import sys
 
-from absl import app, flags
+from absl import app, flags, logging
 
 from jaxoverlap import names, tuning
 
@@ -256,6 +256,9 @@ def table_from_results(paths, command: str) -> dict:
 
 def main(argv):
   del argv
+  # Warnings and errors only (jaxoverlap's fallbacks among them): absl's default shows JAX's
+  # INFO lines (e.g. which platforms it could not start), which would bury the tuner's output.
+  logging.set_verbosity(logging.WARNING)
   if FLAGS.from_results:
     try:
       result = table_from_results(FLAGS.from_results,
