@@ -11,7 +11,8 @@ Algorithm:
   or ``SKBUILD_CMAKE_DEFINE`` holding ``JAXOVERLAP_CUDA=OFF``) or no ``nvcc`` is found
   (``CUDACXX``, ``PATH``, ``/usr/local/cuda/bin``). Only then are the CUDA build requirements
   asked for; otherwise the build is told ``JAXOVERLAP_CUDA=OFF`` too, so that this choice and
-  CMake's agree (CMakeLists.txt). Everything else is scikit-build-core's (PEP 517 hooks
+  CMake's agree, and ``JAXOVERLAP_CUDA_OFF_REASON`` (requested, or no nvcc), which CMake's
+  warning names (CMakeLists.txt). Everything else is scikit-build-core's (PEP 517 hooks
   passed through, ``pyproject.toml``'s ``backend-path``).
 """
 
@@ -27,6 +28,7 @@ from scikit_build_core.build import build_sdist, get_requires_for_build_sdist  #
 CUDA_BUILD_REQUIRES = ("jax>=0.11.2", "jaxlib>=0.11.2", "nvidia-nvshmem-cu13>=3.4",
                        "nvidia-cublas>=13,<14")
 _SETTING = "cmake.define.JAXOVERLAP_CUDA"
+_REASON = "cmake.define.JAXOVERLAP_CUDA_OFF_REASON"
 _OFF = {"off", "0", "false", "no", "n"}
 
 
@@ -37,23 +39,35 @@ def _values(config_settings: Mapping | None, key: str) -> list[str]:
   return [value] if isinstance(value, str) else list(value)
 
 
-def cuda_build(config_settings: Mapping | None = None, env: Mapping[str, str] | None = None,
-               which=shutil.which, exists=os.path.exists) -> bool:
-  """Whether this build compiles the CUDA backend (module docstring)."""
+def off_reason(config_settings: Mapping | None = None, env: Mapping[str, str] | None = None,
+               which=shutil.which, exists=os.path.exists) -> str | None:
+  """Why this build skips the CUDA backend: "requested" (``JAXOVERLAP_CUDA`` off), "no-nvcc",
+  or None where it compiles it (module docstring)."""
   env = os.environ if env is None else env
   settings = _values(config_settings, _SETTING)
   defines = [d.split("=", 1) for d in env.get("SKBUILD_CMAKE_DEFINE", "").split(";") if "=" in d]
   choices = settings + [v for k, v in defines if k.strip() == "JAXOVERLAP_CUDA"]
   if any(c.strip().lower() in _OFF for c in choices):
-    return False
-  return bool(env.get("CUDACXX") or which("nvcc") or exists("/usr/local/cuda/bin/nvcc"))
+    return "requested"
+  if env.get("CUDACXX") or which("nvcc") or exists("/usr/local/cuda/bin/nvcc"):
+    return None
+  return "no-nvcc"
+
+
+def cuda_build(config_settings: Mapping | None = None, env: Mapping[str, str] | None = None,
+               which=shutil.which, exists=os.path.exists) -> bool:
+  """Whether this build compiles the CUDA backend (module docstring)."""
+  return off_reason(config_settings, env, which, exists) is None
 
 
 def _settings(config_settings: Mapping | None) -> dict:
-  """``config_settings`` with ``JAXOVERLAP_CUDA=OFF`` where the CUDA backend is not built."""
+  """``config_settings`` with ``JAXOVERLAP_CUDA=OFF`` where the CUDA backend is not built, and
+  ``JAXOVERLAP_CUDA_OFF_REASON`` (``off_reason``) for CMake's message."""
   out = dict(config_settings or {})
-  if not cuda_build(config_settings):
+  reason = off_reason(config_settings)
+  if reason is not None:
     out[_SETTING] = "OFF"
+    out[_REASON] = reason
   return out
 
 

@@ -33,10 +33,18 @@ def test_default_toolkit_location_counts():
   assert backend.cuda_build(None, {}, NONE, lambda p: p == "/usr/local/cuda/bin/nvcc")
 
 
+def test_off_reason_says_why():
+  assert backend.off_reason({"cmake.define.JAXOVERLAP_CUDA": "OFF"}, {}, NVCC, NO_FILE) == (
+      "requested")
+  assert backend.off_reason(None, {}, NONE, NO_FILE) == "no-nvcc"
+  assert backend.off_reason(None, {}, NVCC, NO_FILE) is None
+
+
 def test_requires_and_settings_follow_the_choice(monkeypatch):
-  monkeypatch.setattr(backend, "cuda_build", lambda settings=None: False)
-  off = {"a": "b", "cmake.define.JAXOVERLAP_CUDA": "OFF"}
+  monkeypatch.setattr(backend, "off_reason", lambda *args: "no-nvcc")
+  off = {"a": "b", "cmake.define.JAXOVERLAP_CUDA": "OFF",
+         "cmake.define.JAXOVERLAP_CUDA_OFF_REASON": "no-nvcc"}
   assert backend._requires({}) == [] and backend._settings({"a": "b"}) == off  # noqa: SLF001
-  monkeypatch.setattr(backend, "cuda_build", lambda settings=None: True)
+  monkeypatch.setattr(backend, "off_reason", lambda *args: None)
   assert backend._requires({}) == list(backend.CUDA_BUILD_REQUIRES)  # noqa: SLF001
   assert backend._settings({"a": "b"}) == {"a": "b"}  # noqa: SLF001
