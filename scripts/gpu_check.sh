@@ -67,23 +67,27 @@ if [ -z "$WHAT" ] || [[ "$VERBS" != *" $WHAT "* ]]; then
   echo "usage: bash scripts/gpu_check.sh <verb> (verbs:$VERBS)" >&2
   exit 2
 fi
+NGPU=$(nvidia-smi -L 2>/dev/null | wc -l)
+# The GPUs a verb needs: the N of its `if [ "$WHAT" = <verb> ] && [ "$NGPU" -ge N ]` below
+# (none where it has no such line: build, suite and the one-GPU probes run on any machine).
+too_few() {  # too_few <verb>: says so and succeeds where the machine has fewer GPUs than it needs
+  local need
+  need=$(grep -oE "\"\\\$WHAT\" = $1 \\] && \\[ \"\\\$NGPU\" -ge [0-9]+" "$SELF" \
+    | grep -oE '[0-9]+$' | sort -n | tail -1)
+  [ -n "$need" ] && [ "$NGPU" -lt "$need" ] || return 1
+  echo "gpu_check.sh: $1 needs $need GPUs; this machine has $NGPU" | tee -a "$OUT/too-few-gpus.txt" >&2
+}
 if [ "$WHAT" != suite ] && [ $# -gt 1 ]; then  # several benchmark verbs in one call
+  # Every verb checked first: one that cannot run stops the call before anything is built.
+  few=0; for w in "$@"; do too_few "$w" && few=1; done; [ $few = 0 ] || exit 2
   rc=0; for w in "$@"; do SKIP_BUILD=${SKIP_BUILD:-} bash "$SELF" "$w" || rc=1; SKIP_BUILD=1; done; exit $rc
 fi
 shift
 status=0
 FILTER='GRPC|WatchTasks|coordination_service|Connection refused|CANCELLED|Source Location|grpc_util|^\[rank .\] $|^\[rank .\] [WI][0-9]{4}'
 
+too_few "$WHAT" && exit 2  # before the build, rather than build and then run nothing
 nvidia-smi -L | tee "$OUT/gpus.txt"
-NGPU=$(nvidia-smi -L | wc -l)
-# The GPUs this verb needs: the N of its `if [ "$WHAT" = <verb> ] && [ "$NGPU" -ge N ]` below
-# (1 where it has none). Too few: say so and stop, before the build, rather than run nothing.
-NEED=$(grep -oE "\"\\\$WHAT\" = $WHAT \\] && \\[ \"\\\$NGPU\" -ge [0-9]+" "$SELF" \
-  | grep -oE '[0-9]+$' | sort -n | tail -1)
-if [ "$NGPU" -lt "${NEED:-1}" ]; then
-  echo "gpu_check.sh: $WHAT needs $NEED GPUs; this machine has $NGPU" | tee "$OUT/too-few-gpus.txt" >&2
-  exit 2
-fi
 if [ -z "${SKIP_BUILD:-}" ] || [ "$WHAT" = build ]; then
   echo "== build ($NGPU GPUs)"
   start=$(date +%s)
@@ -136,7 +140,7 @@ if [ "$WHAT" = suite ]; then
 fi
 
 # ---- benchmarks (command lines and JSON unchanged)
-if [ "$WHAT" = quickbench ]; then
+if [ "$WHAT" = quickbench ] && [ "$NGPU" -ge 2 ]; then
   run quickbench_1x2 120 $PY -m jaxoverlap.launch --nproc 2 --timeout_s 110 benchmarks/all_reduce.py \
     --out "$OUT/quick" --sizes 8K,64K,256K,512K,1M,2M,4M --reps 20
 fi
