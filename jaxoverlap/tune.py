@@ -234,9 +234,9 @@ def table_from_results(paths, command: str) -> dict:
     with open(path) as f:
       try:
         results.append(json.load(f))
-      except json.JSONDecodeError as e:
+      except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ValueError(f"tune --from_results: {path} is not JSON ({e})") from e
-    if not results[-1].get("records"):
+    if not isinstance(results[-1], dict) or not results[-1].get("records"):
       raise ValueError(f"tune --from_results: {path} has no records")
   machines = {r.get("machine") for r in results}
   if len(machines) > 1:

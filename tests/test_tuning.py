@@ -483,8 +483,13 @@ def test_from_results_reports_bad_files_in_one_line(tmp_path):
   bad.write_text("not json")
   empty = tmp_path / "empty.json"
   empty.write_text(json.dumps({"records": []}))
+  binary = tmp_path / "binary.json"
+  binary.write_bytes(b"\xff\xfe")
+  a_list = tmp_path / "list.json"
+  a_list.write_text("[]")
   missing = tmp_path / "missing.json"
-  for path, says in ((missing, "No such file"), (bad, "is not JSON"), (empty, "has no records")):
+  for path, says in ((missing, "No such file"), (bad, "is not JSON"), (binary, "is not JSON"),
+                     (empty, "has no records"), (a_list, "has no records")):
     proc = subprocess.run([sys.executable, "-m", "jaxoverlap.tune", "--from_results", str(path),
                            "--out", str(tmp_path / "table.json")],
                           capture_output=True, text=True, timeout=120,
