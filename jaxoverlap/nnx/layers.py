@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import functools
 import math
+import operator
 from collections.abc import Sequence
 from typing import Any, Callable
 
@@ -137,7 +138,11 @@ def _check_sizes(layer: str, **sizes):
   for name, value in sizes.items():
     if value is None:
       continue
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0:
+    try:  # ints, NumPy integers and 0-d integer arrays; not floats, strings or bools
+      n = None if isinstance(value, (bool, np.bool_)) else operator.index(value)
+    except TypeError:
+      n = None
+    if n is None or n <= 0:
       raise ValueError(f"{layer}: {name} must be a positive int, got {value!r}")
 
 
