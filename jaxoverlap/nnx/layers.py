@@ -888,9 +888,9 @@ class ParallelAttention(nnx.Module):
 
     Raises:
       ValueError: a size is not a positive int, ``num_heads`` not divisible
-        by the tp size or by ``num_kv_heads``, ``num_kv_heads`` not divisible by the tp size,
-        ``head_features`` is None and ``d`` not divisible by ``h``, or RoPE
-        with an odd ``head_features``.
+        by the tp size or by ``num_kv_heads``, ``num_kv_heads`` not
+        divisible by the tp size, ``head_features`` is None and ``d`` not
+        divisible by ``h``, or RoPE with an odd ``head_features``.
     """
     _check_sizes("ParallelAttention", num_features=num_features, num_heads=num_heads,
                  head_features=head_features, num_kv_heads=num_kv_heads)
