@@ -48,7 +48,10 @@ Results: ``<out>/decode_floor-<machine>.json`` (records: op
 "decode_floor_token", impl "step/<variant>", "matmuls/<variant>" or "roofline",
 time_us per token, with batch and the shard's sizes; the profile per batch
 under "profile"; the kernels of each variant's compiled step by kind, from
-its optimized HLO, under "fusions") and a Markdown table on stdout.
+its optimized HLO, under "fusions"; a variant whose options this jaxlib does
+not know or cannot compile is left out, its error under "compile_errors";
+the share of each variant's greedy tokens equal to the first variant's under
+"tokens_match_first") and a Markdown table on stdout.
 
 Example:
   python benchmarks/decode_floor.py --layers 32 --batches 1,4,16
@@ -104,6 +107,23 @@ def default_command_buffer_types() -> list[str]:
     return list(_DEFAULT_TYPES)
 
 
+# XLA options that change how the step's small kernels are fused, each off by
+# default in jaxlib 0.11/0.12 (docs/decode.md, "XLA's fusion options"); a
+# variant "<base>+<set>[+<set>...]" adds them to a base variant's options.
+FLAG_SETS = {
+    # Triton fusions for normalisations and other reductions (one kernel a norm).
+    "block_level": {"xla_gpu_experimental_enable_fusion_block_level_rewriter": True},
+    "all_triton": {"xla_gpu_experimental_all_fusions_with_triton": True},
+    "heroless": {"xla_gpu_experimental_enable_triton_heroless_priority_fusion": True},
+    # Multi-output fusions: e.g. the residual add and the norm that reads it.
+    "triton_mof": {"xla_gpu_unsupported_enable_triton_multi_output_fusion": True},
+    "same_shape_mof": {"xla_gpu_experimental_enable_same_shape_multi_output_fusion": True},
+    "cudnn_norm": {"xla_gpu_enable_cudnn_layer_norm": True},
+    # The whole loop in one graph, its body unrolled into it.
+    "unroll": {"xla_gpu_command_buffer_unroll_loops": True},
+}
+
+
 def variants(names: list[str]) -> dict[str, tuple[dict[str, Any], int, str, str]]:
   """Compile options, ``min_matmul_rows`` and attention core of each variant name.
 
@@ -121,12 +141,16 @@ def variants(names: list[str]) -> dict[str, tuple[dict[str, Any], int, str, str]
   layers padded before commit a27c677 (XLA runs the zero pad as a kernel of
   its own, and fuses the copies into the GEMM).
 
+  ``<base>+<set>[+<set>...]``: the base variant with the XLA options of each
+  set of ``FLAG_SETS`` added (``unroll`` also adds WHILE to the command-buffer
+  types, since only a loop inside a graph can be unrolled into it).
+
   Returns:
     name -> (compile options, min_matmul_rows, attention implementation,
     padding: "copies" or "zeros").
 
   Raises:
-    ValueError: an unknown name.
+    ValueError: an unknown name or set.
   """
   types = default_command_buffer_types()
   table = {"xla_default": ({}, 1, "xla"), "no_graphs": ({CMDBUF: ""}, 1, "xla"),
@@ -134,10 +158,22 @@ def variants(names: list[str]) -> dict[str, tuple[dict[str, Any], int, str, str]
            "cublas": ({"xla_gpu_enable_triton_gemm": False}, 1, "xla"), "rows4": ({}, 4, "xla"),
            "cudnn": ({}, 1, "cudnn"), "rows4_cudnn": ({}, 4, "cudnn"),
            "rows2_cudnn": ({}, 2, "cudnn"), "rows2zeros_cudnn": ({}, 2, "cudnn", "zeros")}
-  unknown = [n for n in names if n not in table]
+  unknown = [n for n in names if n.split("+")[0] not in table
+             or any(f not in FLAG_SETS for f in n.split("+")[1:])]
   if unknown:
-    raise ValueError(f"unknown variants {unknown}; known: {sorted(table)}")
-  return {n: (table[n] + ("copies",))[:4] for n in names}
+    raise ValueError(f"unknown variants {unknown}; known: {sorted(table)}, each optionally "
+                     f"followed by +<set> of {sorted(FLAG_SETS)}")
+  out = {}
+  for n in names:
+    base, *sets = n.split("+")
+    options, rows, attention, pad = (table[base] + ("copies",))[:4]
+    options = dict(options)
+    for f in sets:
+      options.update(FLAG_SETS[f])
+      if f == "unroll":
+        options[CMDBUF] = ",".join(sorted(set(types) | {"WHILE"}))
+    out[n] = (options, rows, attention, pad)
+  return out
 
 
 def _matmul_zero_padding(x: jax.Array, w: jax.Array, min_rows: int = 1) -> jax.Array:
@@ -323,7 +359,10 @@ def run(cfg: decode.DecoderConfig, mesh, *, batches: list[int], variant_names: l
   Returns:
     (records, extra): the records and ``{"hbm_read_gbs", "weight_bytes",
     "command_buffer_types", "variants", "profile": {"<variant> b<batch>":
-    profile_call's dict}}``.
+    profile_call's dict}, "fusions", "compile_errors": {"<variant> b<batch>":
+    the error of a variant that did not compile (left out of the timing)},
+    "tokens_match_first": {"<variant> b<batch>": share of its greedy tokens
+    equal to the first variant's}}``.
   """
   opts = variants(variant_names)
   params = decode.make_params(cfg, mesh, seed)
@@ -334,7 +373,7 @@ def run(cfg: decode.DecoderConfig, mesh, *, batches: list[int], variant_names: l
   log(f"weights {weight_bytes / 1e9:.3f} GB, HBM read {hbm} GB/s "
       f"(roofline of the weights alone {weight_bytes / gbs / 1e3:.1f} us per token)")
   prefill = decode.make_prefill_fn(cfg, mesh)
-  records, profiles, fusions = [], {}, {}
+  records, profiles, fusions, compile_errors, tokens_match = [], {}, {}, {}, {}
   for batch in batches:
     rng = np.random.default_rng([seed, batch])
     prompt = rng.integers(0, cfg.vocab, (batch, prompt_len), dtype=np.int32)
@@ -353,17 +392,28 @@ def run(cfg: decode.DecoderConfig, mesh, *, batches: list[int], variant_names: l
       state["cache"], toks = fn(params, state["cache"], tok, pos)
       return toks
 
-    calls = {}
+    calls, first_tokens = {}, None
     for name, (o, rows, attention, pad) in opts.items():
       t0 = time.perf_counter()
-      compiled = lowered[rows, attention, pad].compile(compiler_options=o)
+      try:
+        compiled = lowered[rows, attention, pad].compile(compiler_options=o)
+      except Exception as e:  # noqa: BLE001 (an option this jaxlib lacks or cannot compile)
+        compile_errors[f"{name} b{batch}"] = f"{type(e).__name__}: {e}"[:600]
+        log(f"batch {batch}: step/{name} did not compile, left out: {str(e)[:300]}")
+        continue
       calls[f"step/{name}"] = functools.partial(call, compiled)
       fusions[f"{name} b{batch}"] = count_fusions(compiled.as_text())
-      log(f"batch {batch}: compiled step/{name} in {time.perf_counter() - t0:.1f} s")
+      # The greedy tokens against the first variant's: 1.0 where the options change
+      # nothing numerically (a reordered bf16 sum can flip an argmax of random weights).
+      toks = np.asarray(calls[f"step/{name}"]())
+      first_tokens = toks if first_tokens is None else first_tokens
+      tokens_match[f"{name} b{batch}"] = float(np.mean(toks == first_tokens))
+      log(f"batch {batch}: compiled step/{name} in {time.perf_counter() - t0:.1f} s "
+          f"(tokens equal to the first variant's: {tokens_match[f'{name} b{batch}']:.2f})")
     x = jnp.asarray(rng.standard_normal((batch, cfg.d_model)), cfg.dtype)
     for name, (o, rows, attention, pad) in opts.items():
-      if attention != "xla" or pad != "copies":  # the same matmuls as the variant without it
-        continue
+      if attention != "xla" or pad != "copies" or f"step/{name}" not in calls:
+        continue  # the same matmuls as the variant without it, or no step to compare
       mm = make_matmuls_fn(num_tokens, rows).lower(mats, x).compile(compiler_options=o)
       calls[f"matmuls/{name}"] = functools.partial(mm, mats, x)
     times = harness.time_interleaved(calls, reps=reps, warmup=warmup)
@@ -380,11 +430,15 @@ def run(cfg: decode.DecoderConfig, mesh, *, batches: list[int], variant_names: l
                     "shape": shape, "time_us": round(roof_us, 2), "vs_roofline": 1.0})
     log(f"batch {batch:>3}: us/token roofline={roof_us:.1f} " + " ".join(line))
     for name in opts:
+      if f"{name} b{batch}" not in fusions:
+        continue
       f = fusions[f"{name} b{batch}"]
       log(f"batch {batch:>3}: step/{name} compiles to {f['total']} kernels ("
           + ", ".join(f"{k} {v}" for k, v in sorted(f.items(), key=lambda kv: -kv[1])
                       if k != "total")[:400] + ")")
     for name in profile_variants if profile_tokens > 0 else []:
+      if f"step/{name}" not in calls:
+        continue
       o, rows, attention, pad = opts[name]
       prof_gen = decode.make_generate_fn(dataclasses.replace(cfg, attention=attention), mesh,
                                          decode.FLOOR, profile_tokens, min_matmul_rows=rows)
@@ -404,7 +458,8 @@ def run(cfg: decode.DecoderConfig, mesh, *, batches: list[int], variant_names: l
            "variants": {n: {"compile_options": o, "min_matmul_rows": r, "attention": a,
                             "padding": pad}
                         for n, (o, r, a, pad) in opts.items()},
-           "profile": profiles, "fusions": fusions}
+           "profile": profiles, "fusions": fusions, "compile_errors": compile_errors,
+           "tokens_match_first": tokens_match}
   return records, extra
 
 

@@ -40,6 +40,20 @@ def test_variants_and_their_errors():
     decode_floor.variants(["fast"])
 
 
+def test_variants_with_xla_option_sets():
+  v = decode_floor.variants(["rows2_cudnn+block_level+triton_mof", "xla_default+unroll"])
+  options, rows, attention, pad = v["rows2_cudnn+block_level+triton_mof"]
+  assert (rows, attention, pad) == (2, "cudnn", "copies")
+  assert options == {**decode_floor.FLAG_SETS["block_level"], **decode_floor.FLAG_SETS["triton_mof"]}
+  options = v["xla_default+unroll"][0]
+  assert options["xla_gpu_command_buffer_unroll_loops"] is True
+  assert "WHILE" in options[decode_floor.CMDBUF].split(",")
+  assert decode_floor.variants(["rows2_cudnn"])["rows2_cudnn"][0] == {}  # the table is not changed
+  for bad in ("rows2_cudnn+fast", "fast+block_level", "rows2_cudnn+"):
+    with pytest.raises(ValueError, match="unknown variants"):
+      decode_floor.variants([bad])
+
+
 def test_zero_padding_is_traced_inside_its_context_only():
   x, w = jnp.ones((1, 1, 8), jnp.float32), jnp.ones((8, 4), jnp.float32)
   def matmul():
@@ -100,3 +114,24 @@ def test_run_times_every_variant_against_the_roofline(tmp_path):
     assert "error" in p or p["kernels_per_token"] > 0
   table = decode_floor.markdown_table(records)
   assert table.count("\n") == 3 and "step/rows4 us" in table
+
+
+def test_run_leaves_out_a_variant_that_does_not_compile(tmp_path, monkeypatch):
+  monkeypatch.setitem(decode_floor.FLAG_SETS, "bogus", {"xla_no_such_option": True})
+  mesh = jax.make_mesh((1,), (decode.AXIS,), axis_types=(jax.sharding.AxisType.Auto,),
+                       devices=jax.devices()[:1])
+  records, extra = decode_floor.run(
+      decode_floor.shard_config(TINY, 2), mesh, batches=[1],
+      variant_names=["xla_default", "xla_default+bogus", "xla_default+same_shape_mof"],
+      prompt_len=4, num_tokens=2, reps=1, warmup=0, seed=0, hbm_gib=0.001, profile_tokens=2,
+      profile_variants=["xla_default+bogus"], logdir=str(tmp_path), log=lambda *a: None)
+  assert {r["impl"] for r in records} == {"step/xla_default", "step/xla_default+same_shape_mof",
+                                          "matmuls/xla_default",
+                                          "matmuls/xla_default+same_shape_mof", "roofline"}
+  assert list(extra["compile_errors"]) == ["xla_default+bogus b1"]
+  assert "xla_no_such_option" in extra["compile_errors"]["xla_default+bogus b1"]
+  assert extra["profile"] == {}
+  # The same program on the CPU: the greedy tokens agree with the first variant's.
+  assert extra["tokens_match_first"] == {"xla_default b1": 1.0,
+                                         "xla_default+same_shape_mof b1": 1.0}
+  assert "| - |" not in decode_floor.markdown_table(records)
