@@ -181,6 +181,18 @@ __device__ __forceinline__ uint64_t EpochWith(const Params& p, int pe) {
   return p.pair_epochs[pe] + 1;
 }
 
+// This call's epoch with every other PE of the local group (its G =
+// p.topo.local_size PEs), by local rank; the entry of this rank is left unset.
+// Inlined with the loop unrolled, so the array stays in the caller's registers.
+__device__ __forceinline__ void LocalGroupEpochs(const Params& p, int G,
+                                                 uint64_t (&epoch)[kMaxGroupSize]) {
+  const Topology& t = p.topo;
+#pragma unroll
+  for (int r = 0; r < kMaxGroupSize; ++r) {
+    if (r < G && r != t.local_rank) epoch[r] = EpochWith(p, t.local_pes[r]);
+  }
+}
+
 __device__ __forceinline__ void StoreRelease(uint64_t* addr, uint64_t v) {
   asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(addr), "l"(v) : "memory");
 }
@@ -728,10 +740,7 @@ __global__ void __launch_bounds__(kThreads) TwoShotLLKernel(Params p) {
     UnitRange(len, kLineElems, p.per_block / kLineElems, blockIdx.x, lb, le);
   };
   uint64_t epoch[kMaxGroupSize];
-#pragma unroll
-  for (int r = 0; r < kMaxGroupSize; ++r) {
-    if (r < G && r != t.local_rank) epoch[r] = EpochWith(p, t.local_pes[r]);
-  }
+  LocalGroupEpochs(p, G, epoch);
 
   // Reduce-scatter: every peer's shard to that peer, as LL8 cells.
 #pragma unroll
@@ -1231,10 +1240,7 @@ __global__ void __launch_bounds__(kThreads) ReduceScatterAllGatherKernel(Params 
 
   // Phase 0: reduce-scatter within the node into acc[0] (fp32).
   uint64_t epoch[kMaxGroupSize];
-#pragma unroll
-  for (int r = 0; r < kMaxGroupSize; ++r) {
-    if (r < G && r != t.local_rank) epoch[r] = EpochWith(p, t.local_pes[r]);
-  }
+  LocalGroupEpochs(p, G, epoch);
   if (G > 1 && p.stage != Stage::kAllGather) {
 #pragma unroll
     for (int q = 0; q < kMaxGroupSize; ++q) {
@@ -1510,10 +1516,7 @@ __global__ void __launch_bounds__(kThreads) HierarchicalLLKernel(Params p) {
   const size_t l = blockIdx.x * lines_per_block + threadIdx.x;  // this thread's line
   const bool in_block = threadIdx.x < lines_per_block;
   uint64_t epoch[kMaxGroupSize];
-#pragma unroll
-  for (int r = 0; r < kMaxGroupSize; ++r) {
-    if (r < G && r != t.local_rank) epoch[r] = EpochWith(p, t.local_pes[r]);
-  }
+  LocalGroupEpochs(p, G, epoch);
 
   // Reduce-scatter within the node: line l of every peer's shard to that peer.
 #pragma unroll
