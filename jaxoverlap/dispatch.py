@@ -46,6 +46,7 @@ import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import jax
 import numpy as np
 
 from jaxoverlap import names, runtime
@@ -446,7 +447,8 @@ def _cuda_plan(r, shapes, dtype, mesh, facts, num_ranks, base) -> Plan:
     raise _Fallback(facts.unavailable)
   if mesh is None:
     raise _Fallback("the enclosing shard_map has no concrete jax.sharding.Mesh (the PE groups "
-                    "come from the mesh's devices)")
+                    "come from the mesh's devices; a shard_map nested in another without "
+                    "mesh= has an AbstractMesh)")
   try:
     groups = runtime.groups_along_axis(mesh, r.axis_name)
   except ValueError as e:
@@ -765,8 +767,13 @@ def _unfused_all_reduce(r, out_aval, cuda, facts, num_ranks) -> Plan:
 
 
 def _concrete_mesh(ctx):
+  """The enclosing shard_map's ``jax.sharding.Mesh``; None for an ``AbstractMesh``.
+
+  (A nested shard_map without ``mesh=`` lowers under an AbstractMesh, whose
+  ``devices`` raises ValueError rather than AttributeError.)
+  """
   mesh = getattr(ctx.module_context.axis_context, "mesh", None)
-  return mesh if mesh is not None and hasattr(mesh, "devices") else None
+  return mesh if isinstance(mesh, jax.sharding.Mesh) else None
 
 
 def plan_lowering(ctx, request: Request, num_ranks: int) -> Plan:

@@ -764,3 +764,60 @@ def test_nothing_outside_the_package_reads_private_globals():
   offenders = [str(p.relative_to(root)) for d in ("benchmarks", "examples")
                for p in (root / d).rglob("*.py") if pattern.search(p.read_text())]
   assert not offenders, offenders
+
+
+# ---------------------------------------------------------------------------- nested shard_map
+
+
+NESTED = {  # op: (the body over tp, shapes of the global operands, inner in_specs, out_spec)
+    "all_reduce": (lambda lib, x, **kw: lib.all_reduce(x, "tp", **kw), [(16, 4)], (P("tp"),),
+                   P()),
+    "all_gather_matmul": (lambda lib, x, w, **kw: lib.all_gather_matmul(x, w, "tp", **kw),
+                          [(16, 4), (4, 3)], (P("tp"), P()), P("tp")),
+    "matmul_reduce_scatter": (lambda lib, x, w, **kw: lib.matmul_reduce_scatter(x, w, "tp", **kw),
+                              [(8, 8), (8, 3)], (P(None, "tp"), P("tp")), P("tp")),
+    "matmul_all_reduce": (lambda lib, x, w, **kw: lib.matmul_all_reduce(x, w, "tp", **kw),
+                          [(8, 8), (8, 3)], (P(None, "tp"), P("tp")), P()),
+    "all_reduce_rms_norm": (lambda lib, p, r, w, **kw: lib.all_reduce_rms_norm(p, r, w, "tp",
+                                                                               **kw),
+                            [(16, 4), (4, 4), (4,)], (P("tp"), P(), P()), (P(), P())),
+}
+
+
+def _nested(op, lib, **kw):
+  """An outer shard_map over dp (mesh given) around an inner one over tp (no mesh=)."""
+  body, _, specs, out = NESTED[op]
+  inner = jax.shard_map(lambda *a: body(lib, *a, **kw), in_specs=specs, out_specs=out,
+                        axis_names={"tp"})
+  outer_in = tuple(P("dp") for _ in specs)
+  outer_out = jax.tree.map(lambda _: P("dp"), out, is_leaf=lambda s: isinstance(s, P))
+  mesh = make_mesh((2, 4), ("dp", "tp"))
+  return jax.jit(jax.shard_map(inner, mesh=mesh, in_specs=outer_in, out_specs=outer_out,
+                               axis_names={"dp"}))
+
+
+@pytest.mark.parametrize("backend", ["auto", "xla"])
+@pytest.mark.parametrize("op", list(NESTED))
+def test_nested_shard_map_runs_on_xla(rng, op, backend):
+  """The inner shard_map lowers under an AbstractMesh: the ops run their XLA expression."""
+  _, shapes, _, _ = NESTED[op]
+  args = [jnp.asarray(rng.standard_normal((2 * s[0],) + s[1:]), F32) for s in shapes]
+  jaxoverlap.clear_decisions()
+  ours = _nested(op, jaxoverlap, backend=backend)(*args)
+  ref = _nested(op, reference)(*args)
+  for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(ref)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
+  (p,) = jaxoverlap.decisions(op)
+  assert p.backend == "xla"
+
+
+def test_nested_shard_map_names_the_abstract_mesh(cuda_runtime, caplog):
+  """With the CUDA kernels usable, auto falls back and says why; backend "cuda" raises it."""
+  x = jnp.ones((32, 4), F32)
+  jaxoverlap.clear_decisions()
+  with caplog.at_level(logging.WARNING, logger="jaxoverlap"):
+    _nested("all_reduce", jaxoverlap).lower(x)
+  (p,) = jaxoverlap.decisions("all_reduce")
+  assert p.backend == "xla" and "has an AbstractMesh" in p.reason("backend")
+  with pytest.raises(Exception, match="no concrete jax.sharding.Mesh"):
+    _nested("all_reduce", jaxoverlap, backend="cuda").lower(x)
