@@ -135,9 +135,9 @@ def refuse_forward_mode(op: str, *arrays) -> None:
 
   if any(isinstance(a, ad.JVPTracer) for a in arrays):
     raise TypeError(
-        f"{op}: forward-mode differentiation (jax.jvp, jax.jacfwd, jax.hessian) cannot go "
-        "through jaxoverlap's ops: they define a reverse-mode rule only (jax.custom_vjp); use "
-        "jax.grad, jax.vjp or jax.jacrev")
+        f"{op}: forward-mode differentiation (jax.jvp, jax.jacfwd) cannot go through "
+        "jaxoverlap's ops: they define a reverse-mode rule only (jax.custom_vjp); use "
+        "jax.grad, jax.vjp or jax.jacrev (jax.hessian, forward over reverse, works)")
 
 
 def check_matmul_operands(op: str, x, w) -> None:

@@ -9,8 +9,8 @@ Problem:
 
 Algorithm:
   One primitive per op, with an abstract evaluation that gives the pure-JAX
-  expression's type (shape, dtype and varying manual axes) and a batching rule
-  for ``jax.vmap``. The lowering rule, registered for every platform, asks
+  expression's type (shape, dtype and varying manual axes), a batching rule
+  for ``jax.vmap`` and a JVP rule for second-order reverse mode (below). The lowering rule, registered for every platform, asks
   ``jaxoverlap.dispatch.plan_lowering`` for the plan and emits what it says:
   the ``jaxoverlap._xla`` implementation (through ``mlir.lower_fun``) or the
   FFI custom call of ``jaxoverlap._cuda``. Nothing else is decided here.
@@ -34,7 +34,7 @@ from jax import lax
 from jax.extend.core import Primitive
 from jax.extend.mlir import ir
 from jax.extend.mlir.dialects import stablehlo as hlo
-from jax.interpreters import batching, mlir
+from jax.interpreters import ad, batching, mlir
 
 from jaxoverlap import _cuda, _xla, dispatch, names
 from jaxoverlap.dispatch import Request
@@ -358,6 +358,71 @@ def _norm_batch(args, dims, *, request, num_ranks, eps):
 all_reduce_rms_norm_p.def_abstract_eval(_norm_abstract_eval)
 mlir.register_lowering(all_reduce_rms_norm_p, _norm_lowering)
 batching.primitive_batchers[all_reduce_rms_norm_p] = _norm_batch
+
+
+# ---------------------------------------------------------------------------- differentiation
+#
+# The public ops are jax.custom_vjp functions: first-order reverse mode runs
+# their own backward passes and never reaches these rules. Differentiating
+# that backward pass again (grad of grad, jacrev of grad, jax.hessian) meets
+# the primitives under a JVP, and JAX then needs a JVP rule whose tangent it
+# can transpose. Each rule below binds the primitive for the primal (as
+# planned) and gives the tangent as the op's pure-JAX expression, linear in
+# the tangents (the ops are linear in x and bilinear in (x, w)): XLA's
+# collectives, not the CUDA kernels, carry the second-order terms.
+
+def _tangents(tangents):
+  """The tangents with symbolic zeros instantiated (typed like their primals)."""
+  return [ad.instantiate_zeros(t) if type(t) is ad.Zero else t for t in tangents]
+
+
+def _all_reduce_jvp(primals, tangents, *, request, num_ranks):
+  (x,), (t,) = primals, _tangents(tangents)
+  out = all_reduce_p.bind(x, request=request, num_ranks=num_ranks)
+  return out, _xla.all_reduce(t, request.axis_name, names.COLLECTIVE)
+
+
+def _ag_jvp(primals, tangents, *, request, num_ranks):
+  (x, w), (tx, tw) = primals, _tangents(tangents)
+  # AG(x) @ w is bilinear: d = AG(tx) @ w + AG(x) @ tw; AG(x) comes with the primal.
+  y, xg = all_gather_matmul_p.bind(x, w, request=dataclasses.replace(request, gathered=True),
+                                   num_ranks=num_ranks)
+  ty, txg = _xla.all_gather_matmul(tx, w, request.axis_name, request.dim, names.COLLECTIVE)
+  ty = (ty.astype(jax.numpy.float32) + _xla.matmul(xg, tw)).astype(y.dtype)
+  return ([y, xg], [ty, txg]) if request.gathered else ([y], [ty])
+
+
+def _rs_jvp(primals, tangents, *, request, num_ranks):
+  (x, w), (tx, tw) = primals, _tangents(tangents)
+  out = matmul_reduce_scatter_p.bind(x, w, request=request, num_ranks=num_ranks)
+  rs = functools.partial(_xla.matmul_reduce_scatter, axis_name=request.axis_name,
+                         scatter_dimension=request.dim, algorithm=names.COLLECTIVE)
+  return out, rs(tx, w) + rs(x, tw)
+
+
+def _ar_jvp(primals, tangents, *, request, num_ranks):
+  (x, w), (tx, tw) = primals, _tangents(tangents)
+  out = matmul_all_reduce_p.bind(x, w, request=request, num_ranks=num_ranks)
+  ar = functools.partial(_xla.matmul_all_reduce, axis_name=request.axis_name,
+                         algorithm=names.COLLECTIVE)
+  return out, ar(tx, w) + ar(x, tw)
+
+
+def _norm_jvp(primals, tangents, *, request, num_ranks, eps):
+  (p, residual, weight), (tp, tr, tw) = primals, _tangents(tangents)
+  h, y = all_reduce_rms_norm_p.bind(p, residual, weight, request=request, num_ranks=num_ranks,
+                                    eps=eps)
+  th = tr + _xla.all_reduce(tp, request.axis_name, names.COLLECTIVE)
+  _, ty = jax.jvp(lambda h, w: _xla.rms_norm_tail(jax.numpy.zeros_like(h), h, w, eps)[1],
+                  (h, weight), (th, tw))
+  return [h, y], [th, ty]
+
+
+ad.primitive_jvps[all_reduce_p] = _all_reduce_jvp
+ad.primitive_jvps[all_gather_matmul_p] = _ag_jvp
+ad.primitive_jvps[matmul_reduce_scatter_p] = _rs_jvp
+ad.primitive_jvps[matmul_all_reduce_p] = _ar_jvp
+ad.primitive_jvps[all_reduce_rms_norm_p] = _norm_jvp
 
 
 def bind_all_reduce_rms_norm(p, residual, weight, request: Request, num_ranks: int,

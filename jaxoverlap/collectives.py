@@ -123,7 +123,12 @@ def all_reduce(x, axis_name, *, backend="auto", algorithm="auto", protocol="auto
       message.
     TypeError: a forward-mode tangent on ``x`` (``jax.jvp``,
       ``jax.jacfwd``): the op is a ``jax.custom_vjp``, with a reverse-mode
-      rule only; the message names the op.
+      rule only. Where the op itself meets the tangent (``jax.jvp`` inside the
+      jitted function, or an eager ``shard_map``) the message names the op;
+      ``jax.jvp`` of a jitted function gets JAX's own message about a
+      ``custom_vjp``. Reverse mode of any order works (``jax.grad`` of
+      ``jax.grad``, ``jax.jacrev``, ``jax.hessian``: forward over reverse);
+      the second-order terms run on XLA's collectives.
 
   Algorithm:
     "collective" is ``lax.psum``. "ppermute" flattens ``x``, zero-pads it to a
@@ -291,7 +296,8 @@ def all_reduce_rms_norm(p, residual, weight, axis_name, *, eps=1e-6, backend="au
       take (a message above one launch, a row that is not a whole number of
       LL8 lines of 8 bytes of data).
     TypeError: eps not a real number; a forward-mode tangent (the op is a
-      ``jax.custom_vjp``).
+      ``jax.custom_vjp``; as for ``all_reduce``, reverse mode of any order and
+      ``jax.hessian`` work).
     RuntimeError: at lowering, ``backend="cuda"`` while the CUDA kernels
       cannot run in this process; the message says why.
 

@@ -206,7 +206,12 @@ def all_gather_matmul(x, w, axis_name, *, gather_dimension=0, backend="auto",
       run in this process; the message says why.
     TypeError: a forward-mode tangent on ``x`` or ``w`` (``jax.jvp``,
       ``jax.jacfwd``): the op is a ``jax.custom_vjp``, with a reverse-mode
-      rule only; the message names the op.
+      rule only. Where the op itself meets the tangent (``jax.jvp`` inside the
+      jitted function, or an eager ``shard_map``) the message names the op;
+      ``jax.jvp`` of a jitted function gets JAX's own message about a
+      ``custom_vjp``. Reverse mode of any order works (``jax.grad`` of
+      ``jax.grad``, ``jax.jacrev``, ``jax.hessian``: forward over reverse);
+      the second-order terms run on XLA's collectives.
 
   Algorithm:
     "ppermute": a ring of ``num_ranks - 1`` ``ppermute`` steps. Each rank
@@ -252,7 +257,9 @@ def _matmul_reduce_scatter(x, w, cfg):
 
 
 def _matmul_reduce_scatter_fwd(x, w, cfg):
-  return _matmul_reduce_scatter(x, w, cfg), (x, w)
+  # The primitive itself, not the custom_vjp: jax.hessian (forward over reverse)
+  # differentiates this rule forward, which a custom_vjp refuses.
+  return _matmul_rs_impl(x, w, cfg.request, cfg.num_ranks), (x, w)
 
 
 def _matmul_reduce_scatter_bwd(cfg, res, dy):
@@ -320,7 +327,12 @@ def matmul_reduce_scatter(x, w, axis_name, *, scatter_dimension=0, backend="auto
       run in this process; the message says why.
     TypeError: a forward-mode tangent on ``x`` or ``w`` (``jax.jvp``,
       ``jax.jacfwd``): the op is a ``jax.custom_vjp``, with a reverse-mode
-      rule only; the message names the op.
+      rule only. Where the op itself meets the tangent (``jax.jvp`` inside the
+      jitted function, or an eager ``shard_map``) the message names the op;
+      ``jax.jvp`` of a jitted function gets JAX's own message about a
+      ``custom_vjp``. Reverse mode of any order works (``jax.grad`` of
+      ``jax.grad``, ``jax.jacrev``, ``jax.hessian``: forward over reverse);
+      the second-order terms run on XLA's collectives.
 
   Algorithm:
     "ppermute": the accumulator of output block ``d`` starts on rank ``d + 1``
@@ -368,7 +380,8 @@ def _matmul_all_reduce(x, w, cfg):
 
 
 def _matmul_all_reduce_fwd(x, w, cfg):
-  return _matmul_all_reduce(x, w, cfg), (x, w)
+  # The primitive, as in _matmul_reduce_scatter_fwd.
+  return _matmul_ar_impl(x, w, cfg.request, cfg.num_ranks), (x, w)
 
 
 def _matmul_all_reduce_bwd(cfg, res, dy):
@@ -436,7 +449,12 @@ def matmul_all_reduce(x, w, axis_name, *, backend="auto", algorithm="auto", tran
       run in this process; the message says why.
     TypeError: a forward-mode tangent on ``x`` or ``w`` (``jax.jvp``,
       ``jax.jacfwd``): the op is a ``jax.custom_vjp``, with a reverse-mode
-      rule only; the message names the op.
+      rule only. Where the op itself meets the tangent (``jax.jvp`` inside the
+      jitted function, or an eager ``shard_map``) the message names the op;
+      ``jax.jvp`` of a jitted function gets JAX's own message about a
+      ``custom_vjp``. Reverse mode of any order works (``jax.grad`` of
+      ``jax.grad``, ``jax.jacrev``, ``jax.hessian``: forward over reverse);
+      the second-order terms run on XLA's collectives.
 
   Algorithm:
     "ppermute": views ``x`` as ``[rows, k_local]`` and runs the

@@ -144,6 +144,69 @@ def test_jacrev_equals_the_expression(rng, name):
   _close(ours(x, w), ref(x, w))
 
 
+# ---------------------------------------------------------------------------- second order
+#
+# Reverse over reverse (grad of grad, jacrev of grad) and forward over reverse
+# (jax.hessian) differentiate the ops' backward passes, which bind the
+# primitives: their JVP rules (jaxoverlap._primitives) carry the second-order
+# terms. Against the same derivatives of the pure-JAX expressions.
+
+SECOND_ORDER_CASES = {  # op: (shapes, in_specs, out_specs)
+    "all_reduce": (((R * 2, 3),), (P("tp"),), P()),
+    "all_gather_matmul": (((R * 2, 3), (3, 5)), (P("tp"), P()), P("tp")),
+    "matmul_reduce_scatter": (((R * 2, R * 3), (R * 3, 5)), (P(None, "tp"), P("tp")), P("tp")),
+    "matmul_all_reduce": (((3, R * 3), (R * 3, 5)), (P(None, "tp"), P("tp")), P()),
+    "all_reduce_rms_norm": (((R * 2, 6), (2, 6), (6,)), (P("tp"), P(), P()), (P(), P())),
+}
+
+
+def _second_order(lib, op, mode, specs, out, check_vma, algorithm):
+  f = jax.shard_map(lambda *a: getattr(lib, op)(*a, "tp", **algorithm), mesh=_mesh(),
+                    in_specs=specs, out_specs=out, check_vma=check_vma)
+
+  def loss(*a):
+    return sum(jnp.sum(jnp.sin(o) ** 2) for o in jax.tree.leaves(f(*a)))
+
+  argnums = tuple(range(len(specs)))
+  if mode == "grad_of_grad":
+    def g(*a):
+      return jax.grad(lambda *b: sum(jnp.sum(jnp.cos(d)) for d in jax.grad(loss, argnums)(*b)),
+                      argnums)(*a)
+  elif mode == "jacrev_of_grad":
+    g = jax.jacrev(jax.grad(loss, argnums), argnums)
+  else:
+    g = jax.hessian(loss, argnums)
+  return jax.jit(g)
+
+
+@pytest.mark.parametrize("mode", ["grad_of_grad", "jacrev_of_grad", "hessian"])
+@pytest.mark.parametrize("check_vma,algorithm", [(True, "auto"), (False, "auto"),
+                                                 (True, "ppermute")])
+@pytest.mark.parametrize("op", list(SECOND_ORDER_CASES))
+def test_second_order_equals_the_expression(rng, op, check_vma, algorithm, mode):
+  shapes, specs, out = SECOND_ORDER_CASES[op]
+  args = tuple(jnp.asarray(rng.standard_normal(s), F32) for s in shapes)
+  kw = {} if algorithm == "auto" else {"algorithm": algorithm}
+  ours = _second_order(jaxoverlap, op, mode, specs, out, check_vma, kw)(*args)
+  ref = _second_order(reference, op, mode, specs, out, check_vma, {})(*args)
+  assert jax.tree.structure(ours) == jax.tree.structure(ref)
+  for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(ref)):
+    _close(a, b, tol=1e-4)
+  assert any(np.abs(np.asarray(b)).max() > 0 for b in jax.tree.leaves(ref))  # not all zero
+
+
+def test_second_order_of_an_invariant_input(rng):
+  """psum of a value the same on every rank: d psum(x)/dx = num_ranks, twice through."""
+  x = jnp.asarray(rng.standard_normal((3, 4)), F32)
+
+  def run(lib):
+    f = jax.shard_map(lambda a: lib.all_reduce(a, "tp"), mesh=_mesh(), in_specs=P(),
+                      out_specs=P())
+    return jax.jit(jax.hessian(lambda a: jnp.sum(jnp.sin(f(a)))))(x)
+
+  _close(run(jaxoverlap), run(reference), tol=1e-4)
+
+
 # ---------------------------------------------------------------------------- forward mode
 
 
@@ -185,3 +248,13 @@ def test_reverse_mode_is_not_mistaken_for_forward_mode():
                jax.jit(jax.grad(lambda a, b: f(a, b).sum(), argnums=(0, 1)))):
     dx, dw = grad(x, w)
     assert dx.shape == x.shape and dw.shape == w.shape
+
+
+def test_forward_mode_of_a_jitted_function_is_refused_by_jax():
+  """jax.jvp of jit(shard_map(op)): JAX refuses the custom_vjp before the op runs (docstrings)."""
+  shapes, specs, out = FORWARD_CASES["all_reduce"]
+  x = jnp.ones(shapes[0], F32)
+  f = jax.jit(jax.shard_map(lambda a: jaxoverlap.all_reduce(a, "tp"), mesh=_mesh(),
+                            in_specs=specs, out_specs=out))
+  with pytest.raises(TypeError, match="custom_vjp"):
+    jax.jvp(f, (x,), (x,))
