@@ -297,10 +297,11 @@ def matmul_reduce_scatter(x, w, axis_name, scatter_dimension: int, algorithm: st
 def matmul_all_reduce(x, w, axis_name, algorithm: str, mesh_axes=None):
   """``psum(x @ w)``; "ppermute": the GEMM+RS ring on a 2-D view, then all-gather.
 
-  With no rows (``x.size == 0``) "ppermute" runs the psum: XLA rejects an
-  all-gather along an empty dimension, and there is nothing to overlap.
+  With no rows or no columns (``x.size == 0``, ``w.shape[1] == 0``)
+  "ppermute" runs the psum: XLA rejects an all-gather along an empty
+  dimension, and there is nothing to overlap.
   """
-  if algorithm == "collective" or x.size == 0:
+  if algorithm == "collective" or x.size == 0 or w.shape[1] == 0:
     return lax.psum(matmul(x, w).astype(x.dtype), axis_name)
   num_ranks = lax.axis_size(axis_name)
   lead = x.shape[:-1]

@@ -604,6 +604,11 @@ def test_decode_errors_and_new_options():
   x = jnp.zeros((2, 3, D))
   with pytest.raises(ValueError, match="needs a KV cache; call init_cache"):
     layer(x, decode=True)
+  for bad, msg in [((2,), r"input_shape must be \(batch, max_length, ...\), got \(2,\)"),
+                   ((0, 4), "batch must be a positive int, got 0"),
+                   ((2, 4.0), "max_length must be a positive int, got 4.0")]:
+    with pytest.raises(ValueError, match=msg):
+      layer.init_cache(bad)
   layer.init_cache((2, 4, D))
   assert layer.cached_key[...].dtype == jnp.float32 and int(layer.cache_index[...]) == 0
   layer(x, decode=True)

@@ -329,6 +329,25 @@ def test_empty_shards(op, algo):
   np.testing.assert_array_equal(np.asarray(dw, np.float32), 0.0)  # nothing to contract
 
 
+@pytest.mark.parametrize("algo", ALGORITHMS)
+def test_matmul_all_reduce_without_columns(algo):
+  """w [k, 0] with rows the axis does not divide: the op and its gradients give empty results."""
+  n = 4
+
+  def body(x, w):
+    y = overlap.matmul_all_reduce(x, w, "tp", algorithm=algo)
+    dx, dw = jax.grad(lambda x, w: jnp.sum(overlap.matmul_all_reduce(x, w, "tp", algorithm=algo)),
+                      (0, 1))(x, w)
+    return y, dx, dw
+
+  f = jax.jit(jax.shard_map(body, mesh=make_mesh((n,), ("tp",)), in_specs=(P(None, "tp"), P("tp")),
+                            out_specs=(P(), P(None, "tp"), P("tp"))))
+  y, dx, dw = f(jnp.ones((3, 8), jnp.float32), jnp.ones((8, 0), jnp.float32))
+  assert y.shape == (3, 0) and dw.shape == (8, 0)
+  np.testing.assert_array_equal(dx, 0.0)  # x meets no column: no gradient
+  assert dx.shape == (3, 8)
+
+
 # ----------------------------------------------------------------------------
 # Meshes with two axes
 

@@ -929,9 +929,16 @@ class ParallelAttention(nnx.Module):
         dtype.
 
     Raises:
-      ValueError: ``b`` is not divisible by the dp size.
+      ValueError: ``input_shape`` has fewer than two entries, ``b`` or
+        ``max_length`` is not a positive int, or ``b`` is not divisible by
+        the dp size.
     """
     cfg = self.config
+    if len(tuple(input_shape)) < 2:
+      raise ValueError("ParallelAttention.init_cache: input_shape must be (batch, max_length, "
+                       f"...), got {tuple(input_shape)!r}")
+    _check_sizes("ParallelAttention.init_cache", batch=input_shape[0],
+                 max_length=input_shape[1])
     b, max_length = int(input_shape[0]), int(input_shape[1])
     if cfg.mesh is not None and cfg.mesh_axis("batch") is not None:
       _check_divisible("ParallelAttention.init_cache: batch size", b, cfg.dp_size, "dp size")
