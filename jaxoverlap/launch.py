@@ -1,18 +1,43 @@
-"""Starts one process per GPU with jax.distributed (and jaxoverlap) set up.
+"""Starts one process per GPU and tells each how to join one jax.distributed job.
+
+Problem:
+  One process per GPU (what NVSHMEM and most multi-node jobs run) needs N
+  processes that agree on a coordinator, a process count and each one's rank
+  and GPU, and whose failures, hangs and interruptions do not leave the others
+  running on their GPUs.
+
+Algorithm:
+  ``python -m jaxoverlap.launch --nproc N script.py [args]`` starts N
+  processes, each in its own process group, and gives each four variables in
+  its environment: ``JAXOVERLAP_COORDINATOR`` (host:port of the
+  jax.distributed coordinator), ``JAXOVERLAP_NUM_PROCESSES`` (N),
+  ``JAXOVERLAP_PROCESS_ID`` (its rank, 0 to N-1) and
+  ``JAXOVERLAP_LOCAL_DEVICE`` (the GPU it drives). The launcher sets nothing
+  up itself: the script must call ``initialize_from_env()``, which reads the
+  four, calls ``jax.distributed.initialize`` and then
+  ``jaxoverlap.initialize()``. A script that does not call it runs as N
+  unrelated one-process jobs. Under SLURM (``srun``, one task per GPU or per
+  node) no launcher is needed: ``initialize_from_env()`` reads SLURM's
+  variables and finds the coordinator as ``jax.distributed.initialize`` does.
+
+  Everything from the script (or ``-m MODULE``) on belongs to the script. The
+  launcher prefixes each line of output with ``[rank N]``. When a rank fails,
+  ``--timeout_s`` passes, or the launcher gets SIGINT (Ctrl-C), SIGTERM or
+  SIGHUP, it stops every rank's process group (SIGTERM, then SIGKILL after
+  5 s).
+
+Errors:
+  Each failure and timeout is reported on stderr with the rank and its exit
+  code or signal (on a timeout: the ranks still running). The launcher exits
+  with the status of the first rank to fail, in time order (128+N for a rank
+  killed by signal N), 124 on a timeout, 128+N when it got signal N itself,
+  else 0. ``initialize_from_env()`` raises a ValueError that names the
+  variables when the launcher's or SLURM's are partial or malformed.
 
 Usage:
   python -m jaxoverlap.launch --nproc 2 examples/train/main.py --distributed ...
   python -m jaxoverlap.launch --nproc 2 --share_gpu -m pytest tests/gpu/ranks/rank_all_reduce.py \
       --confcutdir tests/gpu/ranks
-
-Each child gets ``JAXOVERLAP_COORDINATOR``, ``JAXOVERLAP_NUM_PROCESSES``,
-``JAXOVERLAP_PROCESS_ID`` and ``JAXOVERLAP_LOCAL_DEVICE`` in its environment,
-and calls ``initialize_from_env()``. Under SLURM (``srun``, one task per GPU)
-no launcher is needed: ``initialize_from_env()`` reads SLURM's variables and
-``jax.distributed.initialize`` finds the coordinator itself.
-
-The launcher prefixes each line of output with the rank, stops the others when
-one fails, and exits with the first non-zero exit code.
 """
 
 from __future__ import annotations
@@ -20,6 +45,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import queue
 import shlex
 import signal
 import socket
@@ -29,9 +55,13 @@ import threading
 import time
 from typing import Any
 
+from jaxoverlap.tuning.cost_model import PARAM_KEYS as _PARAM_KEYS
+
 __all__ = ["main", "initialize_from_env", "slurm_local_devices", "free_port"]
 
 _ENV_PREFIX = "JAXOVERLAP_"
+# What the launcher gives each process; initialize_from_env() needs all four.
+_LAUNCH_VARIABLES = ("COORDINATOR", "NUM_PROCESSES", "PROCESS_ID", "LOCAL_DEVICE")
 
 
 def free_port() -> int:
@@ -42,19 +72,26 @@ def free_port() -> int:
 
 
 def launched() -> bool:
-  """True when this process was started by the launcher, or by SLURM as one of several tasks."""
+  """True when this process was started by the launcher, or by SLURM as one of several tasks.
+
+  Raises:
+    ValueError: ``SLURM_PROCID`` is set and ``SLURM_NTASKS`` is empty, not an
+      integer or below 1 (``initialize_from_env()`` raises the same).
+  """
   env = os.environ
   return _ENV_PREFIX + "COORDINATOR" in env or (
-      "SLURM_PROCID" in env and int(env.get("SLURM_NTASKS", "1") or 1) > 1)
+      "SLURM_PROCID" in env and _slurm_num_tasks(env) > 1)
 
 
-# Settings that change what a run measures; recorded in results' commands.
+# Settings that change what a run measures; recorded in results' commands: the
+# runtime's and the kernels' (docs/design.md), then every cost-model override
+# (jaxoverlap.tuning.cost_model.params_from_env reads JAXOVERLAP_<KEY>).
 SETTINGS = ("FUSED_CMD_BUFFER", "GEMM_ALIGNMENT_CAP", "OVERLAP_HEAP_BYTES", "HEAP_BYTES",
-            "RANKS_PER_NODE", "FORCE_NVSHMEM_PUT", "TUNING_FILE", "NET_ALPHA_US",
-            "NET_BETA_GBPS", "TIMEOUT_S",
+            "RANKS_PER_NODE", "FORCE_NVSHMEM_PUT", "TUNING_FILE", "TIMEOUT_S",
             # the kernels' measurement knobs (docs/design.md)
             "LAMPORT_BLOCKS_PER_SM", "LAMPORT_BLOCK_BYTES", "LAMPORT_MAX_BLOCKS",
-            "LAMPORT_POLL_NS", "NORM_CLUSTER", "EPOCH_AT_START", "HIERARCHICAL_LL")
+            "LAMPORT_POLL_NS", "NORM_CLUSTER", "EPOCH_AT_START", "HIERARCHICAL_LL",
+            ) + tuple(key.upper() for key in _PARAM_KEYS)
 
 
 def reproduce_command(script: str, argv: list[str] | None = None) -> str:
@@ -69,7 +106,8 @@ def reproduce_command(script: str, argv: list[str] | None = None) -> str:
     ``"[JAXOVERLAP_X=v ...] python -m jaxoverlap.launch --nproc N <script> <args>"``
     under the launcher (N = ``JAXOVERLAP_NUM_PROCESSES``), else
     ``"... python <script> <args>"``; the prefix lists the ``SETTINGS`` that
-    are set in the environment.
+    are set in the environment, the cost model's overrides
+    (``JAXOVERLAP_<KEY>`` for every key of ``tuning.PARAM_KEYS``) included.
   """
   env = os.environ
   args = shlex.join(sys.argv[1:] if argv is None else argv)
@@ -118,11 +156,13 @@ def slurm_local_devices(env=None, visible_gpus: int | None = None) -> list[int] 
   * One task per node: every GPU the task sees. They must be named: given
     none, ``jax.distributed.initialize`` under SLURM takes only the GPU at
     ``SLURM_LOCALID``.
+  * A task that sees no GPU (e.g. an empty ``CUDA_VISIBLE_DEVICES``, which
+    forces JAX onto the CPU) names none, however many tasks share its node.
 
   Args:
     env: the environment (default ``os.environ``).
     visible_gpus: GPUs this task sees (default: from ``CUDA_VISIBLE_DEVICES``,
-      else from the CUDA driver).
+      else from the CUDA driver for one task per node, else all the node's).
 
   Returns:
     The ids, or None where no GPU is seen (JAX's default placement).
@@ -132,25 +172,168 @@ def slurm_local_devices(env=None, visible_gpus: int | None = None) -> list[int] 
       needs, so the placement is ambiguous; the message says what it saw.
   """
   env = os.environ if env is None else env
+  if visible_gpus is None and "CUDA_VISIBLE_DEVICES" in env:
+    visible_gpus = len([d for d in env["CUDA_VISIBLE_DEVICES"].split(",") if d.strip()])
   if _slurm_tasks_on_node(env) == 1:
-    if visible_gpus is None and "CUDA_VISIBLE_DEVICES" in env:
-      visible_gpus = len([d for d in env["CUDA_VISIBLE_DEVICES"].split(",") if d.strip()])
     if visible_gpus is None:
       visible_gpus = _driver_gpu_count()
     return list(range(visible_gpus)) if visible_gpus else None
+  if visible_gpus == 0:
+    return None
   local = int(env.get("SLURM_LOCALID", "0") or 0)
-  if "CUDA_VISIBLE_DEVICES" not in env:
+  if visible_gpus is None:
     return [local]
-  visible = [d for d in env["CUDA_VISIBLE_DEVICES"].split(",") if d.strip()]
-  if len(visible) == 1:
+  if visible_gpus == 1:
     return [0]
-  if local < len(visible):
+  if local < visible_gpus:
     return [local]
+  seen = (f"CUDA_VISIBLE_DEVICES={env['CUDA_VISIBLE_DEVICES']!r}"
+          if "CUDA_VISIBLE_DEVICES" in env else f"visible_gpus={visible_gpus}")
   raise RuntimeError(
       f"jaxoverlap.launch: SLURM task {local} of {_slurm_tasks_on_node(env)} on this node sees "
-      f"{len(visible)} GPUs (CUDA_VISIBLE_DEVICES={env['CUDA_VISIBLE_DEVICES']!r}), so it "
-      f"cannot take GPU {local}; run one task per GPU with srun --gpus-per-task=1, or one task "
-      "per node")
+      f"{visible_gpus} GPUs ({seen}), so it cannot take GPU {local}; run one task per GPU with "
+      "srun --gpus-per-task=1, or one task per node")
+
+
+def _read_int(env, name: str, minimum: int, problems: list[str]) -> int | None:
+  """``env[name]`` as an integer of at least ``minimum``; else None, and why in ``problems``."""
+  text = env.get(name)
+  if text is None:
+    problems.append(f"{name} is not set")
+    return None
+  try:
+    value = int(text)
+  except ValueError:
+    problems.append(f"{name}={text!r} is not an integer")
+    return None
+  if value < minimum:
+    problems.append(f"{name}={value} is below {minimum}")
+    return None
+  return value
+
+
+def _slurm_num_tasks(env) -> int:
+  """``SLURM_NTASKS`` (1 where it is unset): the tasks of this SLURM job step."""
+  if "SLURM_NTASKS" not in env:
+    return 1
+  problems: list[str] = []
+  ntasks = _read_int(env, "SLURM_NTASKS", 1, problems)
+  if problems:
+    raise ValueError(
+        f"jaxoverlap.launch: {problems[0]}, with SLURM_PROCID={env.get('SLURM_PROCID')!r}; "
+        "srun sets SLURM_NTASKS to the job step's number of tasks (>= 1). Set it so, or unset "
+        "SLURM_PROCID and SLURM_NTASKS to run the process alone")
+  return ntasks
+
+
+def _launcher_setup(env) -> dict[str, Any] | None:
+  """The job the launcher's four variables describe; None where none of them is set.
+
+  Raises:
+    ValueError: some are set but not all four, or one is malformed; the
+      message names each and what is needed.
+  """
+  names = [_ENV_PREFIX + k for k in _LAUNCH_VARIABLES]
+  if not any(n in env for n in names):
+    return None
+  coordinator_name, nproc_name, pid_name, local_name = names
+  problems: list[str] = []
+  coordinator = env.get(coordinator_name)
+  host, _, port = (coordinator or "").strip().rpartition(":")
+  if coordinator is None:
+    problems.append(f"{coordinator_name} is not set")
+  elif not host or not port.isdigit():
+    problems.append(f"{coordinator_name}={coordinator!r} is not host:port")
+  nproc = _read_int(env, nproc_name, 1, problems)
+  pid = _read_int(env, pid_name, 0, problems)
+  local = _read_int(env, local_name, 0, problems)
+  if nproc is not None and pid is not None and pid >= nproc:
+    problems.append(f"{pid_name}={pid} is not below {nproc_name}={nproc}")
+  if problems:
+    raise ValueError(
+        f"jaxoverlap.launch: {'; '.join(problems)}. The launcher's four variables go together "
+        f"(python -m jaxoverlap.launch sets them): {coordinator_name} (host:port), {nproc_name} "
+        f"(>= 1), {pid_name} (0 to {nproc_name} - 1) and {local_name} (a GPU id >= 0). Set all "
+        "four, or unset all four to run the process alone")
+  return {"by": "the launcher", "coordinator": coordinator.strip(),
+          "where": f"{coordinator.strip()} ({coordinator_name})",
+          "num_processes": nproc, "process_id": pid, "local_device_ids": [local],
+          "local_device": local}
+
+
+def _slurm_setup(env, find_coordinator: bool = True) -> dict[str, Any] | None:
+  """The job SLURM's variables describe; None unless SLURM_PROCID is set and SLURM_NTASKS > 1.
+
+  The coordinator is what ``jax.distributed.initialize`` derives under SLURM
+  (``JAX_COORDINATOR_ADDRESS``, else the first host of
+  ``SLURM_STEP_NODELIST`` at a port from ``SLURM_JOB_ID`` or
+  ``JAX_COORDINATOR_PORT``); the local devices are ``slurm_local_devices``'.
+
+  Args:
+    env: the environment.
+    find_coordinator: False where jax.distributed is already up: then the
+      variables that only locate the coordinator are not needed.
+
+  Raises:
+    ValueError: a SLURM variable is empty or not an integer, or what JAX
+      needs to find the coordinator is missing; the message names each.
+    RuntimeError: ``slurm_local_devices`` finds no GPU for this task.
+  """
+  if "SLURM_PROCID" not in env:
+    return None
+  ntasks = _slurm_num_tasks(env)
+  if ntasks == 1:
+    return None
+  problems: list[str] = []
+  pid = _read_int(env, "SLURM_PROCID", 0, problems)
+  if pid is not None and pid >= ntasks:
+    problems.append(f"SLURM_PROCID={pid} is not below SLURM_NTASKS={ntasks}")
+  if "SLURM_LOCALID" in env:
+    _read_int(env, "SLURM_LOCALID", 0, problems)
+  if find_coordinator and not env.get("JAX_COORDINATOR_ADDRESS", "").strip():
+    missing = [n for n in ("SLURM_JOB_ID", "SLURM_STEP_NODELIST") if not env.get(n, "").strip()]
+    if "SLURM_JOB_ID" not in missing:
+      _read_int(env, "SLURM_JOB_ID", 0, problems)
+    if missing:
+      problems.append(
+          f"{' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} not set, and JAX "
+          "needs SLURM_JOB_ID and SLURM_STEP_NODELIST to find the coordinator (task 0's host): "
+          "start the tasks with srun, or set JAX_COORDINATOR_ADDRESS=host:port of task 0")
+  if problems:
+    raise ValueError(
+        f"jaxoverlap.launch: SLURM_PROCID and SLURM_NTASKS={ntasks} make this process one of "
+        f"{ntasks} SLURM tasks, but {'; '.join(problems)}. Unset SLURM_PROCID and SLURM_NTASKS to "
+        "run the process alone")
+  coordinator = env.get("JAX_COORDINATOR_ADDRESS", "").strip() or None
+  where = f"{coordinator} (JAX_COORDINATOR_ADDRESS)"
+  if coordinator is None and find_coordinator:
+    port = env.get("JAX_COORDINATOR_PORT")
+    source = (f"SLURM_STEP_NODELIST={env['SLURM_STEP_NODELIST']!r} and "
+              + (f"JAX_COORDINATOR_PORT={port}" if port else f"SLURM_JOB_ID={env['SLURM_JOB_ID']}"))
+    where = f"the first host of {source}"
+    try:  # the address jax.distributed.initialize derives itself
+      from jax._src.clusters import SlurmCluster
+
+      coordinator = SlurmCluster.get_coordinator_address(
+          timeout_secs=None, override_coordinator_port=port)
+      where = f"{coordinator} (from {source})"
+    except (ImportError, AttributeError, KeyError, ValueError):
+      coordinator = None  # JAX derives it
+  local = slurm_local_devices(env)
+  return {"by": "SLURM", "coordinator": coordinator, "where": where, "num_processes": ntasks,
+          "process_id": pid, "local_device_ids": local,
+          "local_device": local[0] if local is not None and len(local) == 1 else None}
+
+
+def _active_distributed() -> tuple[int, int] | None:
+  """(process id, process count) of this process's jax.distributed, None where it is not up."""
+  # jax.distributed's state has no public accessor in jax 0.11 (runtime._kv_client reads it too).
+  from jax._src import distributed
+
+  state = distributed.global_state
+  if state.client is None:
+    return None
+  return state.process_id, state.num_processes
 
 
 def initialize_from_env(
@@ -161,10 +344,18 @@ def initialize_from_env(
   The CUDA kernels' runtime is NVSHMEM, or CUDA peer access in one process
   (``jaxoverlap.initialize`` picks it from the GPUs the process drives).
 
-  Reads the launcher's ``JAXOVERLAP_*`` variables, or SLURM's
-  (``SLURM_PROCID``, ``SLURM_NTASKS``, ``SLURM_LOCALID``, the tasks per node
-  and ``CUDA_VISIBLE_DEVICES``: see ``slurm_local_devices``). With neither, the
-  process runs alone and jax.distributed is left untouched.
+  Reads the launcher's ``JAXOVERLAP_*`` variables (all four, see the module's
+  docstring), or SLURM's (``SLURM_PROCID``, ``SLURM_NTASKS``,
+  ``SLURM_LOCALID``, ``SLURM_JOB_ID`` and ``SLURM_STEP_NODELIST`` for the
+  coordinator, the tasks per node and ``CUDA_VISIBLE_DEVICES``: see
+  ``slurm_local_devices``). With neither, the process runs alone and
+  jax.distributed is left untouched. Before ``jax.distributed.initialize``
+  waits for the other processes it prints to stderr which coordinator and how
+  many processes it waits for.
+
+  Calling it again, or after your own ``jax.distributed.initialize``, joins
+  nothing new: it returns the active setup (the same dict as the first call)
+  when that is the job the environment describes.
 
   Args:
     nvshmem: bring up the CUDA kernels' runtime (``jaxoverlap.initialize``:
@@ -177,35 +368,50 @@ def initialize_from_env(
     dict with ``process_id``, ``num_processes``, ``local_device`` (None when
     the process drives all the GPUs it sees) and, when the CUDA kernels'
     runtime (NVSHMEM, or CUDA peer access in one process) was brought up,
-    ``runtime`` (``jaxoverlap.runtime_info()``).
+    ``runtime`` (``jaxoverlap.runtime_info()``). Without the launcher's or
+    SLURM's variables, ``process_id`` and ``num_processes`` are those of an
+    active jax.distributed, else 0 and 1.
 
   Raises:
-    RuntimeError: ``nvshmem=True`` but the CUDA backend cannot start; or a
-      SLURM placement that names no GPU this task sees.
-    ValueError: ``jaxoverlap.initialize`` refuses a setting of the
-      environment, e.g. a ``JAXOVERLAP_TIMEOUT_S`` or
-      ``JAXOVERLAP_INIT_TIMEOUT_S`` that is not a positive, finite number.
+    RuntimeError: ``nvshmem=True`` but the CUDA backend cannot start; a
+      SLURM placement that names no GPU this task sees; or jax.distributed is
+      already up as another process id or count than the environment says.
+    ValueError: the launcher's variables are partial or malformed (all four
+      are needed together), SLURM's are empty or not integers, or JAX could
+      not find the coordinator from them; raised before jax.distributed is
+      called, naming each variable. Also where ``jaxoverlap.initialize``
+      refuses a setting of the environment, e.g. a ``JAXOVERLAP_TIMEOUT_S``
+      or ``JAXOVERLAP_INIT_TIMEOUT_S`` that is not a positive, finite number.
   """
   import jax
 
   env = os.environ
+  active = _active_distributed()
+  setup = _launcher_setup(env) or _slurm_setup(env, find_coordinator=active is None)
   out: dict[str, Any] = {"process_id": 0, "num_processes": 1, "local_device": None}
-  if _ENV_PREFIX + "COORDINATOR" in env:
-    pid = int(env[_ENV_PREFIX + "PROCESS_ID"])
-    nproc = int(env[_ENV_PREFIX + "NUM_PROCESSES"])
-    local = int(env[_ENV_PREFIX + "LOCAL_DEVICE"])
-    jax.distributed.initialize(
-        coordinator_address=env[_ENV_PREFIX + "COORDINATOR"],
-        num_processes=nproc,
-        process_id=pid,
-        local_device_ids=[local],
-    )
-    out.update(process_id=pid, num_processes=nproc, local_device=local)
-  elif "SLURM_PROCID" in env and int(env.get("SLURM_NTASKS", "1")) > 1:
-    local = slurm_local_devices(env)
-    jax.distributed.initialize(local_device_ids=local)
-    out.update(process_id=jax.process_index(), num_processes=jax.process_count(),
-               local_device=local[0] if local is not None and len(local) == 1 else None)
+  if setup is not None:
+    job = (setup["process_id"], setup["num_processes"])
+    if active is None:
+      sys.stderr.write(
+          f"jaxoverlap.launch: process {job[0]} of {job[1]} (from {setup['by']}) joins "
+          f"jax.distributed at {setup['where']}, waiting for all {job[1]} processes\n")
+      sys.stderr.flush()
+      jax.distributed.initialize(
+          coordinator_address=setup["coordinator"],
+          num_processes=setup["num_processes"],
+          process_id=setup["process_id"],
+          local_device_ids=setup["local_device_ids"],
+      )
+    elif active != job:
+      raise RuntimeError(
+          f"jaxoverlap.launch.initialize_from_env: jax.distributed is already initialised as "
+          f"process {active[0]} of {active[1]}, but {setup['by']}'s variables make this process "
+          f"{job[0]} of {job[1]}; a process joins one job. Initialise jax.distributed once: "
+          "drop the other jax.distributed.initialize call, or give it the same process id and "
+          "count")
+    out.update(process_id=job[0], num_processes=job[1], local_device=setup["local_device"])
+  elif active is not None:
+    out.update(process_id=active[0], num_processes=active[1])
 
   if nvshmem is None:
     from jaxoverlap import _ffi
@@ -236,113 +442,265 @@ def _pump(stream, rank: int, sink) -> None:
     sink.flush()
 
 
+def _reap(proc: subprocess.Popen, rank: int, ended: queue.SimpleQueue) -> None:
+  """Waits for one rank and reports (rank, return code): failures arrive in time order."""
+  ended.put((rank, proc.wait()))
+
+
+# The launcher's options that take a value (argparse accepts unique prefixes, e.g. --timeout).
+_VALUE_OPTIONS = ("--nproc", "--num_gpus", "--port", "--timeout_s", "--wrapper")
+
+_EPILOG = f"""\
+The script (or module) must call jaxoverlap.launch.initialize_from_env() to join
+the job; it calls jax.distributed.initialize, then jaxoverlap.initialize(). The
+launcher sets nothing up itself: a script that does not call it runs as N
+unrelated one-process jobs. Each process gets in its environment:
+  {_ENV_PREFIX}COORDINATOR    host:port of the jax.distributed coordinator
+  {_ENV_PREFIX}NUM_PROCESSES  N (--nproc)
+  {_ENV_PREFIX}PROCESS_ID     its rank, 0 to N-1
+  {_ENV_PREFIX}LOCAL_DEVICE   the GPU it drives: its rank, rank % --num_gpus,
+                            or 0 with --share_gpu
+
+Only a -m before the script selects a module; everything from the script (or
+-m MODULE) on is passed to it, options like the launcher's included. Output is
+prefixed with [rank N]. When a rank fails, --timeout_s passes, or the launcher
+gets SIGINT, SIGTERM or SIGHUP, every rank's process group is stopped (SIGTERM,
+then SIGKILL after 5 s). The exit status is that of the first rank to fail
+(128+N for a rank killed by signal N), 124 on a timeout, 128+N for signal N to
+the launcher, else 0.
+"""
+
+
+def _split_target(argv: list[str]) -> tuple[list[str], list[str]]:
+  """Splits a command line into the launcher's options and the target.
+
+  The target is the script and its arguments, or ``-m MODULE`` and its
+  arguments: everything from the first word that is not one of the
+  launcher's options (or their values), or from ``-m``; ``--`` ends the
+  options. So a ``-m`` or ``--nproc`` after the script is the script's.
+
+  Returns:
+    (options, target); the target is empty when there is neither.
+  """
+  i = 0
+  while i < len(argv):
+    word = argv[i]
+    if word == "--":
+      return argv[:i], argv[i + 1:]
+    if word.startswith("-m") or word == "-" or not word.startswith("-"):
+      return argv[:i], argv[i:]
+    name = word.partition("=")[0]
+    takes_value = ("=" not in word and name.startswith("--")
+                   and any(option.startswith(name) for option in _VALUE_OPTIONS))
+    i += 2 if takes_value else 1
+  return argv, []
+
+
+def _ranks(ranks) -> str:
+  """"rank 3" or "ranks 0, 1"."""
+  ranks = sorted(ranks)
+  return f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
+
+
+def _exit_status(returncode: int) -> int:
+  """A child's return code as a shell's status: 128+N for a process killed by signal N."""
+  return returncode if returncode >= 0 else 128 - returncode
+
+
+def _how(returncode: int) -> str:
+  """How a rank ended: "exited with 3", "was killed by SIGSEGV (exit status 139)"."""
+  if returncode < 0:
+    try:
+      name = signal.Signals(-returncode).name
+    except ValueError:  # e.g. a real-time signal
+      name = f"signal {-returncode}"
+    return f"was killed by {name} (exit status {_exit_status(returncode)})"
+  return f"exited with {returncode}"
+
+
+def _say(text: str) -> None:
+  sys.stderr.write(f"jaxoverlap.launch: {text}\n")
+  sys.stderr.flush()
+
+
+def _watch(procs: list[subprocess.Popen], ended: queue.SimpleQueue, timeout_s: float) -> int:
+  """Waits until every rank ends, one fails or the time is up; returns the exit status.
+
+  Each rank's reaper puts (rank, return code) on ``ended`` when the rank
+  ends, so the first failure taken is the first that happened. The message
+  names it and the ranks still running, which the caller then stops;
+  failures that had already arrived are named too. On a timeout (status
+  124) the message lists the ranks still running.
+  """
+  deadline = time.monotonic() + timeout_s if timeout_s else math.inf
+  running = set(range(len(procs)))
+  while running:
+    try:
+      rank, returncode = ended.get(timeout=min(1.0, max(0.0, deadline - time.monotonic())))
+    except queue.Empty:
+      if time.monotonic() >= deadline:
+        _say(f"timeout of {timeout_s:g} s; {_ranks(running)} still running; stopping "
+             f"{'them' if len(running) > 1 else 'it'}")
+        return 124
+      continue
+    running.discard(rank)
+    if returncode == 0:
+      continue
+    also = []  # ranks that had failed as well before the caller's stop: not by it
+    while True:
+      try:
+        other, other_code = ended.get_nowait()
+      except queue.Empty:
+        break
+      running.discard(other)
+      if other_code != 0:
+        also.append(f"rank {other} {_how(other_code)}")
+    _say(f"rank {rank} {_how(returncode)}"
+         + (f"; stopping {_ranks(running)}" if running else ""))
+    if also:
+      _say(f"after rank {rank}: {'; '.join(also)}")
+    return _exit_status(returncode)
+  return 0
+
+
+class _Signalled(Exception):
+  """SIGTERM or SIGHUP reached the launcher (raised in the main thread by its handler)."""
+
+  def __init__(self, signum: int):
+    super().__init__(signum)
+    self.signum = signum
+
+
+def _raise_signalled(signum, frame) -> None:
+  del frame
+  raise _Signalled(signum)
+
+
 def main(argv: list[str] | None = None) -> int:
   parser = argparse.ArgumentParser(
       prog="python -m jaxoverlap.launch",
-      description="Run a script in N local processes, one GPU each, with jax.distributed set up.")
+      description="Run a script in N local processes, one GPU each, and give each what\n"
+                  "jaxoverlap.launch.initialize_from_env() needs to join one jax.distributed job.",
+      epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--nproc", type=int, required=True, help="number of processes (GPUs)")
   parser.add_argument("--share_gpu", action="store_true",
                       help="all processes use GPU 0 (correctness checks on a 1-GPU machine; "
                            "never for timing)")
-  parser.add_argument("--num_gpus", type=int, default=0,
-                      help="GPUs to spread the processes over, rank %% num_gpus (default: one "
-                           "GPU per process); more processes than GPUs is for correctness "
-                           "checks only, never for timing")
+  parser.add_argument("--num_gpus", type=int, default=None,
+                      help="GPUs to spread the processes over, rank %% num_gpus, at least 1 "
+                           "(default: one GPU per process); more processes than GPUs is for "
+                           "correctness checks only, never for timing")
   parser.add_argument("--port", type=int, default=0, help="coordinator port (default: a free one)")
   parser.add_argument("--timeout_s", type=_timeout_seconds, default=0.0,
                       help="kill all processes after this many seconds (0: no limit)")
   parser.add_argument("--wrapper", default="",
                       help="command put in front of python in every process, e.g. "
                            "'compute-sanitizer --tool memcheck'")
-  parser.add_argument("-m", dest="module", default=None,
-                      help="run a module (like python -m) instead of a script")
+  parser.add_argument("-m", dest="module", metavar="MODULE", default=None,
+                      help="run a module (like python -m) instead of a script; only before "
+                           "the script")
   parser.add_argument("script", nargs="?", help="Python script (omit with -m)")
-  parser.add_argument("args", nargs=argparse.REMAINDER)
+  parser.add_argument("args", nargs=argparse.REMAINDER,
+                      help="the script's (or module's) arguments")
   argv = list(sys.argv[1:] if argv is None else argv)
-  # Everything after "-m MODULE" belongs to the module (python -m's convention),
-  # also options that look like the launcher's own.
-  module_args: list[str] | None = None
-  if "-m" in argv and argv.index("-m") + 1 < len(argv):
-    i = argv.index("-m")
-    argv, module_args = argv[:i + 2], argv[i + 2:]
-  a = parser.parse_args(argv)
-  if module_args is not None:
-    a.args = ([a.script] if a.script else []) + a.args + module_args
-    a.script = None
-  if a.module is None and a.script is None:
+  # Everything from the script or "-m MODULE" on belongs to it (python's
+  # convention), also options that look like the launcher's own.
+  options, target = _split_target(argv)
+  a = parser.parse_args(options)
+  if target and target[0].startswith("-m"):
+    module, rest = (target[0][2:], target[1:]) if target[0] != "-m" else (
+        target[1] if len(target) > 1 else "", target[2:])
+    if not module:
+      parser.error("argument -m: expected a module name")
+    target = ["-m", module] + rest
+  if not target:
     parser.error("give a script or -m module")
   if a.nproc < 1:
     parser.error(f"--nproc must be >= 1, got {a.nproc}")
+  if a.num_gpus is not None and a.num_gpus < 1:
+    parser.error(f"--num_gpus must be >= 1, got {a.num_gpus}")
 
   port = a.port or free_port()
-  if a.module is not None:
-    target = ["-m", a.module] + a.args
-  else:
-    target = [a.script] + a.args
   cmd = shlex.split(a.wrapper) + [sys.executable] + target
-  procs, pumps = [], []
-  for rank in range(a.nproc):
-    env = dict(os.environ)
-    env.update({
-        _ENV_PREFIX + "COORDINATOR": f"127.0.0.1:{port}",
-        _ENV_PREFIX + "NUM_PROCESSES": str(a.nproc),
-        _ENV_PREFIX + "PROCESS_ID": str(rank),
-        _ENV_PREFIX + "LOCAL_DEVICE": ("0" if a.share_gpu else
-                                       str(rank % a.num_gpus) if a.num_gpus else str(rank)),
-        "PYTHONUNBUFFERED": "1",
-        "PYTHONFAULTHANDLER": "1",  # a crash prints the Python stack
-    })
-    env.setdefault("NVSHMEM_DISABLE_NVLS", "1")
-    env.setdefault("NCCL_NVLS_ENABLE", "0")
-    if a.share_gpu or (a.num_gpus and a.num_gpus < a.nproc):
-      env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", str(round(0.6 / a.nproc, 3)))
-    p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                         start_new_session=True)
-    t = threading.Thread(target=_pump, args=(p.stdout, rank, sys.stdout), daemon=True)
-    t.start()
-    pumps.append(t)
-    procs.append(p)
-
-  start = time.monotonic()
-  code = 0
+  procs: list[subprocess.Popen] = []
+  pumps = []
+  ended: queue.SimpleQueue = queue.SimpleQueue()
+  # SIGTERM (kill, timeout, CI, scancel) and SIGHUP stop the ranks as Ctrl-C does:
+  # each rank runs in its own session, so nothing else would reach it.
+  saved = {}  # the handlers to put back (only the main thread can set them)
+  if threading.current_thread() is threading.main_thread():
+    saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    for s in (signal.SIGTERM, signal.SIGHUP):
+      signal.signal(s, _raise_signalled)
   try:
-    while [p.poll() for p in procs].count(None):  # poll every process, every round
-      failed = [p.returncode for p in procs if p.returncode not in (None, 0)]
-      timed_out = a.timeout_s and time.monotonic() - start > a.timeout_s
-      if failed or timed_out:
-        code = failed[0] if failed else 124
-        if failed and code < 0:
-          why = f"a process was killed by {signal.Signals(-code).name}"
-        elif failed:
-          why = f"a process exited with {code}"
-        else:
-          why = f"timeout of {a.timeout_s} s"
-        sys.stderr.write(f"jaxoverlap.launch: {why}; stopping the others\n")
-        _stop(procs)
-        break
-      time.sleep(0.1)
-  except KeyboardInterrupt:
-    _stop(procs)
-    code = 130
+    try:
+      for rank in range(a.nproc):
+        env = dict(os.environ)
+        env.update({
+            _ENV_PREFIX + "COORDINATOR": f"127.0.0.1:{port}",
+            _ENV_PREFIX + "NUM_PROCESSES": str(a.nproc),
+            _ENV_PREFIX + "PROCESS_ID": str(rank),
+            _ENV_PREFIX + "LOCAL_DEVICE": ("0" if a.share_gpu else
+                                           str(rank % a.num_gpus) if a.num_gpus else str(rank)),
+            "PYTHONUNBUFFERED": "1",
+            "PYTHONFAULTHANDLER": "1",  # a crash prints the Python stack
+        })
+        env.setdefault("NVSHMEM_DISABLE_NVLS", "1")
+        env.setdefault("NCCL_NVLS_ENABLE", "0")
+        if a.share_gpu or (a.num_gpus and a.num_gpus < a.nproc):
+          env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", str(round(0.6 / a.nproc, 3)))
+        p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             start_new_session=True)
+        procs.append(p)
+        threading.Thread(target=_reap, args=(p, rank, ended), daemon=True).start()
+        t = threading.Thread(target=_pump, args=(p.stdout, rank, sys.stdout), daemon=True)
+        t.start()
+        pumps.append(t)
+      code = _watch(procs, ended, a.timeout_s)
+    except (KeyboardInterrupt, _Signalled) as e:
+      _ignore(saved)
+      signum = e.signum if isinstance(e, _Signalled) else signal.SIGINT
+      running = [rank for rank, p in enumerate(procs) if p.poll() is None]
+      _say(f"got {signal.Signals(signum).name}"
+           + (f"; stopping {_ranks(running)}" if running else ""))
+      code = 128 + signum
+  finally:  # also on an unexpected error: no rank outlives the launcher
+    _ignore(saved)
+    _stop(procs)  # the ranks still running, after a failure, a timeout or a signal
+    for s, handler in saved.items():
+      if handler is not None:  # None: set outside Python, cannot be put back
+        signal.signal(s, handler)
   for p in procs:
     p.wait()
   for t in pumps:  # drain what the processes printed before they ended
     t.join(timeout=5.0)
-  if code == 0:
-    code = next((p.returncode for p in procs if p.returncode), 0)
   return code
 
 
+def _ignore(saved) -> None:
+  """From here the launcher stops the ranks; a second signal must not cut that short (<= 5 s)."""
+  for s in saved:
+    signal.signal(s, signal.SIG_IGN)
+
+
 def _stop(procs, grace_s: float = 5.0) -> None:
+  """SIGTERM to every running rank's process group, SIGKILL to those left after ``grace_s``."""
   for p in procs:
     if p.poll() is None:
-      os.killpg(p.pid, signal.SIGTERM)
+      _kill_group(p, signal.SIGTERM)
   deadline = time.monotonic() + grace_s
   for p in procs:
     while p.poll() is None and time.monotonic() < deadline:
       time.sleep(0.05)
     if p.poll() is None:
-      os.killpg(p.pid, signal.SIGKILL)
+      _kill_group(p, signal.SIGKILL)
+
+
+def _kill_group(p: subprocess.Popen, sig: int) -> None:
+  try:
+    os.killpg(p.pid, sig)
+  except ProcessLookupError:  # it ended (and its group with it) since it was polled
+    pass
 
 
 if __name__ == "__main__":
