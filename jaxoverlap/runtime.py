@@ -27,8 +27,9 @@ Algorithm:
   (``pe_of_device``, ``groups_along_axis``).
 
   ``facts()`` is what the dispatcher (``jaxoverlap.dispatch``) reads at every
-  lowering: a small frozen snapshot, made once per initialisation. This module
-  imports nothing of the layers above it.
+  lowering: a small frozen snapshot, made once per initialisation. At module
+  level it imports ``names`` and ``_checks.as_int`` (``_checks`` imports only
+  ``names``), nothing of the layers that use it (docs/design.md).
 
 Example:
   >>> jax.distributed.initialize(coordinator, num_processes, process_id,
@@ -81,7 +82,7 @@ DEFAULT_HEAP_BYTES = 1 << 30  # 1 GiB per GPU
 # e.g. 682 MiB per sender with 2 GPUs per node (a bf16 shard of 16384 x 16384).
 DEFAULT_OVERLAP_HEAP_BYTES = 2 << 30
 DEFAULT_TIMEOUT_S = 10.0
-DEFAULT_INIT_TIMEOUT_S = 120.0  # every wait of initialize(): peers, rank 0's id, NVSHMEM
+DEFAULT_INIT_TIMEOUT_S = 120.0  # every wait of initialize(): peers, rank 0's table and id, NVSHMEM
 # NVSHMEM's own heap must hold ours plus its internal allocations.
 _NVSHMEM_HEAP_SLACK_BYTES = 256 << 20
 
@@ -95,6 +96,9 @@ _pe_by_device_id: dict[int, int] = {}
 # Rank 0's all-reduce tuning table (its path, and the parsed JSON or None),
 # shared at initialize() so that every rank's "auto" makes the same choice.
 _tuning: tuple[str, dict | None] = ("", None)
+# The ranks per node the hosts gave at initialize() (None: they gave none),
+# which a second initialize() without ranks_per_node asks for.
+_ranks_per_node_from_hosts: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -205,7 +209,12 @@ def _gather(what: str, value: str, rank: int, num_ranks: int, timeout_s: float) 
 
 
 def _exchange(key: str, value: bytes | None, rank: int, timeout_s: float) -> bytes:
-  """Rank 0 (value given) publishes ``value`` under ``key``; others read it (bounded)."""
+  """Rank 0 (value given) publishes ``value`` under ``key``; others read it (bounded).
+
+  Raises:
+    RuntimeError: rank 0's value did not arrive within ``timeout_s``
+      (``init_timeout_s``); the message names the key and the bound.
+  """
   client = _client_or_raise()
   if value is not None:
     client.key_value_set(key, base64.b64encode(value).decode())
@@ -215,27 +224,59 @@ def _exchange(key: str, value: bytes | None, rank: int, timeout_s: float) -> byt
   except Exception:  # noqa: BLE001
     raise RuntimeError(
         f"jaxoverlap.initialize (rank {rank}): rank 0's '{key}' did not arrive within "
-        f"{timeout_s:g} s; is rank 0 alive and calling jaxoverlap.initialize()?") from None
+        f"{timeout_s:g} s (init_timeout_s, JAXOVERLAP_INIT_TIMEOUT_S); is rank 0 alive and "
+        "calling jaxoverlap.initialize()? Its output says why it stopped") from None
 
 
-def _ranks_per_node(rank: int, num_ranks: int, timeout_s: float) -> tuple[int, list[str]]:
-  host = socket.gethostname()
-  if num_ranks == 1:
-    return 1, [host]
-  hosts = _gather("host", host, rank, num_ranks, timeout_s)
+def _ranks_per_node_of_hosts(hosts: list[str], rank: int) -> tuple[int | None, str | None]:
+  """The ranks per node the hosts give: ``(per_node, None)``, or ``(None, why not)``.
+
+  Every node must hold as many processes, and the ranks of one node must be
+  consecutive (node = rank // ranks_per_node).
+  """
   counts = {h: hosts.count(h) for h in hosts}
   if len(set(counts.values())) != 1:
-    raise RuntimeError(
-        f"jaxoverlap.initialize: nodes hold different numbers of processes {counts}; set "
-        "JAXOVERLAP_RANKS_PER_NODE (or ranks_per_node=) if that is intended")
-  per_node = counts[host]
-  # Ranks of one node must be contiguous: node = rank // ranks_per_node.
+    return None, (f"jaxoverlap.initialize: nodes hold different numbers of processes {counts}; "
+                  "set JAXOVERLAP_RANKS_PER_NODE (or ranks_per_node=) if that is intended")
+  per_node = counts[hosts[rank]]
   for r, h in enumerate(hosts):
     if hosts[(r // per_node) * per_node] != h:
-      raise RuntimeError(
-          f"jaxoverlap.initialize: process ranks are not grouped by node (hosts by rank: {hosts}); "
-          "launch ranks node by node, or set JAXOVERLAP_RANKS_PER_NODE")
-  return per_node, hosts
+      return None, (f"jaxoverlap.initialize: process ranks are not grouped by node (hosts by "
+                    f"rank: {hosts}); launch ranks node by node, or set "
+                    "JAXOVERLAP_RANKS_PER_NODE")
+  return per_node, None
+
+
+def _ranks_per_node(rank: int, num_ranks: int, override: int | None,
+                    timeout_s: float) -> tuple[int, int | None, list[str]]:
+  """The ranks per node of the NVSHMEM runtime, from ``override`` or the hosts.
+
+  Args:
+    rank, num_ranks: this process's rank and the number of processes.
+    override: ``ranks_per_node`` as the user set it, or None to detect it.
+    timeout_s: bound on the wait for the other processes' hosts.
+
+  Returns:
+    ``(ranks_per_node, from_hosts, hosts)``: the value in effect, the one the
+    hosts give (None where they give none), and every rank's host.
+
+  Raises:
+    RuntimeError: no override, and the hosts hold different numbers of
+      processes or their ranks are not consecutive; or a host did not arrive.
+  """
+  host = socket.gethostname()
+  hosts = [host] if num_ranks == 1 else _gather("host", host, rank, num_ranks, timeout_s)
+  from_hosts, why_not = _ranks_per_node_of_hosts(hosts, rank)
+  if override is not None:
+    # The user's assertion replaces the check (e.g. srun --distribution=cyclic, uneven
+    # nodes, or several hosts of one NVLink domain); initialize() documents what it asserts.
+    if override != from_hosts:
+      logger.info("jaxoverlap: ranks_per_node=%d as set, not from the hosts (%s); hosts by rank: "
+                  "%s", override, from_hosts or "none", hosts)
+    return override, from_hosts, hosts
+  if from_hosts is None:
+    raise RuntimeError(why_not)
+  return from_hosts, from_hosts, hosts
 
 
 def _resolve(heap_bytes, overlap_heap_bytes, timeout_s, ranks_per_node,
@@ -295,16 +336,50 @@ def _parse_seconds(text: str | None, what: str, default: float) -> float:
     raise ValueError(f"{what}={text!r} is not a number of seconds") from None
 
 
-def _check_same_parameters(params: dict[str, Any], explicit: set[str]) -> None:
-  """A second ``initialize()`` must not ask for other parameters than the active ones.
+# The environment variable behind each parameter of initialize().
+_PARAMETER_ENV = {"heap_bytes": "JAXOVERLAP_HEAP_BYTES",
+                  "overlap_heap_bytes": "JAXOVERLAP_OVERLAP_HEAP_BYTES",
+                  "timeout_s": "JAXOVERLAP_TIMEOUT_S",
+                  "ranks_per_node": "JAXOVERLAP_RANKS_PER_NODE",
+                  "init_timeout_s": "JAXOVERLAP_INIT_TIMEOUT_S"}
 
-  Only the parameters the second call passes are compared: a bare
-  ``initialize()`` (e.g. after ``jaxoverlap.launch`` brought the runtime up)
-  just returns the active runtime's info.
+
+def _source(key: str, passed: Mapping[str, Any]) -> str:
+  """Where a parameter of this call came from: "" (the argument), its variable, or a default."""
+  if passed.get(key) is not None:
+    return ""
+  var = _PARAMETER_ENV[key]
+  if os.environ.get(var):
+    return f" (from {var}={os.environ[var]!r})"
+  return " (from the hosts)" if key == "ranks_per_node" else " (the default)"
+
+
+def _check_same_parameters(params: dict[str, Any], passed: Mapping[str, Any]) -> None:
+  """A second ``initialize()`` must resolve to the parameters of the first.
+
+  Both calls' parameters are compared as resolved (the argument, else the
+  ``JAXOVERLAP_*`` variable, else the default), so a changed variable counts
+  like a changed argument. ``ranks_per_node`` is compared as it takes effect:
+  an unset one is the value the hosts gave at the first call. ``init_timeout_s``
+  bounds the waits of one call and is not compared.
+
+  Args:
+    params: this call's parameters (``_resolve``).
+    passed: this call's arguments (None where not passed), to name the source.
+
+  Raises:
+    RuntimeError: a parameter differs; the message names each with both values.
   """
-  active = dict(_info["parameters"], ranks_per_node=_info["ranks_per_node"])
-  differ = [f"{k}={params[k]!r} (active: {active[k]!r})" for k in sorted(explicit)
-            if k != "init_timeout_s" and params[k] != active[k]]
+  first = _info["parameters"]
+  differ = [f"{k}={params[k]!r}{_source(k, passed)} (active: {first[k]!r})"
+            for k in ("heap_bytes", "overlap_heap_bytes", "timeout_s") if params[k] != first[k]]
+  active_rpn = _info["ranks_per_node"]
+  rpn = params["ranks_per_node"]
+  if rpn is None:  # unset: what the hosts give (None: nothing), as the first call saw them
+    rpn = active_rpn if first["ranks_per_node"] is None else _ranks_per_node_from_hosts
+  if rpn != active_rpn:
+    differ.append(f"ranks_per_node={rpn!r}{_source('ranks_per_node', passed)} "
+                  f"(active: {active_rpn!r})")
   if differ:
     raise RuntimeError(
         f"jaxoverlap.initialize: already initialised with other parameters: "
@@ -369,8 +444,13 @@ def initialize(
   jax.distributed for a single process). Call once per process, after
   ``jax.distributed.initialize`` when there are several processes, and before
   the first op with ``backend="cuda"``. Every process must call it: it is a
-  collective. A second call with the same parameters returns
-  ``runtime_info()``; with other parameters it raises.
+  collective. Rank 0's all-reduce tuning table is read and checked, and
+  shared, before NVSHMEM or the heaps start, so a bad table leaves nothing
+  started. A second call returns ``runtime_info()`` when its parameters,
+  resolved as the first call's were (the argument, else the environment
+  variable, else the default), equal the first call's; otherwise it raises,
+  naming each parameter that differs with both values. ``init_timeout_s`` is
+  not compared: it bounds the waits of one call.
 
   Args:
     heap_bytes: size of the symmetric heap of each GPU in bytes (default:
@@ -387,114 +467,156 @@ def initialize(
       ``JAXOVERLAP_TIMEOUT_S`` or 10 s). A wait that times out records the
       op, rank, peer and step, prints them to stderr and traps the kernel.
     ranks_per_node: GPUs per node (default ``JAXOVERLAP_RANKS_PER_NODE``, else
-      detected from the hosts of the processes). Setting 1 on one host makes
-      each GPU its own "node", which exercises the inter-node path. With the
-      in-process runtime a process is a node of its GPUs.
+      detected from the hosts of the processes, which must then hold as many
+      processes each, with consecutive ranks). The kernels take node = rank //
+      ranks_per_node, so setting it asserts that the ranks k * ranks_per_node
+      to (k + 1) * ranks_per_node - 1 form one node for every k: GPUs that
+      reach each other by load/store (NVLink or PCIe peer access). It must
+      divide the number of processes; the hosts are not checked then (ranks
+      placed round-robin, nodes of different sizes, hosts of one NVLink
+      domain), and where two GPUs of one such node cannot reach each other,
+      the CUDA all-reduce raises when it runs, naming the pair. Setting 1 makes
+      each GPU its own "node" (on one host: the inter-node path; ranks placed
+      round-robin across hosts: correct, without the intra-node steps). With
+      the in-process runtime a process is a node of its GPUs, and only that
+      value is accepted.
     init_timeout_s: bound on every wait of this call, in seconds (default
       ``JAXOVERLAP_INIT_TIMEOUT_S`` or 120 s): for the other processes, for
-      rank 0's NVSHMEM id, and for NVSHMEM's own start-up.
+      rank 0's tuning table and NVSHMEM id, and for NVSHMEM's own start-up.
 
   Returns:
     ``runtime_info()``.
 
   Raises:
-    RuntimeError: the CUDA extension is missing, XLA's own NVSHMEM is switched
-      on, the process sees no GPU, two of its GPUs cannot reach each other
-      (in-process runtime: the pair is named), a process did not arrive
-      within ``init_timeout_s`` (the message names the ranks or the step),
-      NVSHMEM fails to start or the heap does not fit, or the runtime is
-      already up with other parameters. Messages say which.
+    RuntimeError: the process sees no GPU (said before anything about the
+      extension), the CUDA extension is missing, XLA's own NVSHMEM is switched
+      on, two of its GPUs cannot reach each other (in-process runtime: the
+      pair is named), the hosts give no ranks per node and none is set, a
+      process did not arrive within ``init_timeout_s`` (the message names the
+      ranks or the step), NVSHMEM fails to start or the heap does not fit, or
+      the runtime is already up with other parameters. Messages say which.
     ValueError: a size or timeout is not positive, a timeout not finite, a
-      value malformed, or JAXOVERLAP_GEMM_ALIGNMENT_CAP is not a power of two
-      from 1 to 256.
+      value malformed, JAXOVERLAP_GEMM_ALIGNMENT_CAP is not a power of two
+      from 1 to 256, ranks_per_node does not divide the processes, or rank 0's
+      tuning table is not valid JSON or not a usable all-reduce table
+      (``tuning.validate_tuning_table``; every process raises it).
   """
-  global _initialized, _generation, _info
+  global _generation
   with _lock:
     params = _resolve(heap_bytes, overlap_heap_bytes, timeout_s, ranks_per_node, init_timeout_s)
     if _initialized:
-      passed = {"heap_bytes": heap_bytes, "overlap_heap_bytes": overlap_heap_bytes,
-                "timeout_s": timeout_s, "ranks_per_node": ranks_per_node}
-      _check_same_parameters(params, {k for k, v in passed.items() if v is not None})
+      _check_same_parameters(params, {"heap_bytes": heap_bytes,
+                                      "overlap_heap_bytes": overlap_heap_bytes,
+                                      "timeout_s": timeout_s, "ranks_per_node": ranks_per_node})
       return runtime_info()
-    import jax
+    try:
+      _start(params)
+    except BaseException:
+      # The key-value store keeps this attempt's keys and refuses to set one again: a retry
+      # (after every process failed alike, e.g. on a bad tuning table) takes new ones.
+      _generation += 1
+      raise
+  return runtime_info()
 
-    from jaxoverlap import _ffi
 
-    if re.search(r"xla_gpu_experimental_enable_nvshmem(=true|=1)?(\s|$)",
-                 os.environ.get("XLA_FLAGS", "")):
-      raise RuntimeError(
-          "jaxoverlap.initialize: XLA's own NVSHMEM is switched on "
-          "(--xla_gpu_experimental_enable_nvshmem in XLA_FLAGS); two NVSHMEM runtimes cannot "
-          "share a process. Remove the flag.")
-    # XLA's GPU client must exist before the extension (and NVSHMEM's host
-    # library) is loaded: loaded the other way round, NVSHMEM's start-up
-    # crashed (seen on 2x H200, jax 0.11.2, NVSHMEM 3.4.5).
-    devices = jax.local_devices()
-    ext = _ffi.load()
-    if not devices or any(d.platform != "gpu" for d in devices):
-      raise RuntimeError(
-          "jaxoverlap.initialize: the CUDA backend needs NVIDIA GPUs; this process sees "
-          f"{[str(d) for d in devices]}")
-    if len(devices) > 1:
-      _initialize_peer(ext, devices, params)
-      atexit.register(finalize)
-      return runtime_info()
-    device = devices[0]
-    ordinal = int(getattr(device, "local_hardware_id", None) or 0)
-    rank, num_ranks = jax.process_index(), jax.process_count()
-    wait_s = params["init_timeout_s"]
+def _start(params: dict[str, Any]) -> None:
+  """``initialize``'s start-up, under the lock: checks, the table, then the native runtime.
 
-    # NVLink multicast stays off (it can take a host's GPUs down; our kernels
-    # do not use it), and NVSHMEM's heap must hold ours.
-    os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
-    os.environ.setdefault("NVSHMEM_SYMMETRIC_SIZE",
-                          str(params["heap_bytes"] + params["overlap_heap_bytes"]
-                              + _NVSHMEM_HEAP_SLACK_BYTES))
+  Everything that can fail for a reason of this package (platform, hosts,
+  ranks per node, tuning table) is checked before the native start-up; once
+  that returns, ``_commit`` marks the runtime up at once, so ``finalize()``
+  frees what was started.
+  """
+  import jax
 
-    detected, hosts = _ranks_per_node(rank, num_ranks, timeout_s=wait_s)
-    rpn = params["ranks_per_node"] or detected
-    if num_ranks % rpn:
-      raise ValueError(
-          f"ranks_per_node={rpn} must divide the number of processes {num_ranks}")
+  from jaxoverlap import _ffi
 
-    if len(set(hosts)) == 1:
-      # One host: NVSHMEM's unique-id bootstrap talks over loopback.
-      os.environ.setdefault("NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME", "lo")
+  if re.search(r"xla_gpu_experimental_enable_nvshmem(=true|=1)?(\s|$)",
+               os.environ.get("XLA_FLAGS", "")):
+    raise RuntimeError(
+        "jaxoverlap.initialize: XLA's own NVSHMEM is switched on "
+        "(--xla_gpu_experimental_enable_nvshmem in XLA_FLAGS); two NVSHMEM runtimes cannot "
+        "share a process. Remove the flag.")
+  # XLA's GPU client must exist before the extension (and NVSHMEM's host
+  # library) is loaded: loaded the other way round, NVSHMEM's start-up
+  # crashed (seen on 2x H200, jax 0.11.2, NVSHMEM 3.4.5).
+  devices = jax.local_devices()
+  if not devices or any(d.platform != "gpu" for d in devices):
+    # Before the extension: without a GPU, rebuilding it would not help.
+    raise RuntimeError(
+        "jaxoverlap.initialize: the CUDA backend needs NVIDIA GPUs; this process sees "
+        f"{[str(d) for d in devices]}")
+  ext = _ffi.load()
+  if len(devices) > 1:
+    _initialize_peer(ext, devices, params)
+    return
+  device = devices[0]
+  ordinal = int(getattr(device, "local_hardware_id", None) or 0)
+  rank, num_ranks = jax.process_index(), jax.process_count()
+  wait_s = params["init_timeout_s"]
 
-    key = f"jaxoverlap/{_generation}/nvshmem_uid"
-    uid = ext.get_unique_id() if rank == 0 else None
-    if num_ranks > 1:
-      uid = _exchange(key, uid, rank, timeout_s=wait_s)
-    logger.info("jaxoverlap: NVSHMEM PE %d of %d on GPU %d, heap %d bytes", rank, num_ranks,
-                ordinal, params["heap_bytes"])
-    _start_up(lambda: ext.initialize(uid, rank, num_ranks, ordinal, params["heap_bytes"],
-                                     params["overlap_heap_bytes"],
-                                     int(params["timeout_s"] * 1e9), rpn),
-              wait_s, f"PE {rank} of {num_ranks}", "NVSHMEM's start-up", ext.init_stage)
-    _share_tuning_table(rank, num_ranks)
-    _generation += 1
-    _initialized = True
-    _info = {
-        "transport": names.NVSHMEM,
-        "pe": rank,
-        "num_pes": num_ranks,
-        "device": str(device),
-        "cuda_ordinal": ordinal,
-        "ranks_per_node": rpn,
-        "num_nodes": num_ranks // rpn,
-        "hosts": hosts,
-        "heap_bytes": params["heap_bytes"],
-        "overlap_heap_bytes": params["overlap_heap_bytes"],
-        "timeout_s": params["timeout_s"],
-        "parameters": params,
-    }
-    atexit.register(finalize)
-    return runtime_info()
+  rpn, from_hosts, hosts = _ranks_per_node(rank, num_ranks, params["ranks_per_node"], wait_s)
+  if num_ranks % rpn:
+    raise ValueError(
+        f"ranks_per_node={rpn} must divide the number of processes {num_ranks}")
+  tuning = _shared_tuning_table(rank, num_ranks, wait_s)
+
+  # NVLink multicast stays off (it can take a host's GPUs down; our kernels
+  # do not use it), and NVSHMEM's heap must hold ours.
+  os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
+  os.environ.setdefault("NVSHMEM_SYMMETRIC_SIZE",
+                        str(params["heap_bytes"] + params["overlap_heap_bytes"]
+                            + _NVSHMEM_HEAP_SLACK_BYTES))
+  if len(set(hosts)) == 1:
+    # One host: NVSHMEM's unique-id bootstrap talks over loopback.
+    os.environ.setdefault("NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME", "lo")
+
+  key = f"jaxoverlap/{_generation}/nvshmem_uid"
+  uid = ext.get_unique_id() if rank == 0 else None
+  if num_ranks > 1:
+    uid = _exchange(key, uid, rank, timeout_s=wait_s)
+  info = {
+      "transport": names.NVSHMEM,
+      "pe": rank,
+      "num_pes": num_ranks,
+      "device": str(device),
+      "cuda_ordinal": ordinal,
+      "ranks_per_node": rpn,
+      "num_nodes": num_ranks // rpn,
+      "hosts": hosts,
+      "heap_bytes": params["heap_bytes"],
+      "overlap_heap_bytes": params["overlap_heap_bytes"],
+      "timeout_s": params["timeout_s"],
+      "parameters": params,
+  }
+  logger.info("jaxoverlap: NVSHMEM PE %d of %d on GPU %d, heap %d bytes", rank, num_ranks,
+              ordinal, params["heap_bytes"])
+  _start_up(lambda: ext.initialize(uid, rank, num_ranks, ordinal, params["heap_bytes"],
+                                   params["overlap_heap_bytes"],
+                                   int(params["timeout_s"] * 1e9), rpn),
+            wait_s, f"PE {rank} of {num_ranks}", "NVSHMEM's start-up", ext.init_stage)
+  _commit(info, tuning, {}, from_hosts)
+
+
+def _commit(info: dict[str, Any], tuning: tuple[str, dict | None], pes: dict[int, int],
+            from_hosts: int | None) -> None:
+  """Marks the runtime up, right after the native start-up returned: nothing here can fail.
+
+  From here ``is_initialized()`` is True and ``finalize()`` (also at exit)
+  shuts the native runtime down.
+  """
+  global _initialized, _generation, _info, _pe_by_device_id, _tuning, _ranks_per_node_from_hosts
+  _generation += 1
+  _initialized = True
+  _info = info
+  _tuning = tuning
+  _pe_by_device_id = pes
+  _ranks_per_node_from_hosts = from_hosts
+  atexit.register(finalize)
 
 
 def _initialize_peer(ext, devices, params: dict[str, Any]) -> None:
   """The in-process runtime on this process's GPUs (``initialize`` holds the lock)."""
-  global _initialized, _generation, _info, _pe_by_device_id
   import jax
 
   local = sorted(devices, key=lambda d: d.id)
@@ -519,19 +641,8 @@ def _initialize_peer(ext, devices, params: dict[str, Any]) -> None:
   first_pe = rank * num_local
   hosts = ([socket.gethostname()] if num_processes == 1 else
            _gather("host", socket.gethostname(), rank, num_processes, wait_s))
-  logger.info("jaxoverlap: in-process runtime on GPUs %s (PEs %d..%d of %d), heap %d bytes each",
-              ordinals, first_pe, first_pe + num_local - 1, num_local * num_processes,
-              params["heap_bytes"])
-  _start_up(lambda: ext.initialize_peer(ordinals, first_pe, num_local * num_processes,
-                                       params["heap_bytes"], params["overlap_heap_bytes"],
-                                       int(params["timeout_s"] * 1e9)),
-            wait_s, f"process {rank}, GPUs {ordinals}", "the in-process runtime's start-up",
-            ext.init_stage)
-  _share_tuning_table(rank, num_processes)
-  _generation += 1
-  _initialized = True
-  _pe_by_device_id = pes
-  _info = {
+  tuning = _shared_tuning_table(rank, num_processes, wait_s)
+  info = {
       "transport": names.PEER,
       "pe": first_pe,
       "pes": [pes[d.id] for d in local],
@@ -546,37 +657,94 @@ def _initialize_peer(ext, devices, params: dict[str, Any]) -> None:
       "timeout_s": params["timeout_s"],
       "parameters": params,
   }
+  logger.info("jaxoverlap: in-process runtime on GPUs %s (PEs %d..%d of %d), heap %d bytes each",
+              ordinals, first_pe, first_pe + num_local - 1, num_local * num_processes,
+              params["heap_bytes"])
+  _start_up(lambda: ext.initialize_peer(ordinals, first_pe, num_local * num_processes,
+                                       params["heap_bytes"], params["overlap_heap_bytes"],
+                                       int(params["timeout_s"] * 1e9)),
+            wait_s, f"process {rank}, GPUs {ordinals}", "the in-process runtime's start-up",
+            ext.init_stage)
+  _commit(info, tuning, pes, num_local)
 
 
-def _share_tuning_table(rank: int, num_ranks: int) -> None:
-  global _tuning
+def _rank_0_table() -> tuple[str, bytes]:
+  """Rank 0's tuning table file, unparsed: ``(path, its bytes)``, b"" where there is none.
+
+  Raises:
+    OSError: the file exists but cannot be read.
+  """
   from jaxoverlap.tuning import results
 
   path = results.default_tuning_path()
-  text = ""
-  if rank == 0:
-    if not os.path.exists(path):
-      # No table of the user's own: the one measured on this GPU model, if
-      # the package ships one (python -m jaxoverlap.tune makes one's own).
-      import jax
+  if not os.path.exists(path):
+    # No table of the user's own: the one measured on this GPU model, if
+    # the package ships one (python -m jaxoverlap.tune makes one's own).
+    import jax
 
-      kind = jax.local_devices()[0].device_kind.replace(" ", "_")
-      path = os.path.join(os.path.dirname(__file__), "tuning_tables", f"all_reduce-{kind}.json")
-    if os.path.exists(path):
-      with open(path) as f:
-        text = f.read()
-  if num_ranks > 1:
-    got = _exchange(f"jaxoverlap/{_generation}/tuning", (path + "\n" + text).encode()
-                    if rank == 0 else None, rank, timeout_s=120.0).decode()
-    path, _, text = got.partition("\n")
-  table = None
-  if text:
+    kind = jax.local_devices()[0].device_kind.replace(" ", "_")
+    path = os.path.join(os.path.dirname(__file__), "tuning_tables", f"all_reduce-{kind}.json")
+  if not os.path.exists(path):
+    return path, b""
+  with open(path, "rb") as f:
+    return path, f.read()
+
+
+def _parse_tuning_table(path: str, data: bytes) -> dict | None:
+  """The table in ``data`` (None when empty), checked as the policy needs it.
+
+  Raises:
+    ValueError: not JSON, or not a usable all-reduce table
+      (``tuning.validate_tuning_table``); the message names ``path``.
+  """
+  from jaxoverlap.tuning import results
+
+  if not data:
+    return None
+  try:
+    table = json.loads(data)
+  except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    raise ValueError(f"tuning table {path} is not valid JSON: {e}") from None
+  results.validate_tuning_table(table, f"tuning table {path}")
+  return table
+
+
+def _shared_tuning_table(rank: int, num_ranks: int, wait_s: float) -> tuple[str, dict | None]:
+  """Rank 0's all-reduce tuning table on every process, checked before the native start-up.
+
+  Rank 0 reads and checks its table first, then shares it (path and bytes)
+  under a ``jaxoverlap/`` key of the key-value store, a bad one too, so that
+  every process checks the same bytes and raises the same error instead of
+  waiting for rank 0.
+
+  Returns:
+    ``(path, table)``: the file rank 0 read (or would have read), and the
+    table, or None when there is none (the cost model decides).
+
+  Raises:
+    ValueError: rank 0's table is not valid JSON or not a usable all-reduce
+      table.
+    OSError: (rank 0) the file cannot be read.
+    RuntimeError: (other ranks) rank 0's table did not arrive within
+      ``wait_s`` (``init_timeout_s``).
+  """
+  path, data, error = "", b"", None
+  if rank == 0:
+    path, data = _rank_0_table()
     try:
-      table = json.loads(text)
-    except json.JSONDecodeError as e:
-      raise ValueError(f"tuning table {path} is not valid JSON: {e}") from None
-    results.validate_result(table, path)
-  _tuning = (path, table)
+      table = _parse_tuning_table(path, data)
+    except ValueError as e:
+      error = e
+  if num_ranks > 1:
+    got = _exchange(f"jaxoverlap/{_generation}/tuning",
+                    path.encode() + b"\n" + data if rank == 0 else None, rank, timeout_s=wait_s)
+    if rank != 0:
+      raw_path, _, data = got.partition(b"\n")
+      path = raw_path.decode()
+      table = _parse_tuning_table(path, data)
+  if error is not None:
+    raise error
+  return path, table
 
 
 def tuning_table() -> tuple[str, dict | None]:

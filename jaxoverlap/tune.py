@@ -218,7 +218,10 @@ def table_from_results(paths, command: str) -> dict:
   Keeps the records that are choices (kernels and ``xla:psum``; not auto or
   the launch floor) and the rejected configurations; machine and versions
   come from the first file, the method from each (named by file where they
-  differ).
+  differ). Every file must be the all-reduce's (benchmark ``all_reduce`` or
+  ``all_reduce_tuning``, every record of op ``all_reduce``), and the files
+  together must time at least one CUDA kernel: the checks of
+  ``tuning.validate_tuning_table``, which every table read for use passes.
 
   Args:
     paths: results files (JSON, the results format with ``"records"``).
@@ -226,8 +229,9 @@ def table_from_results(paths, command: str) -> dict:
 
   Raises:
     OSError: a file that cannot be read.
-    ValueError: a file that is not JSON or has no records, or files of
-      different machines.
+    ValueError: a file that is not JSON, has no records, or is not the
+      all-reduce's; files of different machines; files that time no CUDA
+      kernel (psum alone, or only ``auto`` and floors).
   """
   results = []
   for path in paths:
@@ -238,6 +242,9 @@ def table_from_results(paths, command: str) -> dict:
         raise ValueError(f"tune --from_results: {path} is not JSON ({e})") from e
     if not isinstance(results[-1], dict) or not results[-1].get("records"):
       raise ValueError(f"tune --from_results: {path} has no records")
+    tuning.check_all_reduce_records(results[-1], f"tune --from_results: {path}")
+  tuning.check_kernel_measured([rec for r in results for rec in r["records"]],
+                               f"tune --from_results: {', '.join(paths)}")
   machines = {r.get("machine") for r in results}
   if len(machines) > 1:
     raise ValueError(f"tune --from_results: the files come from different machines {machines}")
@@ -249,9 +256,11 @@ def table_from_results(paths, command: str) -> dict:
   methods = {r["method"] for r in results}
   method = first["method"] if len(methods) == 1 else "; ".join(
       f"{os.path.basename(p)}: {r['method']}" for p, r in zip(paths, results))
-  return tuning.make_result(records, machine=first["machine"], command=command,
-                            method=method, versions=first.get("versions"),
-                            params=first.get("params") or {}, rejected=rejected)
+  table = tuning.make_result(records, machine=first["machine"], command=command,
+                             method=method, versions=first.get("versions"),
+                             params=first.get("params") or {}, rejected=rejected)
+  tuning.validate_tuning_table(table, f"tune --from_results: the table of {', '.join(paths)}")
+  return table
 
 
 def main(argv):
@@ -263,7 +272,7 @@ def main(argv):
     try:
       result = table_from_results(FLAGS.from_results,
                                   "python -m jaxoverlap.tune " + " ".join(sys.argv[1:]))
-    except (OSError, ValueError) as e:  # a missing or unreadable file, not JSON, no records
+    except (OSError, ValueError) as e:  # unreadable, not JSON, no records, no kernel, another op
       print(f"jaxoverlap.tune: error: {e}", file=sys.stderr, flush=True)
       return 1
     print(f"wrote {tuning.save_result(result, FLAGS.out or None)} "
@@ -325,6 +334,11 @@ def main(argv):
         versions=tuning.package_versions(), params=params, rejected=rejected)
   if jax.process_count() > 1:
     result = _broadcast_json(result, rank)
+  try:  # every kernel rejected: such a table would hand every call to psum, and is refused
+    tuning.validate_tuning_table(result, "jaxoverlap.tune")
+  except ValueError as e:  # on every process alike (the same result)
+    print(f"jaxoverlap.tune: error: {e}; no table written", file=sys.stderr, flush=True)
+    return 1
   hosts = rt.get("hosts") or [None] * jax.process_count()
   if rank == 0 or hosts[rank] not in hosts[:rank]:  # first process of its host
     path = tuning.save_result(result, FLAGS.out or None)

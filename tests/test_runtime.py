@@ -6,6 +6,7 @@ a fake key-value store and a stuck function, and the parameter rules against a
 runtime marked as started.
 """
 
+import json
 import math
 import re
 import threading
@@ -121,9 +122,16 @@ def test_parameters_from_the_environment(monkeypatch):
     runtime._resolve(None, None, None, None, None)
 
 
+_PARAMETER_VARIABLES = ("JAXOVERLAP_HEAP_BYTES", "JAXOVERLAP_OVERLAP_HEAP_BYTES",
+                        "JAXOVERLAP_TIMEOUT_S", "JAXOVERLAP_RANKS_PER_NODE",
+                        "JAXOVERLAP_INIT_TIMEOUT_S")
+
+
 @pytest.fixture
 def started(monkeypatch):
   """The runtime as after initialize(): 1 GiB heap, 10 s timeout, 2 ranks per node."""
+  for name in _PARAMETER_VARIABLES:
+    monkeypatch.delenv(name, raising=False)
   params = runtime._resolve(1 << 30, None, 10.0, None, None)
   monkeypatch.setattr(runtime, "_initialized", True)
   monkeypatch.setattr(runtime, "_info", {"parameters": params, "ranks_per_node": 2, "pe": 0})
@@ -303,3 +311,299 @@ def test_finalize_without_jax_distributed_runs_nvshmem(monkeypatch):
   ext = _up_with_nvshmem(monkeypatch, None)  # jax.distributed shut down first: cannot check
   runtime.finalize()
   assert ext.finalized == 1
+
+
+# ---------------------------------------------------------------------------- on a fake GPU
+
+
+class _StrictStore(_FakeCoordinator):
+  """jax.distributed's store: a key, once set, cannot be set again; every barrier passes."""
+
+  def __init__(self):
+    super().__init__(passes=True)
+
+  def key_value_set(self, key, value):
+    if key in self.values:
+      raise RuntimeError(f"ALREADY_EXISTS: {key}")
+    super().key_value_set(key, value)
+
+
+class _FakeGPU:
+  platform, id, process_index, local_hardware_id, device_kind = "gpu", 0, 0, 0, "FAKE_GPU"
+
+  def __str__(self):
+    return "cuda:0"
+
+
+class _FakeRuntimeExtension(_FakeExtension):
+  """What initialize() and runtime_info() call of the extension; records the start-ups."""
+
+  def __init__(self):
+    super().__init__()
+    self.started = []
+
+  def get_unique_id(self):
+    return b"uid"
+
+  def initialize(self, *args):
+    self.started.append(args)
+
+  def init_stage(self):
+    return "fake"
+
+  def info(self):
+    return dict(slot_bytes=1, ll_slot_bytes=1, lamport_slot_bytes=0, lamport_blocks_per_sm=2,
+                overlap_slot_bytes=1, force_nvshmem_put=0, hierarchical_ll_kernel="v4",
+                epochs_at_start=False, norm_blocks_per_row=0)
+
+  def limits(self):
+    return {"max_group_size": 8}
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch, tmp_path):
+  """initialize()'s NVSHMEM path on a fake GPU, extension and key-value store.
+
+  Returns ``start(rank, hosts)`` -> ``(ext, store)``: this process is ``rank``
+  of ``len(hosts)`` (one GPU each), its peers' hosts already in the store for
+  the next few start-up attempts. The runtime's state is restored afterwards.
+  """
+  import jax
+
+  from jaxoverlap import _ffi
+
+  for name in ("_initialized", "_generation", "_info", "_facts", "_pe_by_device_id", "_tuning",
+               "_ranks_per_node_from_hosts"):
+    monkeypatch.setattr(runtime, name, getattr(runtime, name, None), raising=False)
+  for name in _PARAMETER_VARIABLES:
+    monkeypatch.delenv(name, raising=False)
+  for name in ("NVSHMEM_DISABLE_NVLS", "NVSHMEM_SYMMETRIC_SIZE",
+               "NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME"):  # initialize() sets them by default
+    monkeypatch.setenv(name, "test")
+  monkeypatch.setenv("JAXOVERLAP_TUNING_FILE", str(tmp_path / "no-table.json"))
+  monkeypatch.setattr(runtime.atexit, "register", lambda fn: fn)
+
+  def start(rank, hosts, store=None):
+    ext = _FakeRuntimeExtension()
+    store = store if store is not None else _StrictStore()
+    for generation in range(runtime._generation, runtime._generation + 4):
+      for r, host in enumerate(hosts):
+        if r != rank:
+          store.values[f"jaxoverlap/{generation}/host/{r}"] = host
+    monkeypatch.setattr(_ffi, "load", lambda: ext)
+    monkeypatch.setattr(_ffi, "unavailable_reason", lambda: None)
+    monkeypatch.setattr(runtime, "_platform", lambda: "gpu")
+    monkeypatch.setattr(runtime, "_kv_client", lambda: store)
+    monkeypatch.setattr(runtime.socket, "gethostname", lambda: hosts[rank])
+    monkeypatch.setattr(jax, "local_devices", lambda: [_FakeGPU()])
+    monkeypatch.setattr(jax, "process_index", lambda: rank)
+    monkeypatch.setattr(jax, "process_count", lambda: len(hosts))
+    return ext, store
+
+  return start
+
+
+@pytest.mark.parametrize("rpn,hosts", [(2, "a,b,a,b"), (1, "a,a,a,b"), (4, "a,a,b,b")],
+                         ids=["round-robin", "uneven", "one-domain"])
+def test_ranks_per_node_set_replaces_the_host_check(fake_gpu, monkeypatch, rpn, hosts):
+  """Issue: the messages said to set JAXOVERLAP_RANKS_PER_NODE, and the check raised anyway."""
+  ext, _ = fake_gpu(0, hosts.split(","))
+  monkeypatch.setenv("JAXOVERLAP_RANKS_PER_NODE", str(rpn))
+  info = runtime.initialize()
+  assert (info["ranks_per_node"], info["num_nodes"]) == (rpn, 4 // rpn)
+  assert ext.started[0][-1] == rpn  # the kernels' node = rank // ranks_per_node
+  assert runtime.facts().ranks_per_node == rpn
+
+
+def test_ranks_per_node_as_argument_replaces_the_host_check(fake_gpu):
+  ext, _ = fake_gpu(0, ["a", "b", "a", "b"])
+  assert runtime.initialize(ranks_per_node=1)["num_nodes"] == 4 and ext.started
+
+
+@pytest.mark.parametrize("hosts,match", [
+    ("a,b,a,b", r"process ranks are not grouped by node .*or set JAXOVERLAP_RANKS_PER_NODE"),
+    ("a,a,a,b", r"nodes hold different numbers of processes \{'a': 3, 'b': 1\}; set "
+                r"JAXOVERLAP_RANKS_PER_NODE"),
+])
+def test_hosts_are_checked_without_ranks_per_node(fake_gpu, hosts, match):
+  ext, _ = fake_gpu(0, hosts.split(","))
+  with pytest.raises(RuntimeError, match=match):
+    runtime.initialize()
+  assert not ext.started and not runtime.is_initialized()
+
+
+def test_ranks_per_node_set_must_divide_the_processes(fake_gpu):
+  ext, _ = fake_gpu(0, ["a", "a", "a", "a"])
+  with pytest.raises(ValueError, match="ranks_per_node=3 must divide the number of processes 4"):
+    runtime.initialize(ranks_per_node=3)
+  assert not ext.started
+
+
+def _table_file(tmp_path, table, name="table.json"):
+  path = tmp_path / name
+  path.write_text(table if isinstance(table, str) else json.dumps(table))
+  return str(path)
+
+
+def _shipped_table():
+  import jaxoverlap
+
+  with open(f"{jaxoverlap.__path__[0]}/tuning_tables/all_reduce-NVIDIA_H200.json") as f:
+    return json.load(f)
+
+
+@pytest.mark.parametrize("table,match", [
+    ({"not": "a table"}, "missing field 'benchmark'"),
+    ("{", "is not valid JSON"),
+    (dict(_shipped_table(), benchmark="decode"), "a results file of benchmark 'decode'"),
+    (dict(_shipped_table(), records=[r for r in _shipped_table()["records"]
+                                     if r["impl"] == "xla:psum"]),
+     "no record times a CUDA all-reduce kernel"),
+], ids=["not-a-table", "not-json", "another-benchmark", "psum-only"])
+def test_a_bad_tuning_table_fails_before_anything_starts(fake_gpu, monkeypatch, tmp_path, table,
+                                                         match):
+  """Issue: the table was read after NVSHMEM started; the retry met 'already initialised'."""
+  ext, _ = fake_gpu(0, ["a", "a"])
+  monkeypatch.setenv("JAXOVERLAP_TUNING_FILE", _table_file(tmp_path, table))
+  with pytest.raises(ValueError, match=match):
+    runtime.initialize()
+  assert not ext.started and not runtime.is_initialized()
+  runtime.finalize()  # a no-op: nothing was started
+  assert ext.finalized == 0
+  # Fixed, the retry starts once (with new keys: the store refuses to set a key twice).
+  good = _table_file(tmp_path, _shipped_table(), "good.json")
+  monkeypatch.setenv("JAXOVERLAP_TUNING_FILE", good)
+  runtime.initialize()
+  assert len(ext.started) == 1 and runtime.is_initialized()
+  assert runtime.tuning_table() == (good, _shipped_table())
+  runtime.finalize()
+  assert ext.finalized == 1 and not runtime.is_initialized()
+
+
+def test_a_bad_tuning_table_fails_before_the_in_process_runtime_starts(fake_gpu, monkeypatch,
+                                                                       tmp_path):
+  import jax
+
+  ext, _ = fake_gpu(0, ["a"])
+  gpus = [_FakeGPU(), _FakeGPU()]
+  gpus[1].id = gpus[1].local_hardware_id = 1
+  monkeypatch.setattr(jax, "local_devices", lambda: gpus)
+  monkeypatch.setattr(jax, "devices", lambda: gpus)
+  ext.initialize_peer = lambda *args: ext.started.append(args)
+  monkeypatch.setenv("JAXOVERLAP_TUNING_FILE", _table_file(tmp_path, {"not": "a table"}))
+  with pytest.raises(ValueError, match="missing field 'benchmark'"):
+    runtime.initialize()
+  assert not ext.started and not runtime.is_initialized()
+  monkeypatch.setenv("JAXOVERLAP_TUNING_FILE", _table_file(tmp_path, _shipped_table(), "ok.json"))
+  assert runtime.initialize()["transport"] == "peer" and len(ext.started) == 1
+  assert runtime.pe_of_device(gpus[1]) == 1
+
+
+def test_every_rank_refuses_rank_0s_bad_table_before_starting(fake_gpu):
+  """Rank 0's table reaches the others through the store; they check it before starting."""
+  import base64
+
+  ext, store = fake_gpu(1, ["a", "a"])
+  gen = runtime._generation
+  store.values[f"jaxoverlap/{gen}/nvshmem_uid"] = base64.b64encode(b"uid").decode()
+  store.values[f"jaxoverlap/{gen}/tuning"] = base64.b64encode(
+      b"/rank0/table.json\n" + json.dumps({"benchmark": "all_reduce"}).encode()).decode()
+  with pytest.raises(ValueError, match=r"tuning table /rank0/table.json: missing field 'machine'"):
+    runtime.initialize()
+  assert not ext.started and not runtime.is_initialized()
+
+
+def test_rank_0_shares_its_table_before_starting(fake_gpu, monkeypatch, tmp_path):
+  import base64
+
+  ext, store = fake_gpu(0, ["a", "a"])
+  path = _table_file(tmp_path, {"not": "a table"})
+  monkeypatch.setenv("JAXOVERLAP_TUNING_FILE", path)
+  with pytest.raises(ValueError, match="missing field 'benchmark'"):
+    runtime.initialize()
+  # Shared although bad, so that rank 1 raises the same error instead of waiting.
+  shared = base64.b64decode(store.values[f"jaxoverlap/{runtime._generation - 1}/tuning"])
+  assert shared == path.encode() + b"\n" + b'{"not": "a table"}'
+  assert not ext.started
+
+
+def test_the_tuning_table_wait_is_init_timeout_s(fake_gpu):
+  """Issue: rank 0's table was awaited 120 s whatever JAXOVERLAP_INIT_TIMEOUT_S said."""
+  import base64
+
+  ext, store = fake_gpu(1, ["a", "a"])
+  store.values[f"jaxoverlap/{runtime._generation}/nvshmem_uid"] = base64.b64encode(b"u").decode()
+  t0 = time.monotonic()
+  with pytest.raises(RuntimeError, match=re.escape(
+      f"rank 0's 'jaxoverlap/{runtime._generation}/tuning' did not arrive within 0.2 s "
+      "(init_timeout_s, JAXOVERLAP_INIT_TIMEOUT_S)")):
+    runtime.initialize(init_timeout_s=0.2)
+  assert time.monotonic() - t0 < 5 and not ext.started
+
+
+def test_without_a_gpu_the_message_says_so_not_the_build(monkeypatch):
+  """Issue: on a CPU, initialize() said to rebuild the extension with nvcc."""
+  import jax
+
+  from jaxoverlap import _ffi
+
+  def not_built():
+    raise RuntimeError("the CUDA extension jaxoverlap._jaxoverlap_cuda is not built; reinstall "
+                       "with nvcc on PATH")
+
+  monkeypatch.setattr(runtime, "_initialized", False)
+  monkeypatch.setattr(runtime, "_generation", runtime._generation)
+  monkeypatch.setattr(_ffi, "load", not_built)
+  cpus = jax.devices("cpu")[:1]
+  monkeypatch.setattr(jax, "local_devices", lambda: cpus)
+  with pytest.raises(RuntimeError, match=re.escape(
+      f"the CUDA backend needs NVIDIA GPUs; this process sees {[str(d) for d in cpus]}")):
+    runtime.initialize()
+
+
+def test_a_second_initialize_compares_the_environment_too(fake_gpu, monkeypatch):
+  """Issue: a changed JAXOVERLAP_HEAP_BYTES on the second call was silently dropped."""
+  ext, _ = fake_gpu(0, ["a"])
+  monkeypatch.setenv("JAXOVERLAP_HEAP_BYTES", "512M")
+  assert runtime.initialize()["heap_bytes"] == 512 << 20
+  monkeypatch.setenv("JAXOVERLAP_HEAP_BYTES", "2G")
+  with pytest.raises(RuntimeError, match=re.escape(
+      "already initialised with other parameters: heap_bytes=2147483648 (from "
+      "JAXOVERLAP_HEAP_BYTES='2G') (active: 536870912)")):
+    runtime.initialize()
+  monkeypatch.setenv("JAXOVERLAP_HEAP_BYTES", "512M")
+  assert runtime.initialize(init_timeout_s=5.0)["heap_bytes"] == 512 << 20  # not compared
+  assert runtime.initialize(heap_bytes=512 << 20)["heap_bytes"] == 512 << 20
+  monkeypatch.delenv("JAXOVERLAP_HEAP_BYTES")
+  with pytest.raises(RuntimeError, match=re.escape(
+      "heap_bytes=1073741824 (the default) (active: 536870912)")):
+    runtime.initialize()
+  assert len(ext.started) == 1
+
+
+@pytest.mark.parametrize("var,text,match", [
+    ("JAXOVERLAP_OVERLAP_HEAP_BYTES", "1G",
+     "overlap_heap_bytes=1073741824 (from JAXOVERLAP_OVERLAP_HEAP_BYTES='1G') (active: "
+     "2147483648)"),
+    ("JAXOVERLAP_TIMEOUT_S", "20",
+     "timeout_s=20.0 (from JAXOVERLAP_TIMEOUT_S='20') (active: 10.0)"),
+    ("JAXOVERLAP_RANKS_PER_NODE", "1",
+     "ranks_per_node=1 (from JAXOVERLAP_RANKS_PER_NODE='1') (active: 2)"),
+])
+def test_a_second_initialize_compares_each_variable(started, monkeypatch, var, text, match):
+  monkeypatch.setenv(var, text)
+  with pytest.raises(RuntimeError, match=re.escape(match)):
+    runtime.initialize()
+  monkeypatch.setenv("JAXOVERLAP_INIT_TIMEOUT_S", "5")  # bounds one call's waits: not compared
+  monkeypatch.delenv(var)
+  assert runtime.initialize() == {"initialized": True}
+
+
+def test_a_second_initialize_without_the_first_calls_ranks_per_node(fake_gpu):
+  """Set at the first call, unset at the second: the hosts' value is compared."""
+  fake_gpu(0, ["a", "a", "b", "b"])
+  runtime.initialize(ranks_per_node=1)
+  with pytest.raises(RuntimeError, match=re.escape(
+      "ranks_per_node=2 (from the hosts) (active: 1)")):
+    runtime.initialize()
+  assert runtime.initialize(ranks_per_node=1)["ranks_per_node"] == 1

@@ -3,6 +3,7 @@
 import json
 import math
 import os
+import re
 
 import numpy as np
 import pytest
@@ -461,9 +462,10 @@ def test_shipped_table_is_rebuilt_from_the_results_files(tmp_path):
   files = [os.path.join(root, "benchmarks", "results", f"all_reduce-2x_H200_NV18-{t}.json")
            for t in ("1x2", "2x1")]
   table = tune.table_from_results(files, "python -m jaxoverlap.tune --from_results ...")
-  tuning.validate_result(table)
+  tuning.validate_tuning_table(table)
   with open(os.path.join(root, "jaxoverlap", "tuning_tables", "all_reduce-NVIDIA_H200.json")) as f:
     shipped = json.load(f)
+  tuning.validate_tuning_table(shipped)
   assert table["records"] == shipped["records"]
   assert table["rejected"] == shipped["rejected"]
   assert {r["impl"] for r in table["records"]}.isdisjoint({"jaxoverlap:auto", "floor:launch"})
@@ -499,6 +501,113 @@ def test_from_results_reports_bad_files_in_one_line(tmp_path):
     line = [ln for ln in proc.stderr.splitlines() if ln.startswith("jaxoverlap.tune: error:")]
     assert len(line) == 1 and str(path) in line[0] and says in line[0], proc.stderr
   assert not (tmp_path / "table.json").exists()
+
+
+_RESULTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                        "benchmarks", "results")
+
+
+def _results_file(name):
+  return os.path.join(_RESULTS, name)
+
+
+def _psum_only(tmp_path):
+  path = tmp_path / "psum.json"
+  path.write_text(json.dumps(_result(_records({"xla:psum": TABLE["xla:psum"]}))))
+  return str(path)
+
+
+def _mixed_ops(tmp_path):
+  recs = _records(TABLE)
+  recs[1] = dict(recs[1], op="all_reduce_rms_norm")
+  path = tmp_path / "mixed.json"
+  path.write_text(json.dumps(dict(_result(recs), benchmark="all_reduce")))
+  return str(path)
+
+
+@pytest.mark.parametrize("files,says", [
+    (lambda t: [_results_file("overlap-2x_H200_NV18.json")],
+     "a results file of benchmark 'overlap', not an all-reduce table"),
+    (lambda t: [_results_file("decode-2x_H200_NV18.json")],
+     "a results file of benchmark 'decode'"),
+    (lambda t: [_results_file("all_reduce_rms_norm-2x_H200_NV18.json")],
+     "of benchmark 'all_reduce_rms_norm'"),
+    (lambda t: [_mixed_ops(t)], "records[1] is of op 'all_reduce_rms_norm', not 'all_reduce'"),
+    (lambda t: [_results_file("all_reduce-2x_H200_NV18-1x2-auto.json")],
+     "no record times a CUDA all-reduce kernel (impls: floor:launch, jaxoverlap:auto, xla:psum)"),
+    (lambda t: [_results_file("all_reduce-2x_H200_NV18-1x2-auto.json"),
+                _results_file("all_reduce-2x_H200_NV18-2x1-auto.json")],
+     "no record times a CUDA all-reduce kernel"),
+    (lambda t: [_psum_only(t)], "no record times a CUDA all-reduce kernel (impls: xla:psum)"),
+], ids=["overlap", "decode", "rms_norm", "mixed-ops", "auto-only", "two-auto-only", "psum-only"])
+def test_from_results_refuses_files_without_all_reduce_kernels(tmp_path, files, says):
+  """Issue: such files made a table that handed every all-reduce to psum, or held another op."""
+  paths = files(tmp_path)
+  with pytest.raises(ValueError) as e:
+    tune.table_from_results(paths, "cmd")
+  assert says in str(e.value) and paths[-1] in str(e.value), e.value
+
+
+def test_from_results_refusal_is_one_line_and_writes_nothing(tmp_path):
+  import subprocess
+  import sys
+
+  for path, says in ((_results_file("decode-2x_H200_NV18.json"), "benchmark 'decode'"),
+                     (_psum_only(tmp_path), "no record times a CUDA all-reduce kernel")):
+    proc = subprocess.run([sys.executable, "-m", "jaxoverlap.tune", "--from_results", path,
+                           "--out", str(tmp_path / "table.json")],
+                          capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    assert proc.returncode == 1, proc.stderr
+    lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("jaxoverlap.tune: error:")]
+    assert len(lines) == 1 and path in lines[0] and says in lines[0], proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr
+  assert not (tmp_path / "table.json").exists()
+
+
+def test_from_results_takes_an_auto_file_beside_one_of_kernels():
+  files = [_results_file("all_reduce-2x_H200_NV18-1x2.json"),
+           _results_file("all_reduce-2x_H200_NV18-1x2-auto.json")]
+  table = tune.table_from_results(files, "cmd")
+  tuning.validate_tuning_table(table)
+  assert {r["impl"] for r in table["records"]}.isdisjoint({"jaxoverlap:auto", "floor:launch"})
+
+
+def test_a_table_loaded_for_use_must_be_the_all_reduces_with_a_kernel(tmp_path):
+  """The policy refuses what --from_results refuses: no silent psum-only 'measured' table."""
+  psum = _psum_only(tmp_path)
+  for load in (tuning.load_result, tuning.Policy.load,
+               lambda p: tuning.Policy.from_result(json.load(open(p)), p)):
+    with pytest.raises(ValueError, match=re.escape(f"{psum}: no record times a CUDA all-reduce")):
+      load(psum)
+    with pytest.raises(ValueError, match=r"records\[1\] is of op 'all_reduce_rms_norm'"):
+      load(_mixed_ops(tmp_path))
+    with pytest.raises(ValueError, match="a results file of benchmark 'decode'"):
+      load(_results_file("decode-2x_H200_NV18.json"))
+  assert tuning.Policy.load(str(tmp_path / "none.json")).missing  # no file: the cost model
+
+
+def test_the_committed_all_reduce_files_pass():
+  """Every all_reduce-*.json is the all-reduce's; those that time kernels are usable tables."""
+  import glob
+
+  import jaxoverlap
+
+  files = sorted(glob.glob(os.path.join(_RESULTS, "all_reduce-*.json")))
+  assert len(files) >= 9
+  for path in files:
+    with open(path) as f:
+      result = json.load(f)
+    tuning.validate_result(result, path)
+    tuning.check_all_reduce_records(result, path)
+    if "-auto" in os.path.basename(path):  # auto against psum: no kernel by name
+      with pytest.raises(ValueError, match="no record times a CUDA all-reduce kernel"):
+        tuning.validate_tuning_table(result, path)
+    else:
+      tuning.validate_tuning_table(result, path)
+  for path in glob.glob(os.path.join(jaxoverlap.__path__[0], "tuning_tables", "*.json")):
+    assert tuning.load_result(path) is not None
+    tuning.Policy.load(path)
 
 
 def test_the_model_alone_never_picks_an_excluded_kernel():

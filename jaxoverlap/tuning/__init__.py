@@ -31,6 +31,8 @@ from jaxoverlap.tuning.cost_model import (
 )
 from jaxoverlap.tuning.policy import Choice, Policy, protocol_for
 from jaxoverlap.tuning.results import (
+    check_all_reduce_records,
+    check_kernel_measured,
     default_tuning_path,
     impl_name,
     load_result,
@@ -39,6 +41,7 @@ from jaxoverlap.tuning.results import (
     parse_impl,
     save_result,
     validate_result,
+    validate_tuning_table,
 )
 from jaxoverlap.tuning.timing import (
     chain_time_s,
@@ -52,6 +55,7 @@ __all__ = [
     "ALGORITHMS", "PROTOCOLS", "PSUM", "PARAM_KEYS", "LinkParams", "CostParams", "DEFAULT_PARAMS",
     "params_from_env", "predict_us", "Choice", "Policy", "protocol_for", "default_tuning_path",
     "impl_name", "parse_impl", "package_versions", "make_result", "validate_result",
-    "load_result", "save_result", "run_tuning", "chain_time_s", "time_chain_us", "time_chains_us",
+    "validate_tuning_table", "check_all_reduce_records", "check_kernel_measured", "load_result",
+    "save_result", "run_tuning", "chain_time_s", "time_chain_us", "time_chains_us",
     "time_interleaved",
 ]

@@ -189,12 +189,14 @@ class Policy:
       **kwargs: ``algorithms``, ``protocols`` as in ``Policy``.
 
     Raises:
-      ValueError: ``result`` is not a valid table.
+      ValueError: ``result`` is not a valid all-reduce table
+        (``results.validate_tuning_table``: e.g. records of another op, or no
+        kernel timed).
     """
     path = path or results.default_tuning_path()
     if result is None:
       return cls((), cost_model.params_from_env(), path=path, missing=True, **kwargs)
-    results.validate_result(result, path)
+    results.validate_tuning_table(result, path)
     params = cost_model.params_from_env(cost_model.DEFAULT_PARAMS.replace(**result.get("params", {})))
     return cls(result["records"], params, path=path, **kwargs)
 

@@ -14,7 +14,9 @@ Algorithm:
   ``ranks_per_node`` and ``time_us`` (the median latency of one op, in
   microseconds). Tuning tables (benchmark ``all_reduce_tuning``) add the
   cost-model ``params`` and the configurations ``rejected`` by their
-  correctness check. ``save_result`` writes atomically.
+  correctness check. ``save_result`` writes atomically. A table the policy
+  reads (``validate_tuning_table``) is the all-reduce's and times at least one
+  CUDA kernel.
 
 Example:
   >>> from jaxoverlap.tuning import results
@@ -43,6 +45,9 @@ __all__ = [
     "package_versions",
     "make_result",
     "validate_result",
+    "check_all_reduce_records",
+    "check_kernel_measured",
+    "validate_tuning_table",
     "load_result",
     "save_result",
 ]
@@ -155,11 +160,75 @@ def validate_result(result: Any, where: str = "tuning table") -> None:
   cost_model.DEFAULT_PARAMS.replace(**result.get("params", {}))  # raises on a bad key or value
 
 
-def load_result(path: str | None = None) -> dict[str, Any] | None:
-  """Reads and validates a tuning table; None when the file does not exist.
+# The benchmarks whose files hold all-reduce records: the tuner's tables and
+# benchmarks/all_reduce.py's results.
+ALL_REDUCE_BENCHMARKS = ("all_reduce_tuning", "all_reduce")
+
+
+def check_all_reduce_records(result: Mapping[str, Any], where: str = "tuning table") -> None:
+  """Checks that a results file is the all-reduce's: its benchmark and every record's op.
+
+  Args:
+    result: a results file (a JSON object with ``records``).
+    where: the file, for the messages.
 
   Raises:
-    ValueError: the file is not valid JSON or not a valid table.
+    ValueError: a benchmark other than ``ALL_REDUCE_BENCHMARKS`` or a record
+      of another op than ``all_reduce``; the message names it.
+  """
+  benchmark = result.get("benchmark")
+  if benchmark not in ALL_REDUCE_BENCHMARKS:
+    raise ValueError(f"{where}: a results file of benchmark {benchmark!r}, not an all-reduce "
+                     f"table (benchmark {' or '.join(map(repr, ALL_REDUCE_BENCHMARKS))})")
+  for i, rec in enumerate(result.get("records") or ()):
+    op = rec.get("op") if isinstance(rec, Mapping) else None
+    if op != "all_reduce":
+      raise ValueError(f"{where}: records[{i}] is of op {op!r}, not 'all_reduce'")
+
+
+def check_kernel_measured(records: Sequence[Mapping[str, Any]],
+                          where: str = "tuning table") -> None:
+  """Checks that ``records`` time at least one CUDA all-reduce kernel.
+
+  A table of ``xla:psum`` alone would make ``algorithm="auto"`` hand every
+  all-reduce to XLA as "measured" without a kernel timed; one of no usable
+  record (``auto``, floors) would leave every choice to the cost model.
+
+  Raises:
+    ValueError: no record's ``impl`` is a kernel (``parse_impl`` other than
+      psum); the message lists the impls found.
+  """
+  impls = sorted({str(rec.get("impl")) for rec in records if isinstance(rec, Mapping)})
+  parsed = [parse_impl(impl) for impl in impls]
+  if not any(p is not None and p[0] != PSUM for p in parsed):
+    raise ValueError(f"{where}: no record times a CUDA all-reduce kernel (impls: "
+                     f"{', '.join(impls) or 'none'}); such a table would hand every all-reduce "
+                     "to xla:psum or the cost model. Build it from files that time the kernels "
+                     "(python -m jaxoverlap.tune, or benchmarks/all_reduce.py's default impls)")
+
+
+def validate_tuning_table(result: Any, where: str = "tuning table") -> None:
+  """Checks a table for the all-reduce policy: ``validate_result``, then its contents.
+
+  The layout and ``params`` (``validate_result``), the all-reduce's benchmark
+  and op (``check_all_reduce_records``) and at least one kernel timed
+  (``check_kernel_measured``). ``Policy.from_result``, ``load_result``,
+  ``initialize()`` and ``python -m jaxoverlap.tune`` check every table this
+  way.
+
+  Raises:
+    ValueError: the table fails one of these checks; the message names it.
+  """
+  validate_result(result, where)
+  check_all_reduce_records(result, where)
+  check_kernel_measured(result["records"], where)
+
+
+def load_result(path: str | None = None) -> dict[str, Any] | None:
+  """Reads a tuning table and checks it (``validate_tuning_table``); None when there is no file.
+
+  Raises:
+    ValueError: the file is not valid JSON or not a valid all-reduce table.
   """
   path = path or default_tuning_path()
   try:
@@ -169,7 +238,7 @@ def load_result(path: str | None = None) -> dict[str, Any] | None:
     return None
   except json.JSONDecodeError as e:
     raise ValueError(f"tuning table {path} is not valid JSON: {e}") from None
-  validate_result(result, path)
+  validate_tuning_table(result, path)
   return result
 
 
