@@ -31,7 +31,8 @@ Errors:
   code or signal (on a timeout: the ranks still running). The launcher exits
   with the status of the first rank to fail, in time order (128+N for a rank
   killed by signal N), 124 on a timeout, 128+N when it got signal N itself,
-  else 0. ``initialize_from_env()`` raises a ValueError that names the
+  127 when a rank's process cannot be started (e.g. a ``--wrapper`` that is
+  not installed), else 0. ``initialize_from_env()`` raises a ValueError that names the
   variables when the launcher's or SLURM's are partial or malformed.
 
 Usage:
@@ -467,7 +468,8 @@ prefixed with [rank N]. When a rank fails, --timeout_s passes, or the launcher
 gets SIGINT, SIGTERM or SIGHUP, every rank's process group is stopped (SIGTERM,
 then SIGKILL after 5 s). The exit status is that of the first rank to fail
 (128+N for a rank killed by signal N), 124 on a timeout, 128+N for signal N to
-the launcher, else 0.
+the launcher, 127 when a rank cannot be started (e.g. a --wrapper not found),
+else 0.
 """
 
 
@@ -649,14 +651,21 @@ def main(argv: list[str] | None = None) -> int:
         env.setdefault("NCCL_NVLS_ENABLE", "0")
         if a.share_gpu or (a.num_gpus and a.num_gpus < a.nproc):
           env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", str(round(0.6 / a.nproc, 3)))
-        p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                             start_new_session=True)
+        try:
+          p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               start_new_session=True)
+        except OSError as e:  # e.g. a --wrapper that is not installed
+          raise _StartFailed(f"cannot start rank {rank}: {shlex.join(cmd)}: "
+                             f"{e.strerror or e}") from None
         procs.append(p)
         threading.Thread(target=_reap, args=(p, rank, ended), daemon=True).start()
         t = threading.Thread(target=_pump, args=(p.stdout, rank, sys.stdout), daemon=True)
         t.start()
         pumps.append(t)
       code = _watch(procs, ended, a.timeout_s)
+    except _StartFailed as e:
+      _say(str(e) + (f"; stopping {_ranks(range(len(procs)))}" if procs else ""))
+      code = 127  # the shell's "command not found"
     except (KeyboardInterrupt, _Signalled) as e:
       _ignore(saved)
       signum = e.signum if isinstance(e, _Signalled) else signal.SIGINT
@@ -675,6 +684,10 @@ def main(argv: list[str] | None = None) -> int:
   for t in pumps:  # drain what the processes printed before they ended
     t.join(timeout=5.0)
   return code
+
+
+class _StartFailed(Exception):
+  """A rank's process could not be started (the message says which and why)."""
 
 
 def _ignore(saved) -> None:

@@ -492,3 +492,14 @@ def test_more_usage_errors(args, why):
                         *(["x.py"] if args[0] != "-m" else [])],
                        capture_output=True, text=True, env=_env())
   assert out.returncode == 2 and why in out.stderr, out.stderr
+
+
+def test_a_wrapper_that_cannot_start_is_named_not_a_traceback(tmp_path):
+  script = tmp_path / "x.py"
+  script.write_text("print('ran')\n")
+  out = subprocess.run([sys.executable, "-m", "jaxoverlap.launch", "--nproc", "2", "--wrapper",
+                        str(tmp_path / "no-such-tool"), str(script)],
+                       capture_output=True, text=True, env=_env(), timeout=60)
+  assert out.returncode == 127, (out.returncode, out.stderr)
+  assert "cannot start rank 0" in out.stderr and "no-such-tool" in out.stderr, out.stderr
+  assert "Traceback" not in out.stderr and "ran" not in out.stdout
