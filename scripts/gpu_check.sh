@@ -48,8 +48,10 @@
 #       2 x 1 run, then auto with that table beside psum, in two and in one process); 4/8 GPUs:
 #       multigpu_bench | multigpu_fused
 #   (several benchmark verbs in one call: bash scripts/gpu_check.sh bench autobench)
-# Uses the machine's preinstalled packages (nothing is downloaded). A verb that needs more GPUs
-# than the machine has (most benchmarks need 2) says so and exits 2 before the build.
+# Uses the machine's preinstalled packages (nothing is downloaded). Every verb named is checked
+# before anything is built or run: an unknown one prints the usage, and one that needs more GPUs
+# than the machine has (most benchmarks need 2, the one-GPU probes 1) says so; both exit 2.
+# build and suite run on any machine (without a GPU the suite skips).
 set -uo pipefail
 SELF="$(cd "$(dirname "$0")" && pwd)/$(basename "$0")"
 cd "$(dirname "$SELF")/.." || exit 1
@@ -63,22 +65,31 @@ VERBS="$VERBS ovcalibrate train cmdbufcost profile ovprofilegraphs decode procbe
 VERBS="$VERBS multigpu_fused normbench decodefloor pallasbench retune lamportab contention"
 VERBS="$VERBS ovrepeat ovrepeat2 pdlfloor epochab epochab2 tune1process localcost l2prefetch"
 VERBS="$VERBS childgraph hierab "
-if [ -z "$WHAT" ] || [[ "$VERBS" != *" $WHAT "* ]]; then
-  echo "usage: bash scripts/gpu_check.sh <verb> (verbs:$VERBS)" >&2
-  exit 2
-fi
+# The verbs of this call: the first, and with several (not suite, whose further arguments are
+# pytest's) every one, each checked against VERBS before anything is built or run.
+named=("$WHAT"); [ "$WHAT" = suite ] || [ $# -le 1 ] || named=("$@")
+for w in "${named[@]}"; do
+  if [ -z "$w" ] || [[ "$w" = *[[:space:]]* ]] || [[ "$VERBS" != *" $w "* ]]; then
+    [ -z "$w" ] || echo "gpu_check.sh: unknown verb '$w'" >&2
+    echo "usage: bash scripts/gpu_check.sh <verb> (verbs:$VERBS)" >&2
+    exit 2
+  fi
+done
 NGPU=$(nvidia-smi -L 2>/dev/null | wc -l)
 # The GPUs a verb needs: the N of its `if [ "$WHAT" = <verb> ] && [ "$NGPU" -ge N ]` below
-# (none where it has no such line: build, suite and the one-GPU probes run on any machine).
+# (2 or 4 for the benchmarks, 1 for the one-GPU probes; none where it has no such line: build
+# and suite run on any machine).
 too_few() {  # too_few <verb>: says so and succeeds where the machine has fewer GPUs than it needs
   local need
   need=$(grep -oE "\"\\\$WHAT\" = $1 \\] && \\[ \"\\\$NGPU\" -ge [0-9]+" "$SELF" \
     | grep -oE '[0-9]+$' | sort -n | tail -1)
   [ -n "$need" ] && [ "$NGPU" -lt "$need" ] || return 1
-  echo "gpu_check.sh: $1 needs $need GPUs; this machine has $NGPU" | tee -a "$OUT/too-few-gpus.txt" >&2
+  echo "gpu_check.sh: $1 needs $need GPU$([ "$need" = 1 ] || echo s); this machine has $NGPU" \
+    | tee -a "$OUT/too-few-gpus.txt" >&2
 }
 if [ "$WHAT" != suite ] && [ $# -gt 1 ]; then  # several benchmark verbs in one call
-  # Every verb checked first: one that cannot run stops the call before anything is built.
+  # Every verb checked first (its name above, its GPUs here): one that cannot run stops the call
+  # before anything is built.
   few=0; for w in "$@"; do too_few "$w" && few=1; done; [ $few = 0 ] || exit 2
   rc=0; for w in "$@"; do SKIP_BUILD=${SKIP_BUILD:-} bash "$SELF" "$w" || rc=1; SKIP_BUILD=1; done; exit $rc
 fi
@@ -367,10 +378,12 @@ if [ "$WHAT" = train ] && [ "$NGPU" -ge 2 ]; then
   run train_step "$T" $PY -m jaxoverlap.launch --nproc 2 --timeout_s $((T - 10)) benchmarks/train_step.py \
     --out "$OUT" --presets ${TRAIN_PRESETS:-gpu_small} ${TRAIN_FLAGS:-}
 fi
-if [ "$WHAT" = pdlfloor ]; then  # one GPU: what PDL saves a one-kernel custom call in XLA's graphs
+# one GPU: what PDL saves a one-kernel custom call in XLA's graphs
+if [ "$WHAT" = pdlfloor ] && [ "$NGPU" -ge 1 ]; then
   run launch_floor_pdl 200 $PY benchmarks/launch_floor_pdl.py --out "$OUT" ${PDL_FLAGS:-}
 fi
-if [ "$WHAT" = childgraph ]; then  # one GPU: a kernel as a kernel node and as a child graph
+# one GPU: a kernel as a kernel node and as a child graph
+if [ "$WHAT" = childgraph ] && [ "$NGPU" -ge 1 ]; then
   # Built three ways: whole-program, -rdc=true (as the extension's code), and -rdc=true with
   # NVSHMEM's device library linked into the module (as the extension's).
   NV=$($PY -c "import nvidia.nvshmem as m; print(list(m.__path__)[0])")
@@ -393,16 +406,18 @@ if [ "$WHAT" = childgraph ]; then  # one GPU: a kernel as a kernel node and as a
   done
   rm -f "$OUT"/probe_whole "$OUT"/probe_rdc "$OUT"/probe_nvshmem "$OUT/probe_build.log"
 fi
-if [ "$WHAT" = localcost ]; then  # one GPU: the kernels' cost without communication
+# one GPU: the kernels' cost without communication
+if [ "$WHAT" = localcost ] && [ "$NGPU" -ge 1 ]; then
   for c in ${LOCAL_CLUSTERS:-0 1}; do  # 0: the kernel's own split of a row over blocks
     run "local_cost_cluster$c" 200 JAXOVERLAP_NORM_CLUSTER=$c $PY benchmarks/local_cost.py \
       --out "$OUT/cluster$c" ${LOCAL_FLAGS:-}
   done
 fi
-if [ "$WHAT" = l2prefetch ]; then  # one GPU: prefetching the next GEMM's weight during a wait
+# one GPU: prefetching the next GEMM's weight during a wait
+if [ "$WHAT" = l2prefetch ] && [ "$NGPU" -ge 1 ]; then
   run l2_prefetch 400 $PY benchmarks/l2_prefetch.py --out "$OUT" ${L2_FLAGS:-}
 fi
-if [ "$WHAT" = decodefloor ]; then  # one GPU is enough: no communication
+if [ "$WHAT" = decodefloor ] && [ "$NGPU" -ge 1 ]; then  # one GPU is enough: no communication
   run decode_floor 400 $PY benchmarks/decode_floor.py --out "$OUT" --batches ${FLOOR_BATCHES:-1,16} \
     ${FLOOR_FLAGS:-}
 fi
