@@ -5,6 +5,14 @@ Run one process per GPU through the launcher:
   python -m jaxoverlap.launch --nproc 2 benchmarks/all_reduce.py
   JAXOVERLAP_RANKS_PER_NODE=1 python -m jaxoverlap.launch --nproc 2 benchmarks/all_reduce.py
 
+The default implementations (and floor:launch) need the CUDA extension on
+NVIDIA GPUs; without them the script stops with one line naming what is
+missing. Only the XLA implementations (xla:psum, jaxoverlap:xla:collective,
+jaxoverlap:xla:ppermute) run anywhere, which is the CPU smoke path:
+
+  python benchmarks/all_reduce.py --host_devices 2 --out /tmp/all_reduce \
+      --impls xla:psum,jaxoverlap:xla:ppermute --sizes 8K,64K --reps 3
+
 Method: the chain method of jaxoverlap.tuning.timing: for each size, a chain of
 --chain dependent ops in one jit (10 above 8 MiB), minus the same chain
 without them, divided by the chain length. The implementations of a size are
@@ -35,7 +43,7 @@ AXIS = "x"
 
 
 def define_flags():
-  harness.define_flags("out", "machine", "dtype", "impls",
+  harness.define_flags("out", "machine", "dtype", "impls", "host_devices",
                        chain=(50, "ops per jit'd chain (10 above 8 MiB)"), reps=30)
   flags.DEFINE_list("sizes", "8K,16K,32K,64K,128K,256K,512K,1M,2M,4M,16M,64M,256M",
                     "per-rank message sizes (bytes; K/M suffix)")
@@ -49,10 +57,44 @@ def default_impls(num_nodes: int) -> list[str]:
   return [f"jaxoverlap:{a}" for a in ours] + [harness.AUTO, harness.PSUM, harness.LAUNCH_FLOOR]
 
 
+def needs_cuda(impl: str) -> bool:
+  """Whether ``impl`` runs the CUDA extension (all but the XLA backend's).
+
+  Raises:
+    ValueError: an unknown impl name.
+  """
+  if impl == harness.LAUNCH_FLOOR:
+    return True
+  if impl == harness.PSUM:
+    return False
+  return harness.impl_kwargs("all_reduce", impl)["backend"] != "xla"
+
+
+def cuda_missing(platform: str) -> str | None:
+  """Why the CUDA implementations cannot run here (no GPU, no extension), or None."""
+  if platform != "gpu":
+    return f"JAX runs on {platform!r} here, not on NVIDIA GPUs"
+  from jaxoverlap import _ffi  # the extension's own reason (not built, cannot load)
+
+  return _ffi.unavailable_reason()
+
+
 def main(argv):
   del argv
   fl = flags.FLAGS
+  try:
+    cuda_impls = [i for i in fl.impls if needs_cuda(i)]
+    sizes = [harness.parse_bytes(s) for s in fl.sizes]
+  except ValueError as e:
+    raise app.UsageError(f"--impls/--sizes: {e}") from e
+  harness.use_host_devices(fl.host_devices)
   run = harness.start(AXIS)
+  missing = cuda_missing(run.platform)
+  if missing and (cuda_impls or not fl.impls):
+    named = ", ".join(cuda_impls) if fl.impls else "the default impls"
+    raise SystemExit(f"all_reduce.py: {named} run the CUDA extension on NVIDIA GPUs: "
+                     f"{missing}. Only the XLA impls ({harness.PSUM}, jaxoverlap:xla:collective, "
+                     "jaxoverlap:xla:ppermute) run without it (--impls)")
   import jax
   import jax.numpy as jnp
   import numpy as np
@@ -107,7 +149,7 @@ def main(argv):
     return None
 
   records, rejected = tuning.run_tuning(
-      None, check, impls, [harness.parse_bytes(s) for s in fl.sizes], dtype=dtype.name,
+      None, check, impls, sizes, dtype=dtype.name,
       ranks_per_node=run.ranks_per_node, world=run.world, log=run.log, measure_row=measure_row)
   for r in records:
     r.update(num_nodes=run.num_nodes, inter_node_transport=run.runtime.get("inter_node_transport"),
@@ -116,10 +158,11 @@ def main(argv):
   for r in rejected:
     run.log(f"WRONG: {r['impl']} at {r['bytes']} B: {r['reason']}")
   if run.rank == 0:
-    path = harness.path(fl.out, "all_reduce", fl.machine,
+    machine = harness.machine_name(fl.machine)
+    path = harness.path(fl.out, "all_reduce", machine,
                         f"-{run.num_nodes}x{run.ranks_per_node}")
     harness.write_result(
-        path, records, benchmark="all_reduce", machine=fl.machine,
+        path, records, benchmark="all_reduce", machine=machine,
         script="benchmarks/all_reduce.py", rejected=rejected,
         method=(f"median of {fl.reps} rounds, each timing the empty chain and then every impl's "
                 f"chain of ops in one jit ({fl.chain} ops up to 8 MiB, 10 above) once, "

@@ -86,6 +86,11 @@ def make_op(impl: str, residual, weight, backend: str):
 def main(argv):
   del argv
   fl = flags.FLAGS
+  try:
+    shapes = [(r, h) for h in harness.parse_ints("hidden", fl.hidden)
+              for r in harness.parse_ints("rows", fl.rows)]
+  except ValueError as e:
+    raise app.UsageError(str(e)) from e
   harness.use_host_devices(fl.host_devices)
   run = harness.start(AXIS)
   import jax
@@ -101,7 +106,6 @@ def main(argv):
   impls = fl.impls or list(IMPLS)
   jaxoverlap.clear_decisions()
   records, rejected = [], []
-  shapes = [(int(r), int(h)) for h in fl.hidden for r in fl.rows]
   for i, (rows, hidden) in enumerate(shapes):
     rng = np.random.default_rng([fl.seed, rows, hidden])
     # Each rank's p ~ N(0, 1) / world, the residual ~ N(0, 1), the weight ~ 1 + N(0, 0.1).
@@ -141,14 +145,16 @@ def main(argv):
     run.log(f"({i + 1}/{len(shapes)}) " + "  ".join(line))
   if run.rank == 0:
     _print_table(records)
-    path = harness.path(fl.out, OP, fl.machine)
+    machine = harness.machine_name(fl.machine)
+    path = harness.path(fl.out, OP, machine)
     harness.write_result(
-        path, records, benchmark=OP, machine=fl.machine,
+        path, records, benchmark=OP, machine=machine,
         script="benchmarks/all_reduce_rms_norm.py", rejected=rejected,
         method=(f"median of {fl.reps} runs of a chain of {fl.chain} calls in one jit (each "
                 "call's y the next call's p), minus the same chain without them, divided by "
                 f"the chain length; every impl first checked against {PSUM_NORM}"),
-        extra={"plans": [p.summary() for p in jaxoverlap.decisions(OP)][-len(shapes):]})
+        extra={"plans": [p.summary() for p in jaxoverlap.decisions(OP)][-len(shapes):],
+               "platform": run.platform, "world": run.world})
     run.log(f"wrote {path}")
   return 1 if rejected else 0
 

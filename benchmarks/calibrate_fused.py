@@ -49,6 +49,9 @@ or a measured size on the wrong side of ``FUSED_ALL_REDUCE_MIN_BYTES`` by more
 than a tie. The measured threshold and GEMM rate are printed beside the current
 values for information; a different but consistent threshold (e.g. 16 MiB
 where 16 MiB is a tie) does not count.
+It stops with a message (a non-zero exit, nothing written) when no file
+holds overlap records or no configuration of the fused kernel was measured:
+an empty analysis is no check.
 
 One sweep alone is noisy (see the repeat spread): a regret or a threshold near
 the limit can flip between runs, so check a change against several sweeps
@@ -286,8 +289,20 @@ def main(argv):
   paths = [p for p in fl.results if p]
   if not paths:
     raise SystemExit("--results: no files given")
-  results = [harness.load_json(p) for p in paths]
+  try:
+    results = [harness.load_json(p) for p in paths]
+  except (OSError, ValueError) as e:
+    raise SystemExit(f"calibrate_fused.py: --results: {e}") from e
+  fused_ops = set(overlap.OPS.values())
+  if not any(isinstance(r, Mapping) and r.get("op") in fused_ops
+             for res in results for r in (res.get("records") or [])):
+    raise SystemExit(f"calibrate_fused.py: no overlap records (ops {', '.join(sorted(fused_ops))})"
+                     f" in {', '.join(paths)}: nothing to check (want the JSON files of "
+                     "benchmarks/overlap.py's chunk sweeps)")
   report = analyze(results, fl.regret_limit)
+  if not report["chunks"] and not report["all_reduce"]:
+    raise SystemExit(f"calibrate_fused.py: nothing measured in {', '.join(paths)}: no "
+                     f"{AUTO} or {AUTO}/c<k> times of any shape; the policy is not checked")
   print(table(report))
   machine = results[0].get("machine", "unknown")
   path = harness.path(fl.out, BENCHMARK, machine)

@@ -442,6 +442,14 @@ def check_tiny(mesh, impl: str, dtype: str, seed: int, min_matmul_rows: int = 1)
                     min_matmul_rows)
 
 
+def _refusal(check: Callable[..., str | None], *args) -> str | None:
+  """``check(*args)``'s verdict; an exception (e.g. a backend that cannot run here) is one."""
+  try:
+    return check(*args)
+  except Exception as e:  # noqa: BLE001: a refusal is a rejection, recorded with its reason
+    return f"{type(e).__name__}: {e}".splitlines()[0][:300]
+
+
 def run(cfg: DecoderConfig, mesh, *, impls: list[str], batches: list[int], prompt_len: int,
         num_tokens: int, reps: int, warmup: int = 2, check_steps: int = 4, seed: int = 0,
         unroll: int = 1, topology: tuple[int, int] | None = None, min_matmul_rows: int = 1,
@@ -466,7 +474,7 @@ def run(cfg: DecoderConfig, mesh, *, impls: list[str], batches: list[int], promp
     ``(records, rejected)``: records of the results format of
     jaxoverlap.tuning.results ("decode_token"; time_us per token), and
     ``{"impl", "batch", "reason"}`` for implementations that failed a check
-    (not timed).
+    or raised in it (not timed).
 
   Raises:
     ValueError: sizes that do not fit (the layers' own checks of the config
@@ -481,7 +489,8 @@ def run(cfg: DecoderConfig, mesh, *, impls: list[str], batches: list[int], promp
   rejected = []
   alive = []
   for impl in impls:
-    why = None if impl == PSUM else check_tiny(mesh, impl, cfg.dtype, seed, min_matmul_rows)
+    why = None if impl == PSUM else _refusal(check_tiny, mesh, impl, cfg.dtype, seed,
+                                             min_matmul_rows)
     if why:
       log(f"CHECK FAILED: {impl} on the tiny model: {why}; {impl} is not timed")
       rejected.append({"impl": impl, "batch": None, "reason": "tiny model: " + why})
@@ -502,7 +511,8 @@ def run(cfg: DecoderConfig, mesh, *, impls: list[str], batches: list[int], promp
       why = None
       if impl != PSUM and check_steps:
         inputs = rng.integers(0, cfg.vocab, (check_steps, batch), dtype=np.int32)
-        why = check_impl(cfg, mesh, params, cache, inputs, prompt_len, impl, min_matmul_rows)
+        why = _refusal(check_impl, cfg, mesh, params, cache, inputs, prompt_len, impl,
+                       min_matmul_rows)
       if why:
         log(f"CHECK FAILED: {impl} at batch {batch}: {why}; {impl} is not timed")
         rejected.append({"impl": impl, "batch": batch, "reason": why})
@@ -664,21 +674,47 @@ def define_flags():
                        warmup=(2, "untimed calls per implementation"))
 
 
+def ours_impl(backend: str, algorithm: str) -> str:
+  """``"jaxoverlap:<backend>:<algorithm>"`` of ``--backend`` and ``--algorithm``.
+
+  Raises:
+    ValueError: naming the flag whose value is not one of the op's.
+  """
+  from jaxoverlap import names
+
+  impl = f"jaxoverlap:{backend}:{algorithm}"
+  if backend not in names.BACKENDS:
+    raise ValueError(f"--backend: {backend!r} is not one of {', '.join(names.BACKENDS)}")
+  try:
+    harness.impl_kwargs(names.ALL_REDUCE, impl)
+  except ValueError:
+    algs = names.algorithms(names.ALL_REDUCE, None if backend == names.AUTO else backend)
+    protocol = "" if backend == names.XLA else ", or a CUDA one with its protocol: one_shot_ll"
+    raise ValueError(f"--algorithm: {algorithm!r} is no all_reduce algorithm of --backend "
+                     f"{backend!r} (auto, {', '.join(algs)}{protocol})") from None
+  return impl
+
+
 def main(argv):
   del argv
-  from absl import flags
+  from absl import app, flags
 
   fl = flags.FLAGS
+  ours = f"jaxoverlap:{fl.backend}:{fl.algorithm}"
+  try:
+    ours_impl(fl.backend, fl.algorithm)
+    batches = harness.parse_ints("batches", fl.batches)
+  except ValueError as e:
+    raise app.UsageError(str(e)) from e
   harness.use_host_devices(fl.host_devices)
   run_ = harness.start(AXIS)
   cfg = config_from_flags(fl)
-  ours = f"jaxoverlap:{fl.backend}:{fl.algorithm}"
   impls = {"both": [PSUM, ours], "psum": [PSUM], "jaxoverlap": [ours]}[fl.impl]
   if fl.fuse_norm and fl.impl != "psum":
     impls.append(ours + FUSE_NORM)
   run_.log(f"decode: world {run_.world} ({run_.platform}), {cfg}, impls {impls}")
   records, rejected = run(
-      cfg, run_.mesh, impls=impls, batches=[int(b) for b in fl.batches],
+      cfg, run_.mesh, impls=impls, batches=batches,
       prompt_len=fl.prompt_len, num_tokens=fl.tokens, reps=fl.reps, warmup=fl.warmup,
       check_steps=fl.check_steps, seed=fl.seed, unroll=fl.unroll,
       min_matmul_rows=fl.min_matmul_rows,
@@ -689,7 +725,8 @@ def main(argv):
              "auto_choices": harness.auto_choices(),
              "xla_flags": os.environ.get("XLA_FLAGS", "")}
     method = METHOD.format(reps=fl.reps, tokens=fl.tokens, prompt_len=fl.prompt_len)
-    path, png = write_results(fl.out, fl.machine, records, rejected, method=method, extra=extra)
+    path, png = write_results(fl.out, harness.machine_name(fl.machine), records, rejected,
+                              method=method, extra=extra)
     print(markdown_table(records, ours if ours in impls else None))
     print(f"wrote {path} and {png}", flush=True)
   return 1 if rejected else 0

@@ -363,8 +363,15 @@ def run(cfg: decode.DecoderConfig, mesh, *, batches: list[int], variant_names: l
     the error of a variant that did not compile (left out of the timing)},
     "tokens_match_first": {"<variant> b<batch>": share of its greedy tokens
     equal to the first variant's}}``.
+
+  Raises:
+    ValueError: an unknown variant, or (with ``profile_tokens`` > 0) a
+      profile variant that is not among the variants.
   """
   opts = variants(variant_names)
+  unknown = [n for n in profile_variants if n not in opts]
+  if unknown and profile_tokens > 0:
+    raise ValueError(f"profile variants {unknown} are not among the variants {list(opts)}")
   params = decode.make_params(cfg, mesh, seed)
   weight_bytes = sum(int(x.nbytes) for x in jax.tree.leaves(params))
   mats = weight_matrices(cfg, mesh, params)
@@ -484,7 +491,9 @@ def define_flags():
   flags.DEFINE_list("batches", ["1", "4", "16"], "batch sizes")
   flags.DEFINE_list("variants", ["xla_default", "no_graphs", "graphs_while", "cublas", "rows4"],
                     "XLA compile-option variants of the step and the matmuls (see variants())")
-  flags.DEFINE_list("profile_variants", ["xla_default", "rows4"], "variants to profile")
+  flags.DEFINE_list("profile_variants", None,
+                    "variants to profile, each one of --variants (default: xla_default and rows4 "
+                    "where they are among them)")
   flags.DEFINE_string("logdir", None, "where the profiles go (default: a temporary folder)")
   decode.define_model_flags(layers=32)  # the full model's sizes; shard_config divides them
   flags.DEFINE_integer("profile_tokens", 8, "decode steps of the profiled call (0: no profile)")
@@ -512,7 +521,10 @@ def main(argv):
                        variant_names=list(fl.variants), prompt_len=fl.prompt_len,
                        num_tokens=fl.tokens, reps=fl.reps, warmup=fl.warmup, seed=fl.seed,
                        hbm_gib=fl.hbm_gib, profile_tokens=fl.profile_tokens,
-                       profile_variants=list(fl.profile_variants),
+                       profile_variants=(list(fl.profile_variants)
+                                         if fl.profile_variants is not None else
+                                         [v for v in ("xla_default", "rows4")
+                                          if v in fl.variants]),
                        logdir=fl.logdir or tempfile.mkdtemp(prefix="decode_floor_"))
   method = (f"one GPU, one rank of TP={fl.tp} (no all-reduce); per token = median over "
             f"{fl.reps} calls of a jit'd fori_loop of {fl.tokens} greedy steps / {fl.tokens}, "

@@ -317,9 +317,10 @@ def main(argv):
         run.log(summary_row(r))
       records += rows
   if run.rank == 0:
-    path = os.path.join(fl.out, f"{BENCHMARK}-{fl.machine.replace(' ', '_')}.json")
+    machine = harness.machine_name(fl.machine)
+    path = harness.path(fl.out, BENCHMARK, machine)
     harness.write_result(
-        path, records, benchmark=BENCHMARK, machine=fl.machine,
+        path, records, benchmark=BENCHMARK, machine=machine,
         script="benchmarks/fused_contention.py", latency=False,
         method=(f"{fl.calls} calls of each op traced (jax.profiler), after {fl.warmup} "
                 f"untimed; GEMM kernels concurrent at >= {fl.concurrent_share} of their span "

@@ -172,6 +172,23 @@ def parse_bytes(text: str) -> int:
   return int(s[:-1] if s[-1:] in "KMG" else s) * mult
 
 
+def parse_ints(flag: str, values: str | Iterable[str]) -> list[int]:
+  """The integers of a list flag (``values``: its list, or its comma-separated text).
+
+  Raises:
+    ValueError: naming ``--<flag>`` and the value that is no integer.
+  """
+  items = values.split(",") if isinstance(values, str) else list(values)
+  out = []
+  for v in items:
+    try:
+      out.append(int(str(v).strip()))
+    except ValueError:
+      raise ValueError(f"--{flag}: {str(v).strip()!r} is not an integer (want comma-separated "
+                       "integers)") from None
+  return out
+
+
 def short_name(impl: str) -> str:
   """``"jaxoverlap:copy_engine/c4"`` -> ``"copy_engine/c4"``, ``"xla:naive"`` -> ``"naive"``."""
   return impl.split(":", 1)[1]
@@ -182,8 +199,9 @@ def short_name(impl: str) -> str:
 _FLAGS = {
     "out": ("string", "benchmarks/results", "folder for the results (JSON, and the PNG where "
             "the script draws one)"),
-    "machine": ("string", "2x H200 NV18", "machine name for the results (spaces become _ in "
-                "the file names)"),
+    "machine": ("string", None, "machine name for the results (spaces become _ in the file "
+                "names). Default: from the devices, e.g. '2x cpu' or '4x H200' "
+                "(harness.machine_name)"),
     "dtype": ("string", "bfloat16", "element type"),
     "impls": ("list", [], "implementations to run (default: all of the script's)"),
     "chain": ("integer", 50, "ops per jit'd chain"),
@@ -243,6 +261,64 @@ def one_gpu_machine(machine: str | None) -> tuple[str, str]:
 
   kind = jax.devices()[0].device_kind
   return kind, machine or f"1x {kind.removeprefix('NVIDIA ')}"
+
+
+# Machine names with the interconnect that the devices do not tell, by the detected name
+# "<count>x <kind>". Only the project's test machine (2 H200s joined by NVLink, NV18 in
+# nvidia-smi topo -m), so that its runs keep the file names of the committed results
+# (benchmarks/results/*-2x_H200_NV18*.json) and of scripts/gpu_check.sh.
+KNOWN_MACHINES = {"2x H200": "2x H200 NV18"}
+
+
+def machine_name(given: str | None) -> str:
+  """The machine name of a run's results: ``given`` if set, else one from the devices.
+
+  Args:
+    given: ``--machine`` (None or "": detect).
+
+  Returns:
+    ``given``, or ``f"{count}x {kind}"`` over every process's devices, kind
+    the device kind without its "NVIDIA " prefix ("2x cpu", "4x H200"),
+    mapped through ``KNOWN_MACHINES`` ("2x H200" -> "2x H200 NV18").
+  """
+  if given:
+    return given
+  import jax
+
+  devices = jax.devices()
+  name = f"{len(devices)}x {devices[0].device_kind.removeprefix('NVIDIA ')}"
+  return KNOWN_MACHINES.get(name, name)
+
+
+def check_merge(old: Mapping[str, Any] | None, file: str, **now: Any) -> None:
+  """Refuses to merge this run into an existing results file measured elsewhere.
+
+  Args:
+    old: the existing file's object (None: nothing to merge into).
+    file: its path, for the message.
+    **now: this run's top-level fields (``machine``, ``platform``,
+      ``world``) and ``jax`` (compared with the file's ``versions["jax"]``);
+      a field the file lacks counts as differing.
+
+  Raises:
+    ValueError: naming each field whose value differs, with both values.
+  """
+  if not old:
+    return
+  diffs = []
+  for key, value in now.items():
+    was = (old.get("versions") or {}).get(key) if key == "jax" else old.get(key)
+    if was != value:
+      diffs.append(f"{key} {was!r} there, {value!r} in this run")
+  if diffs:
+    raise ValueError(f"--merge: {file} was measured elsewhere ({'; '.join(diffs)}); pooling "
+                     "them would put this run's header over its records. Write to another "
+                     "--out or --machine, or merge runs of one machine only")
+
+
+def jax_version() -> str | None:
+  """The installed jax version (``versions["jax"]`` of the results files)."""
+  return results.package_versions()["jax"]
 
 
 def use_host_devices(count: int, *, cpu_only: bool = True) -> None:

@@ -212,16 +212,29 @@ def pallas_config(impl: str):
   return cm.TuningConfig(**fields)
 
 
-def chunks_of(impl: str) -> int | None:
-  """The chunk count an impl requests (``jaxoverlap:<transport>/c<k>``), else None.
+def chunks_of(impl: str, op: str = "ar") -> int | None:
+  """The chunk count an impl of ``op`` requests (``jaxoverlap:<transport>/c<k>``), else None.
+
+  Args:
+    impl: the impl name.
+    op: "ag", "rs" or "ar" (ar, the default, has every op's names). A name
+      of another op only (``jaxoverlap:gemm_all_reduce`` for ag) gives None.
 
   Raises:
-    ValueError: a name that is neither a baseline nor an impl of the ops
-      (``harness.impl_kwargs``).
+    ValueError: a name that is neither a baseline nor an impl of any op
+      (``harness.impl_kwargs``), naming ``op``.
   """
   if impl in (FLOOR, COMM, WINDOWED) or is_pallas(impl):
     return None
-  return harness.impl_kwargs(OPS["ar"], impl).get("chunks")  # ar: every op's names
+  try:
+    return harness.impl_kwargs(OPS[op], impl).get("chunks")
+  except ValueError as e:
+    error = e
+  try:
+    harness.impl_kwargs(OPS["ar"], impl)
+  except ValueError:
+    raise error from None
+  return None  # another op's name (left out of this op's run)
 
 
 def impls_for(op: str, *, chunks=(), windowed: bool = False, requested=(),
@@ -257,7 +270,7 @@ def impls_for(op: str, *, chunks=(), windowed: bool = False, requested=(),
     if is_pallas(i) and i.removeprefix(PALLAS + "/") not in PALLAS_CONFIGS:
       raise ValueError(f"unknown Pallas configuration in {i!r}; known: {sorted(PALLAS_CONFIGS)}")
   extra = [i for i in requested
-           if i not in allowed and not is_pallas(i) and chunks_of(i) is not None]
+           if i not in allowed and not is_pallas(i) and chunks_of(i, op) is not None]
   return [i for i in allowed if i in requested] + [i for i in extra if i not in allowed]
 
 
@@ -659,8 +672,8 @@ def main(argv):
   fl = flags.FLAGS
   try:
     shapes = parse_shapes(QUICK_SHAPES if fl.quick else fl.shapes)
-    chunks = [int(c) for c in fl.chunks]
-    for op in OPS:
+    chunks = harness.parse_ints("chunks", fl.chunks)
+    for op in dict.fromkeys(op for op, _ in shapes):  # the requested ops, in order
       impls_for(op, chunks=chunks, windowed=fl.windowed_einsum, requested=fl.impls,
                 pallas=True)
   except ValueError as e:
@@ -687,8 +700,14 @@ def main(argv):
   from jaxoverlap import launch
 
   command = launch.reproduce_command("benchmarks/overlap.py")
-  path = result_path(fl.out, fl.machine, fl.windowed_einsum)
+  machine = harness.machine_name(fl.machine)
+  path = result_path(fl.out, machine, fl.windowed_einsum)
   old = harness.load_json(path, missing_ok=True) if fl.merge else None
+  try:
+    harness.check_merge(old, path, machine=machine, platform=run.platform, world=run.world,
+                        jax=harness.jax_version())
+  except ValueError as e:
+    raise app.UsageError(str(e)) from e
   commands = (old.get("commands") or [old.get("command")]) if old else []
   if run.platform != "gpu":
     run.log(f"platform {run.platform}: the jaxoverlap:* impls (CUDA only) are not run")
@@ -722,7 +741,7 @@ def main(argv):
       extra.update(platform=run.platform, world=run.world,
                    xla_flags=os.environ.get("XLA_FLAGS", ""), chain=fl.chain, reps=fl.reps)
       harness.write_result(
-          path, all_records, rejected=all_rejected, machine=fl.machine, command=command,
+          path, all_records, rejected=all_rejected, machine=machine, command=command,
           benchmark="overlap_windowed_einsum" if fl.windowed_einsum else "overlap",
           method=method_text(fl.chain, fl.reps, fl.warmup), extra=extra,
           latency=all("bytes" in r for r in all_records))

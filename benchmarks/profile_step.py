@@ -439,6 +439,10 @@ def main(argv):
   fl = flags.FLAGS
   if fl.steps_traced < 1 or fl.warmup < 1:
     raise app.UsageError("--steps_traced and --warmup must be >= 1")
+  try:
+    mesh = tuple(harness.parse_ints("mesh", fl.mesh)) if fl.mesh else None
+  except ValueError as e:
+    raise app.UsageError(str(e)) from e
   config_lib, data_lib, train = harness.start_training_example(
       distributed=fl.distributed, cuda=fl.backend == "cuda", host_devices=fl.host_devices)
   import jax
@@ -448,8 +452,8 @@ def main(argv):
 
   rank = jax.process_index()
   overrides: dict[str, Any] = {"backend": fl.backend}
-  if fl.mesh:
-    overrides["mesh"] = tuple(int(v) for v in fl.mesh.split(","))
+  if mesh:
+    overrides["mesh"] = mesh
   if fl.algorithm:
     overrides["algorithm"] = fl.algorithm
   config = dataclasses.replace(config_lib.get_config(fl.preset), **overrides)
@@ -529,9 +533,10 @@ def _report(fl, config, setup, resolved: Mapping[str, str], logdir: str,
             "overlap_us": round(s["overlap_us"], 1),
             "overlap_fraction": round(s["overlap_fraction"], 4),
             "backend": fl.backend, "algorithm": config.algorithm, "resolved": dict(resolved)}
-  out_json = harness.path(fl.out, f"{BENCHMARK}-{fl.backend}", fl.machine)
+  machine = harness.machine_name(fl.machine)
+  out_json = harness.path(fl.out, f"{BENCHMARK}-{fl.backend}", machine)
   harness.write_result(
-      out_json, [record], benchmark=BENCHMARK, machine=fl.machine,
+      out_json, [record], benchmark=BENCHMARK, machine=machine,
       script="benchmarks/profile_step.py", latency=False,
       method=(f"{fl.warmup} warm-up steps, then {fl.steps_traced} steps under "
               "jax.profiler.trace (each in a StepTraceAnnotation, waited on); rank 0's "
@@ -544,9 +549,9 @@ def _report(fl, config, setup, resolved: Mapping[str, str], logdir: str,
              "median_traced_step_us": (harness.median(analysis["step_us"])
                                        if analysis["step_us"] else None),
              "traced_losses": list(losses), "platform": platform, "trace_file": path})
-  out_png = harness.path(fl.out, f"{BENCHMARK}-{fl.backend}", fl.machine, ext="png")
+  out_png = harness.path(fl.out, f"{BENCHMARK}-{fl.backend}", machine, ext="png")
   plot_timeline(out_png, analysis["rows"], analysis["events"], analysis["window"],
-                f"{fl.preset}, backend {fl.backend} ({impl}), {fl.machine}, rank 0 of "
+                f"{fl.preset}, backend {fl.backend} ({impl}), {machine}, rank 0 of "
                 f"{jax.process_count()}: one training step ({analysis['source']})", s)
   print(f"window {s['window_us'] / 1e3:.3f} ms: GEMM {s['gemm_us'] / 1e3:.3f} ms "
         f"(sum {s['gemm_sum_us'] / 1e3:.3f}), communication {s['comm_us'] / 1e3:.3f} ms "

@@ -313,9 +313,15 @@ def write_results(out_dir: str, machine: str, records: Sequence[Mapping[str, Any
 
   Returns:
     (json path, png path, the JSON object written).
+
+  Raises:
+    ValueError: ``merge`` into a file of another machine, platform, world or
+      jax version (``harness.check_merge``).
   """
   path = harness.path(out_dir, BENCHMARK, machine)
   old = harness.load_json(path, missing_ok=True) if merge else None
+  harness.check_merge(old, path, machine=machine, platform=(extra or {}).get("platform"),
+                      world=(extra or {}).get("world"), jax=harness.jax_version())
   if old:
     records = merge_records(old.get("records", []), records)
   result = harness.write_result(
@@ -360,6 +366,10 @@ def main(argv):
   backends = [b.strip() for b in fl.backends if b.strip()]
   if not backends:
     raise app.UsageError("--backends is empty")
+  try:
+    mesh = tuple(harness.parse_ints("mesh", fl.mesh)) if fl.mesh else None
+  except ValueError as e:
+    raise app.UsageError(str(e)) from e
 
   config_lib, _, train = harness.start_training_example(
       distributed=fl.distributed, cuda="cuda" in backends, host_devices=fl.host_devices)
@@ -374,8 +384,8 @@ def main(argv):
     base = config_lib.get_config(preset)
     overrides: dict[str, Any] = {"steps": fl.steps, "eval_every": fl.steps,
                                  "ckpt_every": fl.steps, "eval_batches": 1}
-    if fl.mesh:
-      overrides["mesh"] = tuple(int(v) for v in fl.mesh.split(","))
+    if mesh:
+      overrides["mesh"] = mesh
     for i, backend in enumerate(backends):
       config = dataclasses.replace(base, backend=backend, **overrides)
       workdir = os.path.join(os.path.abspath(fl.workdir), f"{preset}-{i}-{backend}")
@@ -400,7 +410,11 @@ def main(argv):
   if rank == 0:
     extra = {"world": jax.process_count(), "platform": jax.devices()[0].platform,
              "steps": fl.steps, "backends": backends}
-    path, png, result = write_results(fl.out, fl.machine, records, extra=extra, merge=fl.merge)
+    try:
+      path, png, result = write_results(fl.out, harness.machine_name(fl.machine), records,
+                                        extra=extra, merge=fl.merge)
+    except ValueError as e:  # --merge into another machine's file
+      raise app.UsageError(str(e)) from e
     print(summary_table(result["records"], result["comparison"]))
     print(f"wrote {path} and {png}", flush=True)
     if not all(c["within_tolerance"] for c in compare_all(records)):

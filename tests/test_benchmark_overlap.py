@@ -146,6 +146,32 @@ def test_chunks_of():
   assert ovl.chunks_of("xla:windowed_einsum") is None
   with pytest.raises(ValueError, match="unknown impl 'xla:psum'"):
     ovl.chunks_of("xla:psum")
+  # The op a bad name was asked for, not matmul_all_reduce's; another op's name is left out.
+  with pytest.raises(ValueError, match="unknown impl 'xla:bogus' for all_gather_matmul"):
+    ovl.impls_for("ag", requested=["xla:bogus"])
+  assert ovl.chunks_of("jaxoverlap:gemm_all_reduce", "ag") is None
+  assert ovl.impls_for("ag", requested=["xla:naive", "jaxoverlap:gemm_all_reduce"]) == [
+      "xla:naive"]
+
+
+@pytest.mark.parametrize("script, args, flag", [
+    ("overlap.py", ["--shapes", "ag:16,8,8", "--chunks", "x"], "chunks"),
+    ("overlap.py", ["--shapes", "rs:16,8,8", "--impls", "xla:bogus"], None),
+    ("all_reduce_rms_norm.py", ["--rows", "x"], "rows"),
+    ("decode.py", ["--batches", "1,x"], "batches"),
+    ("decode.py", ["--backend", "xla", "--algorithm", "one_shot"], "algorithm"),
+    ("train_step.py", ["--mesh", "a,b"], "mesh"),
+])
+def test_bad_flag_values_name_the_flag(script, args, flag):
+  """A usage error naming the flag, before any device work; no int() traceback."""
+  env = dict(os.environ, XLA_FLAGS="", JAX_PLATFORMS="cpu")
+  proc = subprocess.run([sys.executable, os.path.join(_ROOT, "benchmarks", script),
+                         "--host_devices", "2", "--out", "/nonexistent"] + args, env=env,
+                        capture_output=True, text=True, timeout=300)
+  assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+  want = (f"--{flag}: '" if flag else
+          "unknown impl 'xla:bogus' for matmul_reduce_scatter")
+  assert want in proc.stderr, proc.stderr[-3000:]
 
 
 def test_impls_for():
@@ -380,6 +406,82 @@ def test_script_cpu_merge(tmp_path):
   bad = subprocess.run(base + ["--shapes", "ag:15,8,8"], env=env, capture_output=True,
                        text=True, timeout=300)
   assert bad.returncode != 0 and "M=15 does not divide by the 2 ranks" in bad.stderr
+
+
+def test_script_cpu_machine_from_devices_and_merge_refusal(tmp_path):
+  """Without --machine the file is named after the devices; --merge refuses another machine's."""
+  env = dict(os.environ, XLA_FLAGS="", JAX_PLATFORMS="cpu")
+  script = os.path.join(_ROOT, "benchmarks", "overlap.py")
+  base = [sys.executable, script, "--host_devices", "2", "--out", str(tmp_path), "--reps", "2",
+          "--chain", "2", "--impls", "xla:naive", "--shapes", "rs:16,8,8"]
+  proc = subprocess.run(base, env=env, capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert os.listdir(tmp_path) == ["overlap-2x_cpu.json"]
+  path = tmp_path / "overlap-2x_cpu.json"
+  result = json.load(open(path))
+  assert result["machine"] == "2x cpu" and result["platform"] == "cpu"
+  # A GPU run's file under this name (say, --machine given the same on both): not pooled.
+  gpu = dict(result, platform="gpu", versions=dict(result["versions"], jax="0.11.2"))
+  path.write_text(json.dumps(gpu))
+  bad = subprocess.run(base + ["--merge"], env=env, capture_output=True, text=True, timeout=300)
+  assert bad.returncode != 0
+  assert "platform 'gpu' there, 'cpu' in this run" in bad.stderr, bad.stderr[-3000:]
+  assert "jax '0.11.2' there" in bad.stderr and str(path) in bad.stderr
+  assert json.load(open(path)) == gpu  # untouched
+
+
+def test_machine_name(monkeypatch):
+  """--machine, else "<count>x <kind>" of every device; the test machine keeps its NV18."""
+  assert harness.machine_name("my box") == "my box"
+  assert harness.machine_name(None) == f"{jax.device_count()}x cpu"
+
+  class Dev:
+    def __init__(self, kind):
+      self.device_kind = kind
+
+  for n, kind, want in ((2, "NVIDIA H200", "2x H200 NV18"), (4, "NVIDIA H200", "4x H200"),
+                        (2, "NVIDIA H100 80GB HBM3", "2x H100 80GB HBM3")):
+    monkeypatch.setattr(jax, "devices", lambda n=n, kind=kind: [Dev(kind)] * n)
+    assert harness.machine_name(None) == want
+    assert harness.machine_name("") == want
+
+
+def test_check_merge():
+  old = {"machine": "2x H200 NV18", "platform": "gpu", "world": 2,
+         "versions": {"jax": "0.11.2"}}
+  same = dict(machine="2x H200 NV18", platform="gpu", world=2, jax="0.11.2")
+  harness.check_merge(None, "f.json", **same)  # nothing to merge into
+  harness.check_merge(old, "f.json", **same)  # a split run of one machine
+  for key, value in (("machine", "2x cpu"), ("platform", "cpu"), ("world", 4),
+                     ("jax", "0.12.0")):
+    with pytest.raises(ValueError, match=f"f.json .*{key} .* there, {value!r} in this run"):
+      harness.check_merge(old, "f.json", **dict(same, **{key: value}))
+  with pytest.raises(ValueError, match="platform None there"):
+    harness.check_merge({k: v for k, v in old.items() if k != "platform"}, "f.json", **same)
+
+
+# ------------------------------------------------------------------ all_reduce.py
+
+
+def test_all_reduce_script_cpu_smoke_and_refusal(tmp_path):
+  """XLA impls run on CPU devices; CUDA ones are refused in one line before anything runs."""
+  env = dict(os.environ, XLA_FLAGS="", JAX_PLATFORMS="cpu")
+  base = [sys.executable, os.path.join(_ROOT, "benchmarks", "all_reduce.py"), "--host_devices",
+          "2", "--out", str(tmp_path), "--sizes", "8K", "--reps", "2", "--chain", "2"]
+  ok = subprocess.run(base + ["--impls", "xla:psum,jaxoverlap:xla:ppermute"], env=env,
+                      capture_output=True, text=True, timeout=300)
+  assert ok.returncode == 0, ok.stderr[-3000:]
+  result = json.load(open(tmp_path / "all_reduce-2x_cpu-1x2.json"))
+  assert result["machine"] == "2x cpu" and not result["rejected"]
+  assert {r["impl"] for r in result["records"]} == {"xla:psum", "jaxoverlap:xla:ppermute"}
+  for impls, named in ((None, "the default impls"), ("xla:psum,floor:launch", "floor:launch"),
+                       ("xla:psum,jaxoverlap:one_shot_ll", "jaxoverlap:one_shot_ll")):
+    proc = subprocess.run(base + (["--impls", impls] if impls else []), env=env,
+                          capture_output=True, text=True, timeout=300)
+    last = proc.stderr.strip().splitlines()[-1]
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert last.startswith(f"all_reduce.py: {named} run the CUDA extension") and "'cpu'" in last
+  assert os.listdir(tmp_path) == ["all_reduce-2x_cpu-1x2.json"]
 
 
 # ------------------------------------------------------------------ plot_overlap

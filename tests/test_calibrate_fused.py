@@ -234,3 +234,23 @@ def test_rule_inputs_follow_the_records_dtype(monkeypatch):
   f32 = [dict(r, dtype="float32") for r in records() if r["op"] == "all_gather_matmul"]
   cal.chunk_rows(f32, world=2)
   assert seen == [8192 * 4096 * 4]  # the shard [8192, 4096] in float32
+
+
+@pytest.mark.parametrize("content", [
+    {"benchmark": "all_reduce", "machine": "m", "world": 2,
+     "records": [{"op": "all_reduce", "impl": "xla:psum", "time_us": 5.0, "bytes": 8192}]},
+    {"benchmark": "overlap", "machine": "m", "world": 2,
+     "records": [rec("all_gather_matmul", (16384, 4096, 4096), "xla:local_gemm", 90.0)]},
+], ids=["no_overlap_records", "nothing_measured"])
+def test_command_line_refuses_an_empty_analysis(tmp_path, content):
+  """Not "consistent" (exit 0) where nothing was checked: an error, and no JSON written."""
+  a = tmp_path / "a.json"
+  a.write_text(json.dumps(content))
+  env = dict(os.environ, PYTHONPATH=_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+  proc = subprocess.run([sys.executable, os.path.join(_ROOT, "benchmarks", "calibrate_fused.py"),
+                         "--results", str(a), "--out", str(tmp_path / "out")], env=env,
+                        capture_output=True, text=True, timeout=120)
+  assert proc.returncode != 0
+  assert ("no overlap records" if content["benchmark"] == "all_reduce"
+          else "nothing measured") in proc.stderr, proc.stderr[-2000:]
+  assert str(a) in proc.stderr and not (tmp_path / "out").exists()

@@ -371,3 +371,32 @@ def test_config_errors():
                prompt_len=30, num_tokens=8, reps=1)
   with pytest.raises(ValueError, match="unknown impl"):
     decode.parallel_config(make_mesh((2,), ("tp",)), "jaxoverlap:collective")
+
+
+def test_run_records_a_raising_impl_as_rejected():
+  """An implementation that raises in its check (backend "cuda" on CPU) is rejected, not fatal."""
+  cfg = dataclasses.replace(tiny("bfloat16"), num_layers=1)
+  logs = []
+  records, rejected = decode.run(cfg, make_mesh((2,), ("tp",)),
+                                 impls=[decode.PSUM, "jaxoverlap:cuda:one_shot"], batches=[1],
+                                 prompt_len=4, num_tokens=2, reps=1, warmup=0, check_steps=2,
+                                 log=logs.append)
+  assert [(r["impl"], r["batch"]) for r in rejected] == [("jaxoverlap:cuda:one_shot", None)]
+  assert rejected[0]["reason"].startswith("tiny model: RuntimeError: ")
+  assert {r["impl"] for r in records} == {decode.PSUM, decode.FLOOR}
+  assert any(line.startswith("CHECK FAILED: jaxoverlap:cuda:one_shot") for line in logs)
+
+
+def test_flag_errors_name_the_flag():
+  assert decode.ours_impl("xla", "ppermute") == "jaxoverlap:xla:ppermute"
+  assert decode.ours_impl("cuda", "one_shot_ll") == "jaxoverlap:cuda:one_shot_ll"
+  with pytest.raises(ValueError, match="^--backend: 'bogus' is not one of auto, xla, cuda$"):
+    decode.ours_impl("bogus", "auto")
+  with pytest.raises(ValueError, match="^--algorithm: 'one_shot' is no all_reduce algorithm of "
+                                       "--backend 'xla' \\(auto, collective, ppermute\\)$"):
+    decode.ours_impl("xla", "one_shot")
+  with pytest.raises(ValueError, match="--algorithm: 'bogus'"):
+    decode.ours_impl("cuda", "bogus")
+  with pytest.raises(ValueError, match="^--batches: 'x' is not an integer"):
+    decode.harness.parse_ints("batches", ["1", "x"])
+  assert decode.harness.parse_ints("chunks", "1, 2") == [1, 2]

@@ -135,3 +135,13 @@ def test_run_leaves_out_a_variant_that_does_not_compile(tmp_path, monkeypatch):
   assert extra["tokens_match_first"] == {"xla_default b1": 1.0,
                                          "xla_default+same_shape_mof b1": 1.0}
   assert "| - |" not in decode_floor.markdown_table(records)
+
+
+def test_run_refuses_a_profile_variant_that_is_not_timed(tmp_path):
+  mesh = jax.make_mesh((1,), (decode.AXIS,), axis_types=(jax.sharding.AxisType.Auto,),
+                       devices=jax.devices()[:1])
+  with pytest.raises(ValueError, match=r"profile variants \['rows4'\] are not among"):
+    decode_floor.run(decode_floor.shard_config(TINY, 2), mesh, batches=[1],
+                     variant_names=["xla_default"], prompt_len=4, num_tokens=2, reps=1, warmup=0,
+                     seed=0, hbm_gib=0.001, profile_tokens=2, profile_variants=["rows4"],
+                     logdir=str(tmp_path), log=lambda *a: None)

@@ -135,8 +135,10 @@ def test_script_in_two_processes_on_cpu(tmp_path):
          "--logdir", str(tmp_path / "traces")]
   proc = subprocess.run(cmd, env=env, cwd=_ROOT, capture_output=True, text=True, timeout=300)
   assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
-  result = json.loads((tmp_path / "fused_contention-2x_H200_NV18.json").read_text())
+  # Named after every process's devices (harness.machine_name), not a fixed GPU machine.
+  result = json.loads((tmp_path / "fused_contention-2x_cpu.json").read_text())
   assert result["benchmark"] == "fused_contention" and result["processes"] == 2
+  assert result["machine"] == "2x cpu"
   assert [r["rank"] for r in result["records"]] == [0, 1]
   assert all(r["transfers"] == 0 for r in result["records"])  # CPU: no device kernels
 
