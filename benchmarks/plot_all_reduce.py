@@ -1,11 +1,15 @@
 """Plots the all-reduce benchmark results and prints the README table.
 
-  python benchmarks/plot_all_reduce.py [--results benchmarks/results] [--machine 2x_H200_NV18]
+  python benchmarks/plot_all_reduce.py [--results benchmarks/results] [--machine "2x H200 NV18"]
+      [--out_png /tmp/all_reduce.png]
 
 Reads every all_reduce-<machine>-<nodes>x<ranks>.json in the folder (written
 by benchmarks/all_reduce.py), draws latency against message size, one panel
-per topology, into all_reduce-<machine>.png, and prints a Markdown table of
-the best jaxoverlap algorithm, auto and psum per size.
+per topology, into --out_png (default: all_reduce-<machine>.png in that
+folder), and prints a Markdown table of the best jaxoverlap algorithm, auto
+and psum per size (a size where no jaxoverlap algorithm was timed reads "-").
+The machine is spelled as the benchmarks' --machine ("2x H200 NV18"; spaces
+or underscores). A folder without such a file is an error naming it.
 """
 
 from __future__ import annotations
@@ -19,7 +23,10 @@ from absl import app, flags
 import harness
 
 flags.DEFINE_string("results", "benchmarks/results", "folder with the JSON files")
-flags.DEFINE_string("machine", "2x_H200_NV18", "machine tag in the file names")
+flags.DEFINE_string("machine", "2x H200 NV18", "machine name as the benchmarks' --machine "
+                    "(spaces become _ in the file names)")
+flags.DEFINE_string("out_png", None, "where the picture goes (default: "
+                    "<--results>/all_reduce-<machine>.png)")
 FLAGS = flags.FLAGS
 PSUM, AUTO, FLOOR = harness.PSUM, harness.AUTO, harness.LAUNCH_FLOOR
 
@@ -44,8 +51,12 @@ def main(argv):
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
 
-  files = sorted(glob.glob(os.path.join(FLAGS.results, f"all_reduce-{FLAGS.machine}-*.json")))
+  tag = FLAGS.machine.replace(" ", "_")
+  files = sorted(glob.glob(os.path.join(FLAGS.results, f"all_reduce-{tag}-*.json")))
   files = [f for f in files if re.search(r"-\d+x\d+\.json$", f)]
+  if not files:
+    raise app.UsageError(f"no all_reduce-{tag}-<nodes>x<ranks>.json in {FLAGS.results} "
+                         "(benchmarks/all_reduce.py writes them; --results, --machine)")
   fig, axes = plt.subplots(1, len(files), figsize=(6.5 * len(files), 4.8), squeeze=False)
   for ax, path in zip(axes[0], files):
     result = harness.load_json(path)
@@ -82,15 +93,18 @@ def main(argv):
     for b in sizes:
       ours = {i: t for i, pts in by_impl.items() for bb, t in pts
               if bb == b and i.startswith("jaxoverlap:") and i != AUTO}
-      best = min(ours, key=ours.get)
       get = lambda table, i: next((t for bb, t in table.get(i, []) if bb == b), float("nan"))
+      if not ours:  # every jaxoverlap algorithm was rejected or not run at this size
+        print(f"| {_size(b)} | - | {get(by_impl, PSUM):.1f} | - | - | - | - | - |")
+        continue
+      best = min(ours, key=ours.get)
       psum1, floor = get(by_impl, PSUM), get(by_impl, FLOOR)
       auto2, psum2 = get(auto_run, AUTO), get(auto_run, PSUM)
       run2 = (f"{auto2:.1f} | {psum2:.1f} | {psum2 / auto2:.2f}x" if auto2 == auto2
               else "- | - | -")  # run 2 did not time this size
       print(f"| {_size(b)} | {ours[best]:.1f} ({harness.short_name(best)}) | {psum1:.1f} | "
             f"{psum1 / ours[best]:.2f}x | {run2} | {floor:.1f} |")
-  out = os.path.join(FLAGS.results, f"all_reduce-{FLAGS.machine}.png")
+  out = FLAGS.out_png or os.path.join(FLAGS.results, f"all_reduce-{tag}.png")
   fig.tight_layout()
   fig.savefig(out, dpi=110)
   print(f"\nwrote {out}")

@@ -572,3 +572,27 @@ def test_pallas_on_cpu_is_an_error_not_a_crash():
                                            warmup=0, log=lambda *a: None)
   assert failed == {impl: "ERROR"} and rejected[0]["impl"] == impl
   assert [r["impl"] for r in records] == ["xla:local_gemm"]
+
+
+def test_plot_all_reduce_out_png_missing_files_and_rejected_sizes(tmp_path):
+  """plot_all_reduce.py: --out_png, the benchmarks' machine spelling, a clear error, '-' rows."""
+  results = os.path.join(_ROOT, "benchmarks", "results")
+  script = os.path.join(_ROOT, "benchmarks", "plot_all_reduce.py")
+  env = dict(os.environ, PYTHONPATH=os.pathsep.join([_ROOT, os.path.join(_ROOT, "benchmarks")]))
+  png = tmp_path / "a.png"
+  ok = subprocess.run([sys.executable, script, "--results", results, "--machine", "2x H200 NV18",
+                       "--out_png", str(png)], env=env, capture_output=True, text=True,
+                      timeout=300)
+  assert ok.returncode == 0 and png.stat().st_size > 0, ok.stderr[-2000:]
+  empty = subprocess.run([sys.executable, script, "--results", str(tmp_path)], env=env,
+                         capture_output=True, text=True, timeout=300)
+  assert empty.returncode != 0 and "Traceback" not in empty.stderr
+  assert f"no all_reduce-2x_H200_NV18-<nodes>x<ranks>.json in {tmp_path}" in empty.stderr
+  # A run whose jaxoverlap impls were all rejected: psum alone at its sizes.
+  (tmp_path / "all_reduce-2x_cpu-1x2.json").write_text(json.dumps({
+      "machine": "2x cpu", "records": [{"impl": "xla:psum", "bytes": 8192, "time_us": 9.5}]}))
+  only_psum = subprocess.run([sys.executable, script, "--results", str(tmp_path), "--machine",
+                              "2x cpu", "--out_png", str(tmp_path / "b.png")], env=env,
+                             capture_output=True, text=True, timeout=300)
+  assert only_psum.returncode == 0, only_psum.stderr[-2000:]
+  assert "| 8 KiB | - | 9.5 | - |" in only_psum.stdout
