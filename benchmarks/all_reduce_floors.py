@@ -173,7 +173,7 @@ def main(argv):
   from absl import flags
 
   fl = flags.FLAGS
-  result = harness.load_json(fl.results)
+  result = harness.load_results(fl.results, "all_reduce")
   links = Links(fl.alpha_us, fl.beta_gbps, fl.hbm_gbps)
   rows = floors_table(result, links)
   print(markdown(rows, best_only=True))

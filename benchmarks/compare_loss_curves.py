@@ -85,7 +85,7 @@ def main(argv: Sequence[str]) -> int:
     tag = file_tag(path)
     if tag in files:
       raise SystemExit(f"two files with the tag {tag!r}; rename one ({path})")
-    files[tag] = harness.load_json(path)
+    files[tag] = harness.load_results(path, "train_step")
   print(table(pair_rows(runs_by_preset(files))))
   return 0
 

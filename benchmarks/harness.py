@@ -622,6 +622,28 @@ def path(out_dir: str, name: str, machine: str, suffix: str = "", ext: str = "js
   return os.path.join(out_dir, f"{name}-{machine.replace(' ', '_')}{suffix}.{ext}")
 
 
+def load_results(file: str, *benchmarks: str) -> dict:
+  """A results file written by one of ``benchmarks`` (its ``benchmark`` field).
+
+  For the analysis and plot scripts, which read other scripts' files: the
+  wrong kind of file stops them with one line instead of a KeyError deep in
+  the analysis.
+
+  Raises:
+    SystemExit: the file cannot be read, is not JSON, or is not a results
+      file of one of ``benchmarks``; the message names the file and what it is.
+  """
+  try:
+    result = load_json(file)
+  except (OSError, ValueError) as e:
+    raise SystemExit(f"{file}: not a readable JSON results file ({e})") from None
+  got = result.get("benchmark") if isinstance(result, dict) else None
+  if got not in benchmarks or not isinstance(result.get("records"), list):
+    raise SystemExit(f"{file} is {'a results file of benchmark ' + repr(got) if got else 'no results file'}"
+                     f"; this needs one of benchmark {' or '.join(map(repr, benchmarks))}")
+  return result
+
+
 def load_json(file: str, missing_ok: bool = False) -> dict | None:
   """A JSON file's object; None for a missing file where ``missing_ok``.
 

@@ -46,19 +46,23 @@ def floor_table(paths: list[str]) -> dict[tuple[str, int], float]:
   """(impl, batch) -> us per token from decode_floor results; later files win."""
   out = {}
   for p in paths:
-    for r in harness.load_json(p)["records"]:
+    for r in harness.load_results(p, "decode_floor")["records"]:
       out[(r["impl"], r["shape"]["batch"])] = r["time_us"]
   return out
 
 
 def decode_table(path: str, batch: int) -> dict[str, float]:
   """impl -> us per token of a decode.py result at ``batch``."""
-  return {r["impl"]: r["time_us"] for r in harness.load_json(path)["records"]
+  return {r["impl"]: r["time_us"] for r in harness.load_results(path, "decode")["records"]
           if r["shape"]["batch"] == batch}
 
 
 def main(argv):
   del argv
+  bad = [item for item in FLAGS.decode if len(item.rsplit("=", 1)) != 2
+         or not all(item.rsplit("=", 1))]
+  if bad:
+    raise app.UsageError(f"--decode: {bad} are not label=path")
   import matplotlib
 
   matplotlib.use("Agg")

@@ -596,3 +596,29 @@ def test_plot_all_reduce_out_png_missing_files_and_rejected_sizes(tmp_path):
                              capture_output=True, text=True, timeout=300)
   assert only_psum.returncode == 0, only_psum.stderr[-2000:]
   assert "| 8 KiB | - | 9.5 | - |" in only_psum.stdout
+
+
+@pytest.mark.parametrize("script,args,want", [
+    ("all_reduce_floors.py", ["--results", "benchmarks/results/overlap-2x_H200_NV18.json",
+                              "--out", "{tmp}"],
+     "overlap-2x_H200_NV18.json is a results file of benchmark 'overlap'; this needs one of "
+     "benchmark 'all_reduce'"),
+    ("compare_loss_curves.py", ["--files", "benchmarks/results/overlap-2x_H200_NV18.json"],
+     "this needs one of benchmark 'train_step'"),
+    ("plot_decode_floor.py", ["--decode", "nolabel", "--png", "{tmp}/x.png"],
+     "--decode: ['nolabel'] are not label=path"),
+    ("plot_decode_floor.py", ["--decode", "a=benchmarks/results/overlap-2x_H200_NV18.json",
+                              "--png", "{tmp}/x.png"],
+     "this needs one of benchmark 'decode'"),
+    ("all_reduce_floors.py", ["--results", "{tmp}/missing.json", "--out", "{tmp}"],
+     "missing.json: not a readable JSON results file"),
+])
+def test_analysis_scripts_name_a_wrong_file(tmp_path, script, args, want):
+  """The wrong kind of file stops the analysis and plot scripts with one line naming it."""
+  env = dict(os.environ, PYTHONPATH=os.pathsep.join([_ROOT, os.path.join(_ROOT, "benchmarks")]))
+  proc = subprocess.run([sys.executable, os.path.join(_ROOT, "benchmarks", script)]
+                        + [a.replace("{tmp}", str(tmp_path)) for a in args], env=env, cwd=_ROOT,
+                        capture_output=True, text=True, timeout=300)
+  assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+  assert want in proc.stderr, proc.stderr[-2000:]
+  assert not list(tmp_path.glob("*.png")) and not list(tmp_path.glob("*.json"))
