@@ -22,10 +22,11 @@ def _record(preset, impl, losses, dp=1, tp=2):
 
 
 def _files():
-  main = {"records": [_record("small", "xla:xla", [5.0, 4.0, 3.0]),
+  main = {"benchmark": "train_step",
+          "records": [_record("small", "xla:xla", [5.0, 4.0, 3.0]),
                       _record("small", "jaxoverlap:cuda", [5.0, 4.05, 3.01]),
                       _record("large", "xla:xla", [6.0, 5.0])]}
-  repeat = {"records": [_record("small", "xla:xla", [5.0, 4.2, 3.0])]}
+  repeat = {"benchmark": "train_step", "records": [_record("small", "xla:xla", [5.0, 4.2, 3.0])]}
   return {"main": main, "repeat": repeat}
 
 
