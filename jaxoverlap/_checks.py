@@ -121,6 +121,13 @@ def check_array(op: str, name: str, a) -> jnp.dtype:
 def refuse_forward_mode(op: str, *arrays) -> None:
   """Raises ``TypeError`` when an input carries forward-mode tangents.
 
+  The message names the op where the op itself meets the tangent (``jax.jvp``
+  inside the jitted function, or an eager ``shard_map``); ``jax.jvp`` of a
+  jitted function gets JAX's own message about a ``custom_vjp`` first. Reverse
+  mode of any order works, and so does ``jax.hessian`` (forward over reverse):
+  the primitives' JVP rules (``jaxoverlap._primitives``) carry the
+  second-order terms on XLA's collectives.
+
   The ops define a reverse-mode rule only (``jax.custom_vjp``). Under ``jax.jit``
   JAX itself refuses forward mode, but later and without naming the op; in
   eager ``shard_map`` it fails inside JAX with "unhashable type". Reverse mode

@@ -123,12 +123,9 @@ def all_reduce(x, axis_name, *, backend="auto", algorithm="auto", protocol="auto
       message.
     TypeError: a forward-mode tangent on ``x`` (``jax.jvp``,
       ``jax.jacfwd``): the op is a ``jax.custom_vjp``, with a reverse-mode
-      rule only. Where the op itself meets the tangent (``jax.jvp`` inside the
-      jitted function, or an eager ``shard_map``) the message names the op;
-      ``jax.jvp`` of a jitted function gets JAX's own message about a
-      ``custom_vjp``. Reverse mode of any order works (``jax.grad`` of
-      ``jax.grad``, ``jax.jacrev``, ``jax.hessian``: forward over reverse);
-      the second-order terms run on XLA's collectives.
+      rule only (``jaxoverlap._checks.refuse_forward_mode`` says when the
+      message names the op). Reverse mode of any order and ``jax.hessian``
+      work (README, "Known limits").
 
   Algorithm:
     "collective" is ``lax.psum``. "ppermute" flattens ``x``, zero-pads it to a

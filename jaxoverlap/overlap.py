@@ -206,12 +206,9 @@ def all_gather_matmul(x, w, axis_name, *, gather_dimension=0, backend="auto",
       run in this process; the message says why.
     TypeError: a forward-mode tangent on ``x`` or ``w`` (``jax.jvp``,
       ``jax.jacfwd``): the op is a ``jax.custom_vjp``, with a reverse-mode
-      rule only. Where the op itself meets the tangent (``jax.jvp`` inside the
-      jitted function, or an eager ``shard_map``) the message names the op;
-      ``jax.jvp`` of a jitted function gets JAX's own message about a
-      ``custom_vjp``. Reverse mode of any order works (``jax.grad`` of
-      ``jax.grad``, ``jax.jacrev``, ``jax.hessian``: forward over reverse);
-      the second-order terms run on XLA's collectives.
+      rule only (``jaxoverlap._checks.refuse_forward_mode`` says when the
+      message names the op). Reverse mode of any order and ``jax.hessian``
+      work (README, "Known limits").
 
   Algorithm:
     "ppermute": a ring of ``num_ranks - 1`` ``ppermute`` steps. Each rank
@@ -327,12 +324,9 @@ def matmul_reduce_scatter(x, w, axis_name, *, scatter_dimension=0, backend="auto
       run in this process; the message says why.
     TypeError: a forward-mode tangent on ``x`` or ``w`` (``jax.jvp``,
       ``jax.jacfwd``): the op is a ``jax.custom_vjp``, with a reverse-mode
-      rule only. Where the op itself meets the tangent (``jax.jvp`` inside the
-      jitted function, or an eager ``shard_map``) the message names the op;
-      ``jax.jvp`` of a jitted function gets JAX's own message about a
-      ``custom_vjp``. Reverse mode of any order works (``jax.grad`` of
-      ``jax.grad``, ``jax.jacrev``, ``jax.hessian``: forward over reverse);
-      the second-order terms run on XLA's collectives.
+      rule only (``jaxoverlap._checks.refuse_forward_mode`` says when the
+      message names the op). Reverse mode of any order and ``jax.hessian``
+      work (README, "Known limits").
 
   Algorithm:
     "ppermute": the accumulator of output block ``d`` starts on rank ``d + 1``
@@ -449,12 +443,9 @@ def matmul_all_reduce(x, w, axis_name, *, backend="auto", algorithm="auto", tran
       run in this process; the message says why.
     TypeError: a forward-mode tangent on ``x`` or ``w`` (``jax.jvp``,
       ``jax.jacfwd``): the op is a ``jax.custom_vjp``, with a reverse-mode
-      rule only. Where the op itself meets the tangent (``jax.jvp`` inside the
-      jitted function, or an eager ``shard_map``) the message names the op;
-      ``jax.jvp`` of a jitted function gets JAX's own message about a
-      ``custom_vjp``. Reverse mode of any order works (``jax.grad`` of
-      ``jax.grad``, ``jax.jacrev``, ``jax.hessian``: forward over reverse);
-      the second-order terms run on XLA's collectives.
+      rule only (``jaxoverlap._checks.refuse_forward_mode`` says when the
+      message names the op). Reverse mode of any order and ``jax.hessian``
+      work (README, "Known limits").
 
   Algorithm:
     "ppermute": views ``x`` as ``[rows, k_local]`` and runs the
