@@ -630,17 +630,18 @@ def define_model_flags(layers: int) -> None:
   """The model-size and decode-length flags (sizes of the full model; ``config_from_flags``)."""
   from absl import flags
 
-  flags.DEFINE_integer("d_model", 4096, "model width")
-  flags.DEFINE_integer("d_ff", 14336, "MLP hidden width")
-  flags.DEFINE_integer("heads", 32, "query heads")
-  flags.DEFINE_integer("kv_heads", 8, "key/value heads")
-  flags.DEFINE_integer("layers", layers, "decoder layers")
-  flags.DEFINE_integer("vocab", 32000, "vocabulary size")
-  flags.DEFINE_integer("max_len", 1024, "KV cache length, tokens")
-  flags.DEFINE_integer("prompt_len", 128, "prefilled prompt length, tokens")
-  flags.DEFINE_integer("tokens", 32, "decode steps per timed call")
+  module = harness.flag_module()  # under the --help of decode_floor.py too, which borrows them
+  flags.DEFINE_integer("d_model", 4096, "model width", module_name=module)
+  flags.DEFINE_integer("d_ff", 14336, "MLP hidden width", module_name=module)
+  flags.DEFINE_integer("heads", 32, "query heads", module_name=module)
+  flags.DEFINE_integer("kv_heads", 8, "key/value heads", module_name=module)
+  flags.DEFINE_integer("layers", layers, "decoder layers", module_name=module)
+  flags.DEFINE_integer("vocab", 32000, "vocabulary size", module_name=module)
+  flags.DEFINE_integer("max_len", 1024, "KV cache length, tokens", module_name=module)
+  flags.DEFINE_integer("prompt_len", 128, "prefilled prompt length, tokens", module_name=module)
+  flags.DEFINE_integer("tokens", 32, "decode steps per timed call", module_name=module)
   flags.DEFINE_enum("attention", "xla", ["xla", "cudnn"], "attention core of a decode step "
-                    "(ParallelConfig.attention_implementation)")
+                    "(ParallelConfig.attention_implementation)", module_name=module)
 
 
 def config_from_flags(fl) -> DecoderConfig:

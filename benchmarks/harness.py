@@ -219,6 +219,18 @@ _FLAGS = {
 }
 
 
+def flag_module() -> str:
+  """The module absl lists flags under when the caller of the calling function defines them.
+
+  A script's flags, its own or borrowed from another module, belong under the script's
+  ``--help`` (``--helpshort``), not only under ``--helpfull``: for a caller that runs as
+  ``__main__`` this is the script's path (absl's key for the main module), else the caller's
+  module name.
+  """
+  caller = sys._getframe(2).f_globals.get("__name__", "")  # pylint: disable=protected-access
+  return sys.argv[0] if caller == "__main__" else caller
+
+
 def define_flags(*shared: str, **defaults: Any) -> None:
   """Defines shared absl flags: ``shared`` with the defaults above, ``defaults`` with others.
 
@@ -234,8 +246,7 @@ def define_flags(*shared: str, **defaults: Any) -> None:
 
   from jaxoverlap import launch
 
-  caller = sys._getframe(1).f_globals.get("__name__", "")  # pylint: disable=protected-access
-  module = sys.argv[0] if caller == "__main__" else caller  # --helpshort lists the script's
+  module = flag_module()
   for name in shared + tuple(defaults):
     kind, default, helptext = _FLAGS[name]
     if name in defaults:

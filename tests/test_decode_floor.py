@@ -145,3 +145,16 @@ def test_run_refuses_a_profile_variant_that_is_not_timed(tmp_path):
                      variant_names=["xla_default"], prompt_len=4, num_tokens=2, reps=1, warmup=0,
                      seed=0, hbm_gib=0.001, profile_tokens=2, profile_variants=["rows4"],
                      logdir=str(tmp_path), log=lambda *a: None)
+
+
+@pytest.mark.parametrize("script", ["decode_floor.py", "decode.py"])
+def test_help_lists_the_model_flags(script):
+  """--help (not only --helpfull) shows the model-size flags decode_floor.py borrows."""
+  import subprocess
+  here = os.path.join(os.path.dirname(__file__), "..", "benchmarks")
+  run = subprocess.run([sys.executable, script, "--help"], cwd=here, capture_output=True,
+                       text=True, timeout=120, check=False)
+  out = run.stdout + run.stderr  # absl prints the help and exits with 1
+  assert "Traceback" not in out, out
+  for flag in ("--d_model", "--kv_heads", "--layers", "--attention", "--reps"):
+    assert flag in out, (script, flag)
