@@ -1,5 +1,5 @@
-"""Every relative link of README.md and docs/*.md points at a file that exists, and every
-#anchor at a heading of its target, as GitHub renders them."""
+"""Every relative link of README.md, docs/*.md and examples/train/README.md points at a file
+that exists, and every #anchor at a heading of its target, as GitHub renders them."""
 
 import collections
 import pathlib
@@ -8,7 +8,8 @@ import re
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")),
+         ROOT / "examples" / "train" / "README.md"]
 LINK = re.compile(r"(?<!!)\[[^\]]*\]\(([^)\s]+)\)|!\[[^\]]*\]\(([^)\s]+)\)")
 FENCE = re.compile(r"^\s*(```|~~~)")
 
@@ -37,16 +38,37 @@ def anchors(page: pathlib.Path) -> set[str]:
 
 
 def links(page: pathlib.Path):
-  """(line number, target) of every link and image outside code blocks and code spans."""
-  fenced = False
-  for number, line in enumerate(page.read_text().splitlines(), 1):
+  """(line number, target) of every link and image outside code blocks and code spans; a link
+  whose text wraps onto the next lines is read whole (its first line's number)."""
+  return links_in(page.read_text())
+
+
+def links_in(text: str):
+  fenced, pending, start = False, "", 0
+  for number, line in enumerate(text.splitlines(), 1):
     if FENCE.match(line):
-      fenced = not fenced
+      fenced, pending = not fenced, ""
       continue
     if fenced:
       continue
-    for m in LINK.finditer(re.sub(r"`[^`]*`", "", line)):
-      yield number, m.group(1) or m.group(2)
+    if not line.strip():  # a paragraph ends: an unclosed bracket there is not a link
+      pending = ""
+      continue
+    if not pending:
+      start = number
+    joined = (pending + " " + line) if pending else line
+    text_only = re.sub(r"`[^`]*`", "", joined)
+    if text_only.count("[") > text_only.count("]"):  # a link's text goes on below
+      pending = joined
+      continue
+    pending = ""
+    for m in LINK.finditer(text_only):
+      yield start, m.group(1) or m.group(2)
+
+
+def test_links_whose_text_wraps_are_read():
+  text = "see [kernels.md, \"fused\ncalibration\"](kernels.md#x) and [a](b.md)\n\n[c\n\n[d](e.md)\n"
+  assert list(links_in(text)) == [(1, "kernels.md#x"), (1, "b.md"), (6, "e.md")]
 
 
 def test_the_slug_follows_github():
