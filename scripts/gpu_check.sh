@@ -36,6 +36,9 @@
 #       child-graph node (how XLA records a custom call) and captured into the graph;
 #       CHILD_SIZES, CHILD_THREADS (threads a block), CHILD_BUILDS, CHILD_PADS (bytes of
 #       extra kernel parameters); benchmarks/child_graph_probe.cu)
+#       | hbmprobe (one GPU, CUDA and cuBLASLt alone: how much a copy-engine copy of a fused
+#       op's bytes slows the concurrent shard GEMM (HBM contention), and the GEMM the copy;
+#       HBM_SHAPES "M,K,N,BYTES ...", HBM_MODES "ce plain"; benchmarks/hbm_contention_probe.cu)
 #       | localcost (one GPU: the all-reduce and norm kernels for a group of one, so without
 #       communication, beside a copy and XLA's add + norm; LOCAL_CLUSTERS="0 1" also with every
 #       row on one block; LOCAL_FLAGS)
@@ -64,7 +67,7 @@ VERBS=" build suite bench bench2 autobench quickbench tune ovbench ovbenchfull o
 VERBS="$VERBS ovcalibrate train cmdbufcost profile ovprofilegraphs decode procbench multigpu_bench"
 VERBS="$VERBS multigpu_fused normbench decodefloor pallasbench retune lamportab contention"
 VERBS="$VERBS ovrepeat ovrepeat2 pdlfloor epochab epochab2 tune1process localcost l2prefetch"
-VERBS="$VERBS childgraph hierab "
+VERBS="$VERBS childgraph hierab hbmprobe "
 # The verbs of this call: the first, and with several (not suite, whose further arguments are
 # pytest's) every one, each checked against VERBS before anything is built or run.
 named=("$WHAT"); [ "$WHAT" = suite ] || [ $# -le 1 ] || named=("$@")
@@ -405,6 +408,26 @@ if [ "$WHAT" = childgraph ] && [ "$NGPU" -ge 1 ]; then
     done
   done
   rm -f "$OUT"/probe_whole "$OUT"/probe_rdc "$OUT"/probe_nvshmem "$OUT/probe_build.log"
+fi
+# one GPU: HBM contention between a shard GEMM and a copy of the bytes its fused op moves
+if [ "$WHAT" = hbmprobe ] && [ "$NGPU" -ge 1 ]; then
+  CU=$($PY -c "import importlib.util as u; print(list(u.find_spec('nvidia.cu13').submodule_search_locations)[0])")
+  # Default shapes: one rank of 2 at (16384, 4096, 4096): all_gather_matmul's own-shard GEMM and
+  # matmul_reduce_scatter's own-block GEMM, each beside its 64 MiB; at (4096, 8192, 28672): the
+  # all-gather's own-shard GEMM beside its 32 MiB shard.
+  nvcc -O2 -std=c++17 -arch=sm_90 -I"$CU/include" -o "$OUT/hbm_probe" \
+      benchmarks/hbm_contention_probe.cu -Xlinker "$CU/lib/libcublasLt.so.13" \
+      -Xlinker -rpath,"$CU/lib" 2>"$OUT/hbm_probe_build.log" \
+    || { echo "!! hbm_contention_probe did not build"; tail -5 "$OUT/hbm_probe_build.log"; status=1; }
+  for shape in ${HBM_SHAPES:-8192,4096,2048,67108864 8192,2048,4096,67108864 2048,8192,14336,33554432}; do
+    # shellcheck disable=SC2086
+    for mode in ${HBM_MODES:-ce plain}; do
+      timeout 120 "$OUT/hbm_probe" ${shape//,/ } 30 5 "$mode" \
+        | tee -a "$OUT/hbm_contention_probe.jsonl" \
+        || { echo "!! hbm_probe $shape $mode failed"; status=1; }
+    done
+  done
+  rm -f "$OUT/hbm_probe"
 fi
 # one GPU: the kernels' cost without communication
 if [ "$WHAT" = localcost ] && [ "$NGPU" -ge 1 ]; then
