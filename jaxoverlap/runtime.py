@@ -83,6 +83,12 @@ DEFAULT_HEAP_BYTES = 1 << 30  # 1 GiB per GPU
 DEFAULT_OVERLAP_HEAP_BYTES = 2 << 30
 DEFAULT_TIMEOUT_S = 10.0
 DEFAULT_INIT_TIMEOUT_S = 120.0  # every wait of initialize(): peers, rank 0's table and id, NVSHMEM
+HEAP_ALIGNMENT = 256  # heap_bytes and overlap_heap_bytes are multiples of this (bytes)
+MIN_TIMEOUT_S, MAX_TIMEOUT_S = 1e-3, 1e9  # the range of timeout_s (seconds)
+# What must be equal on every process, besides the heap sizes and ranks per node: the
+# measurement knobs that pick the kernel or protocol on both ends of a transfer (docs/design.md).
+_SHARED_KNOBS = ("JAXOVERLAP_HIERARCHICAL_LL", "JAXOVERLAP_EPOCH_AT_START",
+                 "JAXOVERLAP_NORM_CLUSTER", "JAXOVERLAP_TEST_PAIR_EPOCH")
 # NVSHMEM's own heap must hold ours plus its internal allocations.
 _NVSHMEM_HEAP_SLACK_BYTES = 256 << 20
 
@@ -228,6 +234,48 @@ def _exchange(key: str, value: bytes | None, rank: int, timeout_s: float) -> byt
         "calling jaxoverlap.initialize()? Its output says why it stopped") from None
 
 
+def _check_same_on_every_process(settings: dict[str, Any], rank: int, num_ranks: int,
+                                 timeout_s: float) -> None:
+  """Every process resolved the same ``settings`` (heap sizes, ranks per node, knobs).
+
+  They lay out the symmetric heap and pick the kernels on both ends of a
+  transfer: a process with another heap size puts its payloads where a peer
+  keeps its accumulator (wrong sums, no error), one with another kernel waits
+  for slots its peer never writes. Every process sees every value, so all
+  raise alike, before the native start-up.
+
+  Raises:
+    RuntimeError: a setting differs; the message names it with each value and its ranks.
+    RuntimeError: a process did not arrive within ``timeout_s`` (``_gather``).
+  """
+  if num_ranks == 1:
+    return
+  mine = json.dumps(settings, sort_keys=True)
+  values = [json.loads(v) for v in _gather("settings", mine, rank, num_ranks, timeout_s)]
+  differ = []
+  for key in sorted(settings):
+    ranks_by_value: dict[str, list[int]] = {}
+    for r, theirs in enumerate(values):
+      ranks_by_value.setdefault(repr(theirs.get(key)), []).append(r)
+    if len(ranks_by_value) > 1:
+      differ.append(f"{key}: " + "; ".join(f"{v} on ranks {rs}"
+                                           for v, rs in ranks_by_value.items()))
+  if differ:
+    raise RuntimeError(
+        f"jaxoverlap.initialize (rank {rank} of {num_ranks}): the processes resolved different "
+        f"settings, which must be equal on every process (the symmetric heap's layout and the "
+        f"kernels on both ends of a transfer depend on them): {' | '.join(differ)}. Pass the "
+        "same arguments to initialize() and export the same JAXOVERLAP_* variables everywhere "
+        "(None: unset)")
+
+
+def _shared_settings(params: dict[str, Any], ranks_per_node: int) -> dict[str, Any]:
+  """The settings ``_check_same_on_every_process`` compares."""
+  return {"heap_bytes": params["heap_bytes"], "overlap_heap_bytes": params["overlap_heap_bytes"],
+          "ranks_per_node": ranks_per_node,
+          **{k: os.environ.get(k) or None for k in _SHARED_KNOBS}}
+
+
 def _ranks_per_node_of_hosts(hosts: list[str], rank: int) -> tuple[int | None, str | None]:
   """The ranks per node the hosts give: ``(per_node, None)``, or ``(None, why not)``.
 
@@ -307,12 +355,22 @@ def _resolve(heap_bytes, overlap_heap_bytes, timeout_s, ranks_per_node,
     sizes[name] = _as_int(value)
     if sizes[name] is None or sizes[name] <= 0:
       raise ValueError(f"{name} must be a positive int (bytes), got {value!r}")
+    if sizes[name] % HEAP_ALIGNMENT:
+      # The fused ops' region starts at heap_bytes: its 64-bit flags and 16-byte vectors need
+      # the alignment (ffi/runtime.cu, MakeLayout checks it too).
+      raise ValueError(f"{name} must be a multiple of {HEAP_ALIGNMENT} bytes, got {value!r} "
+                       f"(e.g. {sizes[name] // HEAP_ALIGNMENT * HEAP_ALIGNMENT + HEAP_ALIGNMENT})")
   heap_bytes, overlap_heap_bytes = sizes["heap_bytes"], sizes["overlap_heap_bytes"]
   for name, value in (("timeout_s", timeout_s), ("init_timeout_s", init_timeout_s)):
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or not value > 0:
       raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
     if not math.isfinite(value):  # a wait cannot be unbounded (nan fails the test above)
       raise ValueError(f"{name} must be a finite number of seconds, got {value!r}")
+  if not MIN_TIMEOUT_S <= timeout_s <= MAX_TIMEOUT_S:
+    # The device waits count nanoseconds in 64 bits; below a millisecond every wait that is not
+    # met at its first look would trap the kernel (and lose the GPU context).
+    raise ValueError(f"timeout_s must be from {MIN_TIMEOUT_S:g} to {MAX_TIMEOUT_S:g} seconds, "
+                     f"got {timeout_s!r}")
   if ranks_per_node is not None:
     rpn = _as_int(ranks_per_node)
     if rpn is None or rpn < 1:
@@ -453,18 +511,19 @@ def initialize(
   not compared: it bounds the waits of one call.
 
   Args:
-    heap_bytes: size of the symmetric heap of each GPU in bytes (default:
-      environment variable ``JAXOVERLAP_HEAP_BYTES``, e.g. ``512M``, else
-      1 GiB). It must fit beside XLA's preallocation
-      (``XLA_PYTHON_CLIENT_MEM_FRACTION``).
-    overlap_heap_bytes: symmetric memory for the fused ops (default:
+    heap_bytes: size of the symmetric heap of each GPU in bytes, a multiple of
+      256 (default: environment variable ``JAXOVERLAP_HEAP_BYTES``, e.g.
+      ``512M``, else 1 GiB). It must fit beside XLA's preallocation
+      (``XLA_PYTHON_CLIENT_MEM_FRACTION``), and be the same on every process.
+    overlap_heap_bytes: symmetric memory for the fused ops, bytes, a multiple of
+      256 and the same on every process (default:
       ``JAXOVERLAP_OVERLAP_HEAP_BYTES``, else 2 GiB), allocated with the heap.
       It holds ranks_per_node + 1 equal slots; one slot must hold the largest
       shard of x (all_gather_matmul), partial output block
       (matmul_reduce_scatter) or twice the reduced block (matmul_all_reduce);
       ``runtime_info()["overlap_slot_bytes"]`` gives its size.
-    timeout_s: bound on every device wait, in seconds (default
-      ``JAXOVERLAP_TIMEOUT_S`` or 10 s). A wait that times out records the
+    timeout_s: bound on every device wait, in seconds, from 0.001 to 1e9
+      (default ``JAXOVERLAP_TIMEOUT_S`` or 10 s). A wait that times out records the
       op, rank, peer and step, prints them to stderr and traps the kernel.
     ranks_per_node: GPUs per node (default ``JAXOVERLAP_RANKS_PER_NODE``, else
       detected from the hosts of the processes, which must then hold as many
@@ -493,9 +552,14 @@ def initialize(
       on, two of its GPUs cannot reach each other (in-process runtime: the
       pair is named), the hosts give no ranks per node and none is set, a
       process did not arrive within ``init_timeout_s`` (the message names the
-      ranks or the step), NVSHMEM fails to start or the heap does not fit, or
+      ranks or the step), the processes resolved different heap sizes, ranks
+      per node or measurement knobs (``JAXOVERLAP_HIERARCHICAL_LL``,
+      ``JAXOVERLAP_EPOCH_AT_START``, ``JAXOVERLAP_NORM_CLUSTER``,
+      ``JAXOVERLAP_TEST_PAIR_EPOCH``; the message names each with its ranks),
+      NVSHMEM fails to start or the heap does not fit, or
       the runtime is already up with other parameters. Messages say which.
-    ValueError: a size or timeout is not positive, a timeout not finite, a
+    ValueError: a size or timeout is not positive, a heap size not a multiple
+      of 256, a timeout not finite, ``timeout_s`` outside 0.001-1e9 s, a
       value malformed, JAXOVERLAP_GEMM_ALIGNMENT_CAP is not a power of two
       from 1 to 256, ranks_per_node does not divide the processes, or rank 0's
       tuning table is not valid JSON or not a usable all-reduce table
@@ -559,6 +623,7 @@ def _start(params: dict[str, Any]) -> None:
   if num_ranks % rpn:
     raise ValueError(
         f"ranks_per_node={rpn} must divide the number of processes {num_ranks}")
+  _check_same_on_every_process(_shared_settings(params, rpn), rank, num_ranks, wait_s)
   tuning = _shared_tuning_table(rank, num_ranks, wait_s)
 
   # NVLink multicast stays off (it can take a host's GPUs down; our kernels
@@ -612,7 +677,7 @@ def _commit(info: dict[str, Any], tuning: tuple[str, dict | None], pes: dict[int
   _tuning = tuning
   _pe_by_device_id = pes
   _ranks_per_node_from_hosts = from_hosts
-  atexit.register(finalize)
+  atexit.register(_finalize_at_exit)
 
 
 def _initialize_peer(ext, devices, params: dict[str, Any]) -> None:
@@ -641,6 +706,7 @@ def _initialize_peer(ext, devices, params: dict[str, Any]) -> None:
   first_pe = rank * num_local
   hosts = ([socket.gethostname()] if num_processes == 1 else
            _gather("host", socket.gethostname(), rank, num_processes, wait_s))
+  _check_same_on_every_process(_shared_settings(params, num_local), rank, num_processes, wait_s)
   tuning = _shared_tuning_table(rank, num_processes, wait_s)
   info = {
       "transport": names.PEER,
@@ -794,14 +860,36 @@ def finalize() -> None:
   """Frees the heaps and shuts the CUDA kernels' runtime down (a collective; runs at exit).
 
   The runtime is NVSHMEM, or CUDA peer access in one process, whichever
-  ``initialize()`` brought up. NVSHMEM's shutdown is a barrier of all
+  ``initialize()`` brought up. Every GPU the process drives finishes its work
+  before anything is freed. NVSHMEM's shutdown is a barrier of all
   processes: first they meet at a barrier of jax.distributed, at most
   ``FINALIZE_WAIT_S`` seconds, whose outcome every process sees alike; where
   not every process arrived (one died, was killed, or is still busy), or a
   device wait failed, NVSHMEM is left to the processes' exit, with a warning,
   instead of a barrier that would never return.
+
+  XLA records the ops' kernels into CUDA graphs with the runtime's device
+  addresses, and replays a graph without asking the op again. So
+  ``finalize()`` also clears JAX's compilation caches (``jax.clear_caches()``):
+  a jitted function compiles anew on its next call, and after a new
+  ``initialize()`` runs with the new runtime (before one, it raises that the
+  runtime is not up). An executable the caller keeps
+  (``jax.jit(f).lower(...).compile()``) is not recompiled: do not call one
+  compiled before ``finalize()`` after it.
+
+  Raises:
+    RuntimeError: the native shutdown failed (the message names the GPU and the
+      CUDA call); the runtime is marked down all the same.
   """
-  global _initialized, _facts
+  _finalize(clear_caches=True)
+
+
+def _finalize_at_exit() -> None:
+  """``finalize()`` at the interpreter's exit: nothing will run again, the caches stay."""
+  _finalize(clear_caches=False)
+
+
+def _finalize(clear_caches: bool) -> None:
   with _lock:
     if not _initialized:
       return
@@ -815,10 +903,24 @@ def finalize() -> None:
       logger.warning("jaxoverlap: skipping the runtime's finalize, whose barrier would never "
                      "return: %s", gone)
     else:
-      ext.finalize()
-    _initialized = False
-    _facts = None
-    _pe_by_device_id.clear()
+      try:
+        ext.finalize()
+      finally:
+        _mark_down(clear_caches)
+      return
+    _mark_down(clear_caches)
+
+
+def _mark_down(clear_caches: bool) -> None:
+  """After the native shutdown (or its skipping): the runtime is down, no executable of it is kept."""
+  global _initialized, _facts
+  _initialized = False
+  _facts = None
+  _pe_by_device_id.clear()
+  if clear_caches:
+    import jax
+
+    jax.clear_caches()
 
 
 def _platform() -> str:

@@ -317,15 +317,28 @@ def test_finalize_without_jax_distributed_runs_nvshmem(monkeypatch):
 
 
 class _StrictStore(_FakeCoordinator):
-  """jax.distributed's store: a key, once set, cannot be set again; every barrier passes."""
+  """jax.distributed's store: a key, once set, cannot be set again; every barrier passes.
 
-  def __init__(self):
+  The other processes' settings (``runtime._check_same_on_every_process``) mirror
+  this process's, each changed by ``peer_settings[rank]`` where given.
+  """
+
+  def __init__(self, peer_settings=None):
     super().__init__(passes=True)
+    self.peer_settings = peer_settings or {}
 
   def key_value_set(self, key, value):
     if key in self.values:
       raise RuntimeError(f"ALREADY_EXISTS: {key}")
     super().key_value_set(key, value)
+
+  def blocking_key_value_get(self, key, timeout_ms):
+    prefix, _, rank = key.rpartition("/")
+    if prefix.endswith("/settings") and key not in self.values:
+      mine = [v for k, v in self.values.items() if k.startswith(prefix + "/")]
+      if mine:
+        return json.dumps({**json.loads(mine[0]), **self.peer_settings.get(int(rank), {})})
+    return super().blocking_key_value_get(key, timeout_ms)
 
 
 class _FakeGPU:
@@ -607,3 +620,66 @@ def test_a_second_initialize_without_the_first_calls_ranks_per_node(fake_gpu):
       "ranks_per_node=2 (from the hosts) (active: 1)")):
     runtime.initialize()
   assert runtime.initialize(ranks_per_node=1)["ranks_per_node"] == 1
+
+
+@pytest.mark.parametrize("peer,what", [
+    ({"heap_bytes": 2 << 30}, r"heap_bytes: 1073741824 on ranks \[0, 2, 3\]; 2147483648 on ranks \[1\]"),
+    ({"ranks_per_node": 2}, r"ranks_per_node: 4 on ranks \[0, 2, 3\]; 2 on ranks \[1\]"),
+    ({"JAXOVERLAP_HIERARCHICAL_LL": "v3"},
+     r"JAXOVERLAP_HIERARCHICAL_LL: None on ranks \[0, 2, 3\]; 'v3' on ranks \[1\]"),
+], ids=["heap", "ranks-per-node", "knob"])
+def test_settings_that_differ_between_processes_are_refused(fake_gpu, peer, what):
+  """Trial 19: another heap size on one process put its payloads into a peer's accumulator."""
+  ext, _ = fake_gpu(0, ["a"] * 4, store=_StrictStore(peer_settings={1: peer}))
+  with pytest.raises(RuntimeError, match=r"the processes resolved different settings.*" + what):
+    runtime.initialize()
+  assert not ext.started and not runtime.is_initialized()
+
+
+def test_settings_compared_are_the_resolved_ones(fake_gpu, monkeypatch):
+  ext, store = fake_gpu(0, ["a", "a"])
+  monkeypatch.setenv("JAXOVERLAP_EPOCH_AT_START", "1")
+  runtime.initialize(heap_bytes=512 << 20)
+  mine = json.loads(store.values[f"jaxoverlap/{runtime._generation - 1}/settings/0"])
+  assert mine == {"heap_bytes": 512 << 20, "overlap_heap_bytes": runtime.DEFAULT_OVERLAP_HEAP_BYTES,
+                  "ranks_per_node": 2, "JAXOVERLAP_EPOCH_AT_START": "1",
+                  "JAXOVERLAP_HIERARCHICAL_LL": None, "JAXOVERLAP_NORM_CLUSTER": None,
+                  "JAXOVERLAP_TEST_PAIR_EPOCH": None}
+  assert ext.started
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"heap_bytes": (1 << 30) + 4}, r"heap_bytes must be a multiple of 256 bytes, got 1073741828 "
+                                    r"\(e.g. 1073742080\)"),
+    ({"overlap_heap_bytes": 1000}, "overlap_heap_bytes must be a multiple of 256 bytes"),
+    ({"timeout_s": 1e-10}, r"timeout_s must be from 0.001 to 1e\+09 seconds, got 1e-10"),
+    ({"timeout_s": 1e12}, r"timeout_s must be from 0.001 to 1e\+09 seconds"),
+], ids=["heap-not-aligned", "overlap-not-aligned", "timeout-too-small", "timeout-too-large"])
+def test_sizes_and_timeouts_out_of_range_are_refused(kwargs, match):
+  """Trial 19: an unaligned heap misaligned the fused ops' 64-bit flags; a timeout of 0 ns
+  trapped every wait, one past 2^64 ns failed in the binding."""
+  with pytest.raises(ValueError, match=match):
+    runtime._resolve(kwargs.get("heap_bytes"), kwargs.get("overlap_heap_bytes"),
+                     kwargs.get("timeout_s"), None, None)
+
+
+def test_finalize_clears_the_compilation_caches(fake_gpu, monkeypatch):
+  """Trial 19: XLA replays a recorded CUDA graph without asking the op again, so an executable
+  compiled before finalize() would run on the freed heap: finalize() makes jit compile anew."""
+  import jax
+
+  ext, _ = fake_gpu(0, ["a"])
+  runtime.initialize()
+  traces = []
+  f = jax.jit(lambda x: traces.append(1) or x + 1)
+  f(1.0)
+  f(2.0)
+  assert len(traces) == 1
+  runtime.finalize()
+  assert ext.finalized == 1 and not runtime.is_initialized()
+  f(3.0)
+  assert len(traces) == 2, "finalize() left the executable compiled with the old runtime"
+  runtime.initialize()
+  runtime._finalize_at_exit()  # at exit: nothing runs again, the caches stay
+  f(4.0)
+  assert len(traces) == 2 and ext.finalized == 2
