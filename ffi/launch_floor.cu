@@ -52,6 +52,7 @@ __device__ unsigned int g_floor_tickets[2];
 
 // The bookkeeping variant's parts (a bitmask; benchmarks/launch_floor_pdl.py
 // names the combinations).
+constexpr uint64_t kStartWaitNs = 10ull * 1000000000;  // kStartCount's bound on its wait
 constexpr int kEpochRead = 1;   // every thread reads the epoch before its first store
 constexpr int kEndTicket = 2;   // Finish: barrier, a ticket per block, the last advances
 constexpr int kEndFence = 4;    // ... and fences
@@ -108,11 +109,21 @@ __global__ void CopyKernel(const uint4* in, uint4* out, size_t num_vectors, cons
   if constexpr (kMode == FloorMode::kBookkeeping) {
     if (parts & kStartCount) {
       if (blockIdx.x == 0 && threadIdx.x == 0) {
+        // Bounded, as every device wait: a grid that cannot start in full (the
+        // GPU held by another kernel) stops the probe with a message, not a hang.
         uint32_t started = 0;
-        do {
+        const uint64_t since = GlobalTimerNs();
+        for (uint32_t polls = 1;; ++polls) {
           asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(started)
                        : "l"(g_floor_tickets + 1) : "memory");
-        } while (started < gridDim.x);
+          if (started >= gridDim.x) break;
+          if (polls % 64 == 0 && GlobalTimerNs() - since > kStartWaitNs) {
+            printf("jaxoverlap: launch_floor: block 0 waited %llu s for the grid's %u blocks to "
+                   "start; %u did\n", static_cast<unsigned long long>(kStartWaitNs / 1000000000),
+                   gridDim.x, started);
+            __trap();
+          }
+        }
         g_floor_epoch = epoch;
         g_floor_tickets[1] = 0;
       }

@@ -147,7 +147,7 @@ NB_MODULE(_jaxoverlap_cuda, m) {
       nb::arg("num_pes"), nb::arg("ranks_per_node"), nb::arg("heap_bytes"),
       nb::arg("overlap_heap_bytes"));
 
-  m.def("finalize", &Finalize);
+  m.def("finalize", []() { ThrowIfError(Finalize()); });
   m.def("init_stage", []() { return std::string(InitStage()); });
   m.def("set_timeout_ns", &SetTimeout, nb::arg("timeout_ns"));
 

@@ -111,8 +111,23 @@ struct Layout {
   size_t oflag_bytes = 0, oack_bytes = 0, overlap_slot_bytes = 0;
 };
 
+// Heap sizes are multiples of this: the fused ops' region starts at heap_bytes,
+// and its 64-bit flags and 16-byte vectors need the alignment
+// (jaxoverlap/runtime.py checks it first).
+constexpr size_t kHeapAlignment = 256;
+
 ffi::Error MakeLayout(int num_pes, int ranks_per_node, size_t heap_bytes, size_t overlap_bytes,
                       Layout* out) {
+  if (num_pes < 1) {
+    return Fail(ffi::ErrorCode::kInvalidArgument,
+                "the heap layout needs at least 1 PE, got " + std::to_string(num_pes));
+  }
+  if (heap_bytes % kHeapAlignment != 0 || overlap_bytes % kHeapAlignment != 0) {
+    return Fail(ffi::ErrorCode::kInvalidArgument,
+                "heap sizes must be multiples of " + std::to_string(kHeapAlignment) +
+                    " bytes, got heap " + std::to_string(heap_bytes) + " and fused-op heap " +
+                    std::to_string(overlap_bytes));
+  }
   if (num_pes > kMaxPes) {
     return Fail(ffi::ErrorCode::kInvalidArgument,
                 std::to_string(num_pes) + " PEs exceed the " + std::to_string(kMaxPes) +
@@ -286,29 +301,64 @@ ffi::Error SetUpDevice(RuntimeState& st, Mode mode, int device, char* heap, cons
   return ffi::Error::Success();
 }
 
-void TearDownDevice(RuntimeState& st) {
-  cudaSetDevice(st.device);
-  cudaDeviceSynchronize();
-  cudaFree(st.pair_epochs);
-  cudaFree(st.done_counter);
-  cudaFree(st.overlap_epochs);
-  cudaFree(st.call_epochs);
-  cudaFree(st.put_counter);
-  for (cudaEvent_t ev : st.events) cudaEventDestroy(ev);
-  cudaStreamDestroy(st.comm_stream);
-  cudaFreeHost(st.error_host);
-  if (st.mode == Mode::kPeer) cudaFree(st.heap);
+// Frees what SetUpDevice made on GPU `device` (also after it failed part way:
+// only what exists), and the heap where the runtime allocated it (the peer
+// mode's; NVSHMEM's is freed collectively). The GPU's work must have finished.
+// Every release runs; the first failure is returned. `st` is reset.
+ffi::Error TearDownDevice(RuntimeState& st, int device, char* peer_heap) {
+  FirstError first;
+  const std::string on = " (GPU " + std::to_string(device) + ")";
+  first.Cuda(cudaSetDevice(device), "cudaSetDevice" + on);
+  for (void* p : {static_cast<void*>(st.pair_epochs), static_cast<void*>(st.done_counter),
+                  static_cast<void*>(st.overlap_epochs), static_cast<void*>(st.call_epochs),
+                  static_cast<void*>(st.put_counter)}) {
+    if (p != nullptr) first.Cuda(cudaFree(p), "cudaFree (runtime counters)" + on);
+  }
+  for (cudaEvent_t ev : st.events) {
+    if (ev != nullptr) first.Cuda(cudaEventDestroy(ev), "cudaEventDestroy" + on);
+  }
+  if (st.comm_stream != nullptr) {
+    first.Cuda(cudaStreamDestroy(st.comm_stream), "cudaStreamDestroy (comm stream)" + on);
+  }
+  if (st.error_host != nullptr) first.Cuda(cudaFreeHost(st.error_host), "cudaFreeHost" + on);
+  if (peer_heap != nullptr) first.Cuda(cudaFree(peer_heap), "cudaFree (heap)" + on);
+  st = RuntimeState();
+  return first.Take();
 }
 
-ffi::Error CheckNotInitialized() {
-  if (g_mode != Mode::kNone) {
-    return Fail(ffi::ErrorCode::kFailedPrecondition,
-                "jaxoverlap runtime is already initialised in this process (" +
-                    std::to_string(g_num_devices) + " GPU(s), first PE " +
-                    std::to_string(State().my_pe) + ")");
+// A start-up is running: set by StartUp for the duration of Initialize or
+// InitializePeer. Python bounds its wait for one (runtime.py) and may give up
+// while it still runs; another must not start beside it.
+std::atomic<bool> g_starting{false};
+
+class StartUp {
+ public:
+  ffi::Error Begin() {
+    if (g_mode != Mode::kNone) {
+      return Fail(ffi::ErrorCode::kFailedPrecondition,
+                  "jaxoverlap runtime is already initialised in this process (" +
+                      std::to_string(g_num_devices) + " GPU(s), first PE " +
+                      std::to_string(State().my_pe) + ")");
+    }
+    bool expected = false;
+    if (!g_starting.compare_exchange_strong(expected, true)) {
+      return Fail(ffi::ErrorCode::kFailedPrecondition,
+                  std::string("another start-up of the jaxoverlap runtime is still running in "
+                              "this process (at step '") +
+                      g_init_stage.load() +
+                      "'; an initialize() that gave up waiting leaves it running); it must "
+                      "end first");
+    }
+    owner_ = true;
+    return ffi::Error::Success();
   }
-  return ffi::Error::Success();
-}
+  ~StartUp() {
+    if (owner_) g_starting.store(false);
+  }
+
+ private:
+  bool owner_ = false;
+};
 
 }  // namespace
 
@@ -364,7 +414,8 @@ ffi::Error ComputeHeapLayout(int num_pes, int ranks_per_node, size_t heap_bytes,
 ffi::Error Initialize(const std::string& unique_id, int rank, int num_ranks, int device,
                       size_t heap_bytes, size_t overlap_bytes, uint64_t timeout_ns,
                       int ranks_per_node) {
-  JAXOVERLAP_RETURN_IF_ERROR(CheckNotInitialized());
+  StartUp start_up;
+  JAXOVERLAP_RETURN_IF_ERROR(start_up.Begin());
   if (unique_id.size() != sizeof(nvshmemx_uniqueid_t)) {
     return Fail(ffi::ErrorCode::kInvalidArgument,
                 "NVSHMEM unique id has " + std::to_string(unique_id.size()) +
@@ -426,9 +477,18 @@ ffi::Error Initialize(const std::string& unique_id, int rank, int num_ranks, int
                     "XLA_PYTHON_CLIENT_MEM_FRACTION or the jaxoverlap heap size)");
   }
   RuntimeState& st = g_states[device];
-  JAXOVERLAP_RETURN_IF_ERROR(SetUpDevice(st, Mode::kNvshmem, device, static_cast<char*>(heap),
-                                         layout, my_pe, num_pes, ranks_per_node, heap_bytes,
-                                         overlap_bytes, timeout_ns));
+  if (ffi::Error e = SetUpDevice(st, Mode::kNvshmem, device, static_cast<char*>(heap), layout,
+                                 my_pe, num_pes, ranks_per_node, heap_bytes, overlap_bytes,
+                                 timeout_ns);
+      e.failure()) {
+    // What this PE made alone is freed; NVSHMEM's heap and NVSHMEM itself are
+    // collective (freeing them would wait for the other PEs), and stay to the
+    // process's exit (NVSHMEM cannot start twice in a process anyway).
+    cudaDeviceSynchronize();
+    TearDownDevice(st, device, nullptr);
+    gemm::Shutdown();
+    return e;
+  }
   JAXOVERLAP_CUDA_RETURN_IF_ERROR(cudaDeviceSynchronize());
   DebugStep("nvshmem_barrier_all (every PE must have allocated its heap)");
   // Every PE has zeroed its signals before anyone may write them.
@@ -445,7 +505,8 @@ ffi::Error Initialize(const std::string& unique_id, int rank, int num_ranks, int
 
 ffi::Error InitializePeer(const int* devices, int num_devices, int first_pe, int num_pes,
                           size_t heap_bytes, size_t overlap_bytes, uint64_t timeout_ns) {
-  JAXOVERLAP_RETURN_IF_ERROR(CheckNotInitialized());
+  StartUp start_up;
+  JAXOVERLAP_RETURN_IF_ERROR(start_up.Begin());
   if (num_devices < 1 || num_devices > kMaxGroupSize) {
     return Fail(ffi::ErrorCode::kInvalidArgument,
                 "the in-process runtime drives 1 to " + std::to_string(kMaxGroupSize) +
@@ -500,31 +561,56 @@ ffi::Error InitializePeer(const int* devices, int num_devices, int first_pe, int
   peers.in_process = true;
   peers.first_pe = first_pe;
   peers.num_local = num_devices;
+  // On a failure, every GPU's heap and state made so far is freed: a retry in
+  // this process must not find GiBs taken by this attempt.
+  auto undo = [&](ffi::Error e) {
+    for (int i = 0; i < num_devices; ++i) {
+      if (peers.heaps[i] == nullptr) continue;
+      cudaSetDevice(devices[i]);
+      cudaDeviceSynchronize();
+      TearDownDevice(g_states[devices[i]], devices[i], peers.heaps[i]);
+    }
+    gemm::Shutdown();
+    return e;
+  };
   for (int i = 0; i < num_devices; ++i) {
-    JAXOVERLAP_CUDA_RETURN_IF_ERROR(cudaSetDevice(devices[i]));
+    if (const cudaError_t err = cudaSetDevice(devices[i]); err != cudaSuccess) {
+      return undo(CudaError(err, "cudaSetDevice", __FILE__, __LINE__));
+    }
     DebugStep("cudaMalloc (heap)");
     void* heap = nullptr;
     const cudaError_t err = cudaMalloc(&heap, heap_bytes + overlap_bytes);
     if (err != cudaSuccess) {
       cudaGetLastError();
-      return Fail(ffi::ErrorCode::kResourceExhausted,
-                  "cudaMalloc(" + std::to_string(heap_bytes + overlap_bytes) + " bytes) of the "
-                  "heap on GPU " + std::to_string(devices[i]) + " failed (" +
-                  cudaGetErrorString(err) + "): it does not fit beside XLA's preallocation; "
-                  "lower XLA_PYTHON_CLIENT_MEM_FRACTION or the jaxoverlap heap size");
+      return undo(Fail(ffi::ErrorCode::kResourceExhausted,
+                       "cudaMalloc(" + std::to_string(heap_bytes + overlap_bytes) +
+                           " bytes) of the heap on GPU " + std::to_string(devices[i]) +
+                           " failed (" + cudaGetErrorString(err) +
+                           "): it does not fit beside XLA's preallocation; lower "
+                           "XLA_PYTHON_CLIENT_MEM_FRACTION or the jaxoverlap heap size"));
     }
     peers.heaps[i] = static_cast<char*>(heap);
     RuntimeState& st = g_states[devices[i]];
-    JAXOVERLAP_RETURN_IF_ERROR(SetUpDevice(st, Mode::kPeer, devices[i], peers.heaps[i], layout,
-                                           first_pe + i, num_pes, num_devices, heap_bytes,
-                                           overlap_bytes, timeout_ns));
+    if (ffi::Error e = SetUpDevice(st, Mode::kPeer, devices[i], peers.heaps[i], layout,
+                                   first_pe + i, num_pes, num_devices, heap_bytes, overlap_bytes,
+                                   timeout_ns);
+        e.failure()) {
+      return undo(std::move(e));
+    }
+  }
+  for (int i = 0; i < num_devices; ++i) {
+    if (const cudaError_t err = cudaSetDevice(devices[i]); err != cudaSuccess) {
+      return undo(CudaError(err, "cudaSetDevice", __FILE__, __LINE__));
+    }
+    if (const cudaError_t err = cudaDeviceSynchronize(); err != cudaSuccess) {
+      return undo(CudaError(err, "cudaDeviceSynchronize (after setting up the GPUs)", __FILE__,
+                            __LINE__));
+    }
   }
   for (int i = 0; i < num_devices; ++i) {
     RuntimeState& st = g_states[devices[i]];
     st.peers = peers;
     st.peers.self = peers.heaps[i];
-    JAXOVERLAP_CUDA_RETURN_IF_ERROR(cudaSetDevice(devices[i]));
-    JAXOVERLAP_CUDA_RETURN_IF_ERROR(cudaDeviceSynchronize());
     st.initialized = true;
     g_devices[i] = devices[i];
   }
@@ -535,22 +621,32 @@ ffi::Error InitializePeer(const int* devices, int num_devices, int first_pe, int
   return ffi::Error::Success();
 }
 
-void Finalize() {
-  if (g_mode == Mode::kNone) return;
+ffi::Error Finalize() {
+  if (g_mode == Mode::kNone) return ffi::Error::Success();
   StopWatchdog();
   const Mode mode = g_mode;
+  FirstError first;
+  // Every driven GPU finishes first: a fused op's last AckKernel on one GPU
+  // stores into its peers' heaps, which must outlive it.
+  for (int i = 0; i < g_num_devices; ++i) {
+    const std::string on = " (GPU " + std::to_string(g_devices[i]) + ", at finalize)";
+    first.Cuda(cudaSetDevice(g_devices[i]), "cudaSetDevice" + on);
+    first.Cuda(cudaDeviceSynchronize(), "cudaDeviceSynchronize" + on);
+  }
   if (mode == Mode::kNvshmem) {
-    cudaSetDevice(State().device);
-    cudaDeviceSynchronize();
-    nvshmem_barrier_all();
+    first.Cuda(cudaSetDevice(State().device), "cudaSetDevice (at finalize)");
+    nvshmem_barrier_all();  // every PE's GPU has finished before any heap goes
     nvshmem_free(State().heap);
   }
-  for (int i = 0; i < g_num_devices; ++i) TearDownDevice(g_states[g_devices[i]]);
-  gemm::Shutdown();
+  for (int i = 0; i < g_num_devices; ++i) {
+    RuntimeState& st = g_states[g_devices[i]];
+    first.Add(TearDownDevice(st, g_devices[i], mode == Mode::kPeer ? st.heap : nullptr));
+  }
+  first.Add(gemm::Shutdown());
   if (mode == Mode::kNvshmem) nvshmem_finalize();
-  for (int i = 0; i < g_num_devices; ++i) g_states[g_devices[i]] = RuntimeState();
   g_num_devices = 0;
   g_mode = Mode::kNone;
+  return first.Take();
 }
 
 DeviceError LastDeviceError(int* pe) {

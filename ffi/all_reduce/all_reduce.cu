@@ -2036,10 +2036,12 @@ ffi::Error CheckLocalPeers(const RuntimeState& s, const Topology& t, const char*
   return ffi::Error::Success();
 }
 
-ffi::Error MakeTopology(const int64_t* groups, size_t num_entries, int64_t group_size, int my_pe,
-                        int num_pes, int ranks_per_node, Topology* topo) {
+ffi::Error MakeTopology(const char* op, const int64_t* groups, size_t num_entries,
+                        int64_t group_size, int my_pe, int num_pes, int ranks_per_node,
+                        Topology* topo) {
+  const std::string who = std::string(op) + ": ";
   if (group_size < 1 || num_entries % group_size != 0) {
-    return ffi::Error::InvalidArgument("all_reduce: groups attribute has " +
+    return ffi::Error::InvalidArgument(who + "groups attribute has " +
                                        std::to_string(num_entries) +
                                        " entries, not a multiple of group size " +
                                        std::to_string(group_size));
@@ -2052,7 +2054,7 @@ ffi::Error MakeTopology(const int64_t* groups, size_t num_entries, int64_t group
   }
   if (g == nullptr) {
     return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
-                      "all_reduce: PE " + std::to_string(my_pe) +
+                      who + "PE " + std::to_string(my_pe) +
                           " is in none of the groups of this call; the mesh's devices and the "
                           "runtime's PEs disagree (jaxoverlap.runtime.pe_of_device)");
   }
@@ -2062,14 +2064,18 @@ ffi::Error MakeTopology(const int64_t* groups, size_t num_entries, int64_t group
   int num_nodes = 0;
   for (int64_t r = 0; r < group_size; ++r) {
     if (g[r] < 0 || g[r] >= num_pes) {
-      return ffi::Error::InvalidArgument("all_reduce: group names PE " + std::to_string(g[r]) +
-                                         " but NVSHMEM has " + std::to_string(num_pes) + " PEs");
+      return ffi::Error::InvalidArgument(who + "group names PE " + std::to_string(g[r]) +
+                                         " but the runtime has " + std::to_string(num_pes) + " PEs");
+    }
+    if (std::find(g, g + r, g[r]) != g + r) {
+      return ffi::Error::InvalidArgument(who + "the group names PE " + std::to_string(g[r]) +
+                                         " twice");
     }
     if (g[r] == my_pe) t.rank = static_cast<int>(r);
     const int node = static_cast<int>(g[r] / ranks_per_node);
     if (std::find(nodes, nodes + num_nodes, node) == nodes + num_nodes) {
       if (num_nodes == kMaxNodes) {
-        return ffi::Error::InvalidArgument("all_reduce: the group spans more than " +
+        return ffi::Error::InvalidArgument(who + "the group spans more than " +
                                            std::to_string(kMaxNodes) + " nodes");
       }
       nodes[num_nodes++] = node;
@@ -2085,13 +2091,13 @@ ffi::Error MakeTopology(const int64_t* groups, size_t num_entries, int64_t group
     }
     if (per_node[k] != per_node[0]) {
       return ffi::Error::InvalidArgument(
-          "all_reduce: the group has " + std::to_string(per_node[0]) + " ranks on one node and " +
+          who + "the group has " + std::to_string(per_node[0]) + " ranks on one node and " +
           std::to_string(per_node[k]) + " on another; the hierarchical algorithms need the same "
           "number on every node");
     }
   }
   if (per_node[0] > kMaxGroupSize) {
-    return ffi::Error::InvalidArgument("all_reduce: " + std::to_string(per_node[0]) +
+    return ffi::Error::InvalidArgument(who + std::to_string(per_node[0]) +
                                        " ranks of one group on one node; at most " +
                                        std::to_string(kMaxGroupSize) + " are supported");
   }
@@ -2139,6 +2145,14 @@ ffi::Error AllReduce(const RuntimeState& s, cudaStream_t stream, Algorithm algor
     return ffi::Error::InvalidArgument(
         "all_reduce: protocol lamport runs within one node (one_shot, two_shot); hierarchical "
         "takes ll or simple");
+  }
+  if (algorithm == Algorithm::kHierarchical && topo.num_nodes > 1 && s.mode != Mode::kNvshmem) {
+    // The kernels' inter-node step is NVSHMEM's puts; across processes the
+    // in-process runtime runs it as XLA's collective (the stage handlers).
+    return ffi::Error::InvalidArgument(
+        "all_reduce: hierarchical across " + std::to_string(topo.num_nodes) +
+        " nodes needs the NVSHMEM runtime (one GPU per process); this process drives its GPUs "
+        "in-process, where the dispatcher runs the inter-node step as XLA's all-reduce");
   }
   if ((algorithm == Algorithm::kOneShot || algorithm == Algorithm::kTwoShot) && topo.num_nodes > 1) {
     return ffi::Error::InvalidArgument(

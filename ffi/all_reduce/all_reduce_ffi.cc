@@ -27,9 +27,9 @@ ffi::Error AllReduceExecute(cudaStream_t stream, int32_t device, ffi::AnyBuffer 
     return ffi::Error::InvalidArgument("all_reduce: output type/shape differs from the input");
   }
   Topology topo;
-  JAXOVERLAP_RETURN_IF_ERROR(MakeTopology(attrs.groups.begin(), attrs.groups.size(),
-                                          attrs.group_size, s.my_pe, s.num_pes, s.ranks_per_node,
-                                          &topo));
+  JAXOVERLAP_RETURN_IF_ERROR(MakeTopology("all_reduce", attrs.groups.begin(),
+                                          attrs.groups.size(), attrs.group_size, s.my_pe,
+                                          s.num_pes, s.ranks_per_node, &topo));
   JAXOVERLAP_RETURN_IF_ERROR(CheckLocalPeers(s, topo, "all_reduce"));
   return AllReduce(s, stream, attrs.algorithm, attrs.protocol, x.element_type(),
                    x.untyped_data(), out->untyped_data(), x.element_count(), topo);
@@ -52,8 +52,8 @@ ffi::Error StageExecute(cudaStream_t stream, int32_t device, ffi::AnyBuffer x,
     return ffi::Error::InvalidArgument(std::string(op) + ": the shard must be float32");
   }
   Topology topo;
-  JAXOVERLAP_RETURN_IF_ERROR(MakeTopology(groups.begin(), groups.size(), group_size, s.my_pe,
-                                          s.num_pes, s.ranks_per_node, &topo));
+  JAXOVERLAP_RETURN_IF_ERROR(MakeTopology(op, groups.begin(), groups.size(), group_size,
+                                          s.my_pe, s.num_pes, s.ranks_per_node, &topo));
   JAXOVERLAP_RETURN_IF_ERROR(CheckLocalPeers(s, topo, op));
   return AllReduceStage(s, stream, kStage, full.element_type(), x.untyped_data(),
                         out->untyped_data(), full.element_count(), shard.element_count(), topo);
@@ -87,8 +87,8 @@ ffi::Error AllReduceRmsNormExecute(cudaStream_t stream, int32_t device, ffi::Any
         " elements and weight the " + std::to_string(hidden) + " of its last dimension");
   }
   Topology topo;
-  JAXOVERLAP_RETURN_IF_ERROR(MakeTopology(groups.begin(), groups.size(), group_size, s.my_pe,
-                                          s.num_pes, s.ranks_per_node, &topo));
+  JAXOVERLAP_RETURN_IF_ERROR(MakeTopology(kOp, groups.begin(), groups.size(), group_size,
+                                          s.my_pe, s.num_pes, s.ranks_per_node, &topo));
   JAXOVERLAP_RETURN_IF_ERROR(CheckLocalPeers(s, topo, kOp));
   return AllReduceRmsNorm(s, stream, dtype, p.untyped_data(), residual.untyped_data(),
                           weight.untyped_data(), h->untyped_data(), y->untyped_data(),

@@ -180,8 +180,9 @@ ffi::Error MakePlan(const Gemm& g, cublasLtHandle_t handle, Plan* plan) {
     st = cublasLtMatmulAlgoGetHeuristic(handle, plan->desc, plan->a, plan->b, plan->d, plan->d,
                                         pref, 1, &result, &found);
   }
-  cublasLtMatmulPreferenceDestroy(pref);
+  const cublasStatus_t destroyed = cublasLtMatmulPreferenceDestroy(pref);
   JAXOVERLAP_CUBLAS_RETURN_IF_ERROR(st);
+  JAXOVERLAP_CUBLAS_RETURN_IF_ERROR(destroyed);
   if (found == 0) {
     return ffi::Error(ffi::ErrorCode::kUnimplemented,
                       "gemm: cuBLASLt has no algorithm for [" + std::to_string(g.rows) + ", " +
@@ -215,24 +216,30 @@ ffi::Error Init(int device) {
   return ffi::Error::Success();
 }
 
-void Shutdown() {
+ffi::Error Shutdown() {
   State& s = S();
   std::lock_guard<std::mutex> lock(s.mu);
+  FirstError first;
+  auto blas = [&](cublasStatus_t st, const char* what) {
+    if (st != CUBLAS_STATUS_SUCCESS) first.Add(BlasError(st, what, __FILE__, __LINE__));
+  };
   for (auto& [key, p] : s.plans) {
-    cublasLtMatrixLayoutDestroy(p.a);
-    cublasLtMatrixLayoutDestroy(p.b);
-    cublasLtMatrixLayoutDestroy(p.d);
-    cublasLtMatmulDescDestroy(p.desc);
+    blas(cublasLtMatrixLayoutDestroy(p.a), "cublasLtMatrixLayoutDestroy (A)");
+    blas(cublasLtMatrixLayoutDestroy(p.b), "cublasLtMatrixLayoutDestroy (B)");
+    blas(cublasLtMatrixLayoutDestroy(p.d), "cublasLtMatrixLayoutDestroy (D)");
+    blas(cublasLtMatmulDescDestroy(p.desc), "cublasLtMatmulDescDestroy");
   }
   s.plans.clear();
   for (int device = 0; device < kMaxDevices; ++device) {
     PerDevice& d = s.devices[device];
     if (d.handle == nullptr) continue;
-    cudaSetDevice(device);
-    if (d.workspace != nullptr) cudaFree(d.workspace);
-    cublasLtDestroy(d.handle);
+    const std::string on = " (cuBLASLt of GPU " + std::to_string(device) + ")";
+    first.Cuda(cudaSetDevice(device), "cudaSetDevice" + on);
+    if (d.workspace != nullptr) first.Cuda(cudaFree(d.workspace), "cudaFree (workspace)" + on);
+    blas(cublasLtDestroy(d.handle), "cublasLtDestroy");
     d = PerDevice();
   }
+  return first.Take();
 }
 
 int64_t CachedPlans() {
@@ -243,9 +250,14 @@ int64_t CachedPlans() {
 
 namespace {
 
-// Enqueues `g` on `stream`; with `only_first`, only when its plan has never
-// been launched.
-ffi::Error Launch(cudaStream_t stream, const Gemm& g, bool only_first) {
+enum class When {
+  kAlways,      // enqueue `g`
+  kFirstOnly,   // enqueue it only when its plan has never been launched
+  kNever,       // only check it and make its plan
+};
+
+// Checks `g`, finds or makes its plan, and enqueues it on `stream` as `when` says.
+ffi::Error Launch(cudaStream_t stream, const Gemm& g, When when) {
   if (g.rows == 0 || g.n == 0 || g.batch == 0) return ffi::Error::Success();
   if (g.k <= 0 || g.rows < 0 || g.n < 0 || g.batch < 0 || g.lda < g.k || g.ldb < g.n ||
       g.ldd < g.n) {
@@ -286,7 +298,9 @@ ffi::Error Launch(cudaStream_t stream, const Gemm& g, bool only_first) {
       }
       it = s.plans.emplace(key, p).first;
     }
-    if (only_first && it->second.launched) return ffi::Error::Success();
+    if (when == When::kNever || (when == When::kFirstOnly && it->second.launched)) {
+      return ffi::Error::Success();
+    }
     it->second.launched = true;
     plan = &it->second;  // std::map nodes are stable
   }
@@ -301,17 +315,19 @@ ffi::Error Launch(cudaStream_t stream, const Gemm& g, bool only_first) {
 
 }  // namespace
 
-ffi::Error Run(cudaStream_t stream, const Gemm& g) { return Launch(stream, g, false); }
+ffi::Error Run(cudaStream_t stream, const Gemm& g) { return Launch(stream, g, When::kAlways); }
 
 ffi::Error Preload(cudaStream_t stream, const Gemm& g) {
   // Under stream capture (XLA's command buffers) nothing runs now, and a graph
   // loads its kernels when it is instantiated or updated, not half-way through
   // a launch. A preload node would also change the recorded topology between the
-  // first capture and later ones, which a graph update refuses.
+  // first capture and later ones, which a graph update refuses. The plan is
+  // made all the same, so that a GEMM cuBLASLt cannot run fails here, before
+  // the call's first transfer, and not half-way through a recorded call.
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
   JAXOVERLAP_CUDA_RETURN_IF_ERROR(cudaStreamIsCapturing(stream, &capture));
-  if (capture != cudaStreamCaptureStatusNone) return ffi::Error::Success();
-  return Launch(stream, g, true);
+  return Launch(stream, g, capture != cudaStreamCaptureStatusNone ? When::kNever
+                                                                  : When::kFirstOnly);
 }
 
 }  // namespace jaxoverlap::gemm

@@ -308,8 +308,8 @@ ffi::Error Precheck(const Call& c) {
   return ffi::Error::Success();
 }
 
+// After Precheck and the preloads: the call's first enqueued step of its own.
 ffi::Error Begin(const Call& c) {
-  JAXOVERLAP_RETURN_IF_ERROR(Precheck(c));
   BeginKernel<<<1, 1, 0, c.compute>>>(c.s.overlap_epochs, c.s.call_epochs, c.g);
   JAXOVERLAP_RETURN_IF_LAUNCH_ERROR("BeginKernel launch");
   return Handoff(c.s.events[0], c.compute, c.s.comm_stream);  // fork
@@ -576,8 +576,14 @@ ffi::Error MakeGroup(const RuntimeState& s, const char* op, ffi::Span<const int6
         const int64_t pe = groups[start + m];
         if (pe < 0 || pe >= s.num_pes) {
           return ffi::Error::InvalidArgument(std::string(op) + ": group names PE " +
-                                             std::to_string(pe) + " but NVSHMEM has " +
-                                             std::to_string(s.num_pes));
+                                             std::to_string(pe) + " but the runtime has " +
+                                             std::to_string(s.num_pes) + " PEs");
+        }
+        for (int64_t earlier = 0; earlier < m; ++earlier) {
+          if (groups[start + earlier] == pe) {
+            return ffi::Error::InvalidArgument(std::string(op) + ": the group names PE " +
+                                               std::to_string(pe) + " twice");
+          }
         }
         if (pe / s.ranks_per_node != s.my_pe / s.ranks_per_node) {
           return ffi::Error::InvalidArgument(
@@ -641,8 +647,10 @@ ffi::Error AllGatherMatmul(const RuntimeState& s, cudaStream_t stream, const Gro
                      out + (p.out_offset + src * rows * n) * es, p.rows, k, n, p.batch, rows * k,
                      size * rows * n);
   };
-  // All before the first wait (gemm::Preload says why); they write only `out`,
-  // which the call rewrites, and read slots that may be half-written.
+  // Nothing runs before the checks (no output left partly written). Then the
+  // preloads, all before the first wait (gemm::Preload says why); they write
+  // only `out`, which the call rewrites, and read slots that may be half-written.
+  JAXOVERLAP_RETURN_IF_ERROR(Precheck(c));
   JAXOVERLAP_RETURN_IF_ERROR(gemm::Preload(stream, own));
   for (int i = 1; i < size; ++i) {
     for (int q = 0; q < chunks; ++q) {
@@ -697,6 +705,7 @@ ffi::Error MatmulReduceScatter(const RuntimeState& s, cudaStream_t stream, const
       CheckSlot(c, "a partial output block", static_cast<size_t>(outer) * rows * n * es));
   const ReduceScatterGemms gemms{c,     dtype, static_cast<const char*>(x), w,
                                  static_cast<char*>(out), outer, rows,  k, n, Chunks(opt, rows)};
+  JAXOVERLAP_RETURN_IF_ERROR(Precheck(c));
   JAXOVERLAP_RETURN_IF_ERROR(gemms.Preload());
   JAXOVERLAP_RETURN_IF_ERROR(Begin(c));
   JAXOVERLAP_RETURN_IF_ERROR(ReduceScatterPhase(c, gemms, 0));
@@ -719,6 +728,7 @@ ffi::Error MatmulAllReduce(const RuntimeState& s, cudaStream_t stream, const Gro
   const int chunks = Chunks(opt, rows);
   const ReduceScatterGemms gemms{c, dtype, static_cast<const char*>(x), w, out + r * block_bytes,
                                  1, rows, k, n, chunks};
+  JAXOVERLAP_RETURN_IF_ERROR(Precheck(c));
   JAXOVERLAP_RETURN_IF_ERROR(gemms.Preload());
   JAXOVERLAP_RETURN_IF_ERROR(Begin(c));
   // The reduce-scatter; each reduced chunk of this rank's block goes to every

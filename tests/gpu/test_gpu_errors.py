@@ -31,6 +31,16 @@ def test_heap_too_small(tmp_path):
   run.check()
 
 
+def test_finalize_then_initialize(tmp_path):
+  """Trial 19: after finalize() and a new initialize(), a function jitted before ran its
+  recorded CUDA graph on the freed heap; finalize() now clears JAX's caches."""
+  run = _harness.run_ranks(tmp_path, "rank_errors.py", World(2, 2),
+                           select=("-k", "test_finalize_then_initialize_runs_again"),
+                           timeout_s=240)
+  run.print_summary()
+  run.check()
+
+
 def test_device_wait_timeout(tmp_path):
   _run_timing_out(tmp_path, "test_device_wait_timeout_names_the_peer")
 

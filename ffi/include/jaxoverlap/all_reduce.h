@@ -48,9 +48,11 @@ struct Topology {
 };
 
 // Builds the topology of the group holding `my_pe` from the flat `groups`
-// list (each group in rank order) and `ranks_per_node` (node = pe / rpn).
-ffi::Error MakeTopology(const int64_t* groups, size_t num_entries, int64_t group_size, int my_pe,
-                        int num_pes, int ranks_per_node, Topology* topo);
+// list (each group in rank order, each PE once) and `ranks_per_node` (node =
+// pe / rpn); errors name `op`.
+ffi::Error MakeTopology(const char* op, const int64_t* groups, size_t num_entries,
+                        int64_t group_size, int my_pe, int num_pes, int ranks_per_node,
+                        Topology* topo);
 
 // kFailedPrecondition naming the pair when a PE of this PE's node in `t`
 // cannot be reached by load/store (the kernels store through PeerAddress; a

@@ -27,6 +27,25 @@ inline ffi::Error CudaError(cudaError_t err, const char* expr, const char* file,
                         cudaGetErrorString(err));
 }
 
+// The first failure of a sequence of calls that must all run (a teardown): each
+// later call runs whatever an earlier one returned, and the first error is kept.
+class FirstError {
+ public:
+  void Add(ffi::Error e) {
+    if (first_.success() && e.failure()) first_ = std::move(e);
+  }
+  void Cuda(cudaError_t err, const std::string& what) {
+    if (err != cudaSuccess) {
+      Add(ffi::Error(ffi::ErrorCode::kInternal, what + " failed: " + cudaGetErrorName(err) +
+                                                    ": " + cudaGetErrorString(err)));
+    }
+  }
+  ffi::Error Take() { return std::move(first_); }
+
+ private:
+  ffi::Error first_ = ffi::Error::Success();
+};
+
 }  // namespace jaxoverlap
 
 // A CUDA runtime call returning cudaError_t.

@@ -48,8 +48,8 @@ struct Gemm {
 
 // Creates the cuBLASLt handle and the workspace of GPU `device`; once per GPU.
 ffi::Error Init(int device);
-// Releases them (at finalisation).
-void Shutdown();
+// Releases them (at finalisation); every release runs, the first failure is returned.
+ffi::Error Shutdown();
 // Enqueues `g` on `stream` (a stream of GPU g.device). A GEMM with rows, n or
 // batch 0 is a no-op; k must be positive (the ops handle empty operands before
 // any kernel).
@@ -62,8 +62,9 @@ ffi::Error Run(cudaStream_t stream, const Gemm& g);
 // waiting for this GPU in turn. The fused ops therefore preload every GEMM of
 // a call before their first wait (docs/kernels.md, "Lazy loading"). `g` must
 // be safe to run early: its D is not read by anyone before the call rewrites it.
-// Under stream capture it does nothing (a graph loads its kernels when it is
-// instantiated or updated).
+// Under stream capture it enqueues nothing (a graph loads its kernels when it
+// is instantiated or updated), but still checks `g` and makes its plan. Either
+// way a GEMM that cannot run fails here.
 ffi::Error Preload(cudaStream_t stream, const Gemm& g);
 // Plans cached so far (for runtime_info and tests).
 int64_t CachedPlans();

@@ -179,8 +179,11 @@ ffi::Error ComputeHeapLayout(int num_pes, int ranks_per_node, size_t heap_bytes,
 const char* InitStage();
 // A fresh NVSHMEM unique id (128 bytes), made on the process that will be PE 0.
 ffi::Error GetUniqueId(std::string* out);
-// Frees the heaps (and finalises NVSHMEM); a no-op when not initialised.
-void Finalize();
+// Frees the heaps (and finalises NVSHMEM); a no-op when not initialised. Every
+// driven GPU finishes its work before anything is freed; every release runs, and
+// the first failure (which GPU, which call) is returned. The runtime is down
+// afterwards either way.
+ffi::Error Finalize();
 // The runtime of the GPU with CUDA ordinal `device` (not initialised for a
 // GPU the runtime does not drive); State() is the first driven GPU's.
 const RuntimeState& State(int device);

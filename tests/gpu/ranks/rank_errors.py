@@ -283,3 +283,44 @@ def test_norm_period_end_stops_under_epoch_knob(runtime, topology, mesh, ops, ra
                           lambda out: np.concatenate(
                               [np.asarray(o.addressable_data(0), np.float64) for o in out]),
                           "all_reduce_rms_norm", nproc, kv)
+
+
+@pytest.mark.ends_process
+def test_finalize_then_initialize_runs_again(runtime, topology, mesh, ops, rank, nproc):
+  """finalize(), then initialize() with another heap: an all-reduce jitted (and recorded into
+  XLA's CUDA graphs) before runs again, right, with the new runtime; called between the two it
+  raises that the runtime is not up. Trial 19: XLA replays a recorded graph without asking the
+  op again, so the executable of before would have run on the freed heap."""
+  ops.require_cuda("the runtime's finalize")
+  import jaxoverlap
+  from jaxoverlap import runtime as rt
+
+  algorithm = "one_shot" if topology.num_nodes == 1 else "hierarchical"
+  f = jax.jit(jax.shard_map(
+      lambda x: jax.lax.pcast(ops.all_reduce(x, "x", algorithm=algorithm, protocol="ll"), "x",
+                              to="varying"),
+      mesh=mesh, in_specs=P("x"), out_specs=P("x")))
+  n = 4099
+
+  def check(seed):
+    xs = [np.random.default_rng([seed, r]).standard_normal(n).astype(np.float32)
+          for r in range(nproc)]
+    x = jax.make_array_from_process_local_data(NamedSharding(mesh, P("x")), xs[rank],
+                                               (n * nproc,))
+    got = np.asarray(f(x).addressable_shards[0].data)
+    want = np.sum(np.asarray(xs, np.float64), axis=0)
+    err = np.max(np.abs(got - want) / (np.abs(want) + 1.0))
+    assert err <= 2e-6, f"call {seed}: max rel err {err:.3g} (got {got[:4]}, want {want[:4]})"
+
+  for seed in range(3):  # XLA records its graph on the first calls and replays it
+    check(seed)
+  heap = rt.runtime_info()["heap_bytes"]
+  jaxoverlap.finalize()
+  assert not rt.is_initialized()
+  with pytest.raises(Exception, match="initialize"):
+    check(99)
+  jaxoverlap.initialize(heap_bytes=heap // 2)
+  assert rt.runtime_info()["heap_bytes"] == heap // 2
+  for seed in range(3, 6):
+    check(seed)
+  jaxoverlap.finalize()
