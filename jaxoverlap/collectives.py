@@ -158,6 +158,27 @@ def all_reduce(x, axis_name, *, backend="auto", algorithm="auto", protocol="auto
   return _all_reduce(x, cfg)
 
 
+def all_reduce_in_rule(x, axis_name, *, backend="auto", algorithm="auto", protocol="auto"):
+  """``all_reduce``'s value, for another op's differentiation rule (not public).
+
+  A ``custom_vjp`` rule that all-reduces (Megatron's ``f``, whose backward is an
+  all-reduce) calls this rather than ``all_reduce``: it binds the primitive
+  directly, whose JVP rule carries a tangent, so that ``jax.hessian`` and
+  Hessian-vector products (forward over reverse) go through the rule, where
+  ``all_reduce``, itself a ``custom_vjp``, refuses the tangent. Same checks
+  and kernels as ``all_reduce``; same errors but that one.
+  """
+  op = names.ALL_REDUCE
+  _checks.check_array(op, "x", x)
+  num_ranks = _checks.axis_size(op, axis_name)
+  _checks.check_options(op, backend=backend, algorithm=algorithm, protocol=protocol,
+                        transport="auto")
+  request = Request(op, axis_name, backend=backend, algorithm=algorithm, protocol=protocol,
+                    transport="auto")
+  return _all_reduce_impl(x, _Config(request, num_ranks, _xla.vma_checked(axis_name),
+                                     _xla.varying_axes(x)))
+
+
 # ---------------------------------------------------------------------------- all_reduce_rms_norm
 
 

@@ -781,8 +781,18 @@ def test_fuse_norm_refusals():
   config = ParallelConfig(mesh=_mesh(1, 2), dp_axis=None, backend="xla", fuse_norm=True)
   block = nnx.jit(lambda: TransformerBlock(D, H, F, config=config, norm="rms",
                                            rngs=nnx.Rngs(0)))()
-  with pytest.raises(ValueError, match="fuses an RMSNorm; next_norm is a LayerNorm"):
+  with pytest.raises(ValueError, match="fuses a jaxoverlap.nnx.RMSNorm into the reduction before "
+                                       "it; next_norm is a jaxoverlap.nnx.layers.LayerNorm"):
     block(jnp.zeros((B, S, D)), next_norm=LayerNorm(D, config=config, rngs=nnx.Rngs(0)))
+  # Trial 18: flax's own RMSNorm was reported as "a RMSNorm", which the message said it wants.
+  with pytest.raises(ValueError, match=r"next_norm is a flax\.nnx\..*RMSNorm\. Pass "
+                                       r"jaxoverlap\.nnx\.RMSNorm\(num_features, config=config\) "
+                                       r"\(flax's nnx\.RMSNorm is not fused\)"):
+    block(jnp.zeros((B, S, D)), next_norm=nnx.RMSNorm(D, rngs=nnx.Rngs(0)))
+  with pytest.raises(ValueError, match=r"TransformerBlock: config.fuse_norm needs epsilon > 0 "
+                                       r"\(the fused norm's eps\), got epsilon=0.0"):
+    TransformerBlock(D, H, F, config=config, epsilon=0.0, rngs=nnx.Rngs(0))
+  TransformerBlock(D, H, F, config=ParallelConfig(mesh=None), epsilon=0.0, rngs=nnx.Rngs(0))
   with pytest.raises(ValueError, match="apply_blocks needs at least one block"):
     apply_blocks([], jnp.zeros((B, S, D)), RMSNorm(D, config=config, rngs=nnx.Rngs(0)))
   # A norm that computes in another dtype than the activations (the unfused one would).
@@ -792,6 +802,11 @@ def test_fuse_norm_refusals():
   with pytest.raises(ValueError, match="the fused norm computes in the activations' dtype "
                                        r"\(bfloat16\), this RMSNorm in float32"):
     bf16(jnp.zeros((B, S, D), jnp.bfloat16), next_norm=wide)
+  # Trial 18: the block's own norm (bf16 compute) with float32 activations: the advice applies.
+  with pytest.raises(ValueError, match=r"feed the block activations in bfloat16 .*"
+                                       r"x\.astype\(jnp\.bfloat16\)"):
+    bf16(jnp.zeros((B, S, D), jnp.float32))
+  assert bf16(jnp.zeros((B, S, D), jnp.bfloat16)).dtype == jnp.bfloat16
 
 
 @pytest.mark.parametrize("row_reduction,key,algorithm,want", [
@@ -908,3 +923,76 @@ def test_forward_mode_through_the_layers_names_the_layer():
   with pytest.raises(TypeError, match="ColumnParallelLinear: forward-mode differentiation .* "
                                       "use jax.grad, jax.vjp or jax.jacrev"):
     jax.jvp(lambda x: nnx.merge(graphdef, state)(x), (x,), (x,))
+
+
+@pytest.mark.parametrize("sp", [False, True], ids=["nosp", "sp"])
+def test_hessian_and_hessian_vector_product_match_the_unsharded_model(sp):
+  """Trial 18: without SP the column layer's rule called the custom_vjp functions, which refuse
+  the tangents of forward over reverse: jax.hessian and HVPs failed on the default layout."""
+  config = ParallelConfig(_mesh(1, 2), backend="xla", sequence_parallel=sp)
+  sharded, ref = _make_pair(lambda c: ParallelMLP(8, 16, config=c, rngs=nnx.Rngs(0)), config)
+  x = jax.random.normal(_key(), (2, 4, 8), jnp.float32)
+
+  def hessian(model):
+    return jax.jit(jax.hessian(lambda x: jnp.sum(jnp.tanh(model(x)) ** 2)))(x)
+
+  _assert_tree_close(hessian(sharded), hessian(ref), dict(rtol=1e-4, atol=1e-5), "hessian")
+
+  def hvp(model):
+    graphdef, state = nnx.split(model)
+    loss = lambda s: jnp.sum(jnp.tanh(nnx.merge(graphdef, s)(x)) ** 2)
+    v = jax.tree.map(lambda a: jnp.cos(jnp.arange(a.size, dtype=a.dtype).reshape(a.shape)),
+                     state)
+    return nnx.to_pure_dict(jax.jit(lambda s, v: jax.jvp(jax.grad(loss), (s,), (v,))[1])(
+        state, v))
+
+  _assert_tree_close(hvp(sharded), hvp(ref), dict(rtol=1e-4, atol=1e-5), "hvp")
+
+
+@pytest.mark.parametrize("build", [
+    lambda c: ColumnParallelLinear(D, F, config=c, rngs=nnx.Rngs(0)),
+    lambda c: RowParallelLinear(F, D, config=c, rngs=nnx.Rngs(0)),
+    lambda c: RMSNorm(D, config=c, rngs=nnx.Rngs(0)),
+    lambda c: LayerNorm(D, config=c, rngs=nnx.Rngs(0)),
+    lambda c: ParallelMLP(D, F, config=c, rngs=nnx.Rngs(0)),
+    lambda c: ParallelAttention(D, H, config=c, rngs=nnx.Rngs(0)),
+    lambda c: TransformerBlock(D, H, F, config=c, rngs=nnx.Rngs(0)),
+], ids=["column", "row", "rms", "layer", "mlp", "attention", "block"])
+def test_config_of_another_type_is_refused_by_name(build):
+  """Trial 18: config=None or the mesh itself gave an AttributeError naming neither."""
+  for config, got in ((None, "NoneType"), (_mesh(1, 2), "Mesh")):
+    with pytest.raises(TypeError, match=r"config must be a jaxoverlap\.nnx\.ParallelConfig "
+                                        rf"\(ParallelConfig\(mesh\) .*\), got {got}"):
+      build(config)
+
+
+@pytest.mark.parametrize("layer", [ColumnParallelLinear, RowParallelLinear])
+@pytest.mark.parametrize("axes", [("embed",), ("embed", "mlp", "kv"), "em"])
+def test_kernel_axes_of_another_length_are_refused(layer, axes):
+  """Trial 18: one name gave an IndexError, three a deep sharding error."""
+  with pytest.raises(ValueError, match=rf"{layer.__name__}: kernel_axes names the kernel's two "
+                                       r"axes, \(in, out\)"):
+    layer(D, F, kernel_axes=axes, config=ParallelConfig(mesh=_mesh(1, 2)), rngs=nnx.Rngs(0))
+
+
+@pytest.mark.parametrize("shape", [(2, 0, D), (0, 4, D)], ids=["empty-sequence", "empty-batch"])
+@pytest.mark.parametrize("mesh", [None, (1, 2)], ids=["unsharded", "tp2"])
+def test_attention_and_block_on_empty_inputs(shape, mesh):
+  """Trial 18: an empty batch or sequence raised ZeroDivisionError in the qkv reshape."""
+  config = ParallelConfig(mesh=None if mesh is None else _mesh(*mesh), dp_axis=None,
+                          backend="xla")
+  for build in (lambda: ParallelAttention(D, H, config=config, rngs=nnx.Rngs(0)),
+                lambda: TransformerBlock(D, H, F, config=config, rngs=nnx.Rngs(0))):
+    y = nnx.jit(build)()(jnp.ones(shape, jnp.float32))
+    assert y.shape == shape
+
+
+def test_inputs_as_lists_are_taken_as_flax_takes_them():
+  """Trial 18: a Python list gave AttributeError: 'list' object has no attribute 'ndim'."""
+  config = ParallelConfig(mesh=None)
+  x = np.random.default_rng(0).standard_normal((1, 2, D)).astype(np.float32)
+  for layer in (ColumnParallelLinear(D, F, config=config, rngs=nnx.Rngs(0)),
+                RMSNorm(D, config=config, rngs=nnx.Rngs(0)),
+                TransformerBlock(D, H, F, config=config, rngs=nnx.Rngs(0))):
+    np.testing.assert_allclose(np.asarray(layer(x.tolist())), np.asarray(layer(jnp.asarray(x))),
+                               rtol=1e-6, atol=1e-6)

@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import functools
 import math
+import numbers
 import operator
 from collections.abc import Sequence
 from typing import Any, Callable
@@ -65,7 +66,7 @@ from flax import nnx
 from flax.nnx.nn import dtypes as nnx_dtypes
 from jax import lax
 
-from jaxoverlap import _checks, names
+from jaxoverlap import _checks, collectives, names
 from jaxoverlap.collectives import all_reduce, all_reduce_rms_norm
 from jaxoverlap.nnx.config import ParallelConfig
 from jaxoverlap.overlap import all_gather_matmul, matmul_all_reduce, matmul_reduce_scatter
@@ -151,6 +152,20 @@ def _check_divisible(what: str, value: int, by: int, by_what: str):
     raise ValueError(f"{what}={value} must be divisible by {by_what}={by}")
 
 
+def _check_config(layer: str, config) -> None:
+  if not isinstance(config, ParallelConfig):
+    raise TypeError(
+        f"{layer}: config must be a jaxoverlap.nnx.ParallelConfig (ParallelConfig(mesh) for "
+        f"a mesh, ParallelConfig(mesh=None) to run unsharded), got {type(config).__name__}")
+
+
+def _check_kernel_axes(layer: str, kernel_axes) -> None:
+  if (not isinstance(kernel_axes, Sequence) or isinstance(kernel_axes, str)
+      or len(kernel_axes) != 2):
+    raise ValueError(f"{layer}: kernel_axes names the kernel's two axes, (in, out); got "
+                     f"{kernel_axes!r}")
+
+
 def _check_rank3(x: jax.Array, layer: str, letters: str):
   if x.ndim != 3:
     raise ValueError(f"{layer} expects x: [{', '.join(letters)}], got shape {x.shape}")
@@ -179,12 +194,16 @@ def _copy_to_tp(x, axis_name, backend, algorithm, protocol):
   return lax.pcast(x, axis_name, to="varying")
 
 
+# The rules call the bodies, not the custom_vjp functions (``_copy_to_tp``, the
+# public ``all_reduce``): under forward over reverse (``jax.hessian``, a
+# Hessian-vector product) the rules run with tangents, which a custom_vjp refuses.
 def _copy_to_tp_fwd(x, axis_name, backend, algorithm, protocol):
-  return _copy_to_tp(x, axis_name, backend, algorithm, protocol), None
+  return lax.pcast(x, axis_name, to="varying"), None
 
 
 def _copy_to_tp_bwd(axis_name, backend, algorithm, protocol, _, g):
-  return (all_reduce(g, axis_name, backend=backend, algorithm=algorithm, protocol=protocol),)
+  return (collectives.all_reduce_in_rule(g, axis_name, backend=backend, algorithm=algorithm,
+                                         protocol=protocol),)
 
 
 _copy_to_tp.defvjp(_copy_to_tp_fwd, _copy_to_tp_bwd)
@@ -296,9 +315,13 @@ class ColumnParallelLinear(nnx.Module):
       rngs: random number streams for the initializers.
 
     Raises:
+      TypeError: ``config`` is not a ``ParallelConfig``.
       ValueError: a size is not a positive int, ``out_features`` is not
-        divisible by the tp size, or ``kernel_axes`` do not map to (None, tp).
+        divisible by the tp size, ``kernel_axes`` are not two names, or they do
+        not map to (None, tp).
     """
+    _check_config("ColumnParallelLinear", config)
+    _check_kernel_axes("ColumnParallelLinear", kernel_axes)
     _check_sizes("ColumnParallelLinear", in_features=in_features, out_features=out_features)
     _check_divisible("ColumnParallelLinear: out_features", out_features, config.tp_size,
                      "tp size")
@@ -328,8 +351,11 @@ class ColumnParallelLinear(nnx.Module):
       ValueError: ``x_bsd`` is not rank 3, its last dimension is not ``d``,
         ``b`` is not divisible by the dp size, or (SP) ``s`` not by the tp size.
       TypeError: without SP, a forward-mode tangent on ``x_bsd`` (the
-        gradient is an ``all_reduce``, which has a reverse-mode rule only).
+        gradient is an ``all_reduce``, which has a reverse-mode rule only);
+        ``jax.hessian`` and Hessian-vector products (forward over reverse)
+        work.
     """
+    x_bsd = jnp.asarray(x_bsd)  # as flax's layers: lists and NumPy arrays too
     x_bsd, w_df, bias = _linear_inputs(self, x_bsd, "ColumnParallelLinear", "bsd")
     cfg = self.config
 
@@ -416,9 +442,13 @@ class RowParallelLinear(nnx.Module):
       rngs: random number streams for the initializers.
 
     Raises:
+      TypeError: ``config`` is not a ``ParallelConfig``.
       ValueError: a size is not a positive int, ``in_features`` is not
-        divisible by the tp size, or ``kernel_axes`` do not map to (tp, None).
+        divisible by the tp size, ``kernel_axes`` are not two names, or they do
+        not map to (tp, None).
     """
+    _check_config("RowParallelLinear", config)
+    _check_kernel_axes("RowParallelLinear", kernel_axes)
     _check_sizes("RowParallelLinear", in_features=in_features, out_features=out_features)
     _check_divisible("RowParallelLinear: in_features", in_features, config.tp_size, "tp size")
     if config.mesh is not None and (
@@ -447,6 +477,7 @@ class RowParallelLinear(nnx.Module):
       ValueError: ``x_bsf`` is not rank 3, its last dimension is not ``f``,
         ``b`` is not divisible by the dp size, or (SP) ``s`` not by the tp size.
     """
+    x_bsf = jnp.asarray(x_bsf)  # as flax's layers: lists and NumPy arrays too
     x_bsf, w_fd, bias = _linear_inputs(self, x_bsf, "RowParallelLinear", "bsf")
     cfg = self.config
 
@@ -553,8 +584,10 @@ class RMSNorm(nnx.Module):
       rngs: unused (no random initializers); kept for a uniform signature.
 
     Raises:
+      TypeError: ``config`` is not a ``ParallelConfig``.
       ValueError: ``num_features`` is not a positive int.
     """
+    _check_config("RMSNorm", config)
     del rngs
     _check_sizes("RMSNorm", num_features=num_features)
     self.num_features = num_features
@@ -573,6 +606,7 @@ class RMSNorm(nnx.Module):
         ``num_features``, ``b`` is not divisible by the dp size, or (SP) ``s``
         not by the tp size.
     """
+    x_bsd = jnp.asarray(x_bsd)  # as flax's layers: lists and NumPy arrays too
     _check_norm_input(x_bsd, self, "RMSNorm")
     x_bsd, scale_d = nnx_dtypes.promote_dtype((x_bsd, self.scale[...]), dtype=self.dtype)
     eps = self.epsilon
@@ -616,8 +650,10 @@ class LayerNorm(nnx.Module):
       rngs: unused (no random initializers); kept for a uniform signature.
 
     Raises:
+      TypeError: ``config`` is not a ``ParallelConfig``.
       ValueError: ``num_features`` is not a positive int.
     """
+    _check_config("LayerNorm", config)
     del rngs
     _check_sizes("LayerNorm", num_features=num_features)
     self.num_features = num_features
@@ -639,6 +675,7 @@ class LayerNorm(nnx.Module):
         ``num_features``, ``b`` is not divisible by the dp size, or (SP) ``s``
         not by the tp size.
     """
+    x_bsd = jnp.asarray(x_bsd)  # as flax's layers: lists and NumPy arrays too
     _check_norm_input(x_bsd, self, "LayerNorm")
     x_bsd, scale_d, bias_d = nnx_dtypes.promote_dtype(
         (x_bsd, self.scale[...], self.bias[...]), dtype=self.dtype)
@@ -709,9 +746,11 @@ class ParallelMLP(nnx.Module):
       rngs: random number streams for the initializers.
 
     Raises:
+      TypeError: ``config`` is not a ``ParallelConfig``.
       ValueError: a size is not a positive int, unknown ``activation``, or
         ``mlp_features`` not divisible by the tp size.
     """
+    _check_config("ParallelMLP", config)
     _check_sizes("ParallelMLP", num_features=num_features, mlp_features=mlp_features)
     if activation not in _ACTIVATIONS:
       raise ValueError(f"activation must be one of {_ACTIVATIONS}, got {activation!r}")
@@ -737,8 +776,9 @@ class ParallelMLP(nnx.Module):
         ``b`` is not divisible by the dp size, or (SP) ``s`` not by the tp
         size (``ColumnParallelLinear``, the up projection, names itself).
       TypeError: without SP, a forward-mode tangent on ``x_bsd``
-        (``ColumnParallelLinear``).
+        (``ColumnParallelLinear``; forward over reverse works).
     """
+    x_bsd = jnp.asarray(x_bsd)  # as flax's layers: lists and NumPy arrays too
     h_bsf = self.up(x_bsd)
     if self.activation == "gelu":
       act = lambda h: jax.nn.gelu(h)
@@ -793,7 +833,7 @@ def _attention(q_bsngk: jax.Array, k_btnk: jax.Array, v_btnk: jax.Array,
   logits = jnp.where(visible_st, logits, jnp.finfo(jnp.float32).min)
   probs = jax.nn.softmax(logits, axis=-1)
   out = jnp.einsum("bngst,btnk->bsngk", probs, v_btnk.astype(jnp.float32))
-  return out.reshape(*out.shape[:2], -1).astype(q_bsngk.dtype)
+  return out.reshape(*out.shape[:2], math.prod(out.shape[2:])).astype(q_bsngk.dtype)
 
 
 def _attention_cudnn(q_b1ngk: jax.Array, k_btnk: jax.Array, v_btnk: jax.Array,
@@ -887,11 +927,13 @@ class ParallelAttention(nnx.Module):
       rngs: random number streams for the initializers.
 
     Raises:
+      TypeError: ``config`` is not a ``ParallelConfig``.
       ValueError: a size is not a positive int, ``num_heads`` not divisible
         by the tp size or by ``num_kv_heads``, ``num_kv_heads`` not
         divisible by the tp size, ``head_features`` is None and ``d`` not
         divisible by ``h``, or RoPE with an odd ``head_features``.
     """
+    _check_config("ParallelAttention", config)
     _check_sizes("ParallelAttention", num_features=num_features, num_heads=num_heads,
                  head_features=head_features, num_kv_heads=num_kv_heads)
     _check_divisible("ParallelAttention: num_heads", num_heads, config.tp_size, "tp size")
@@ -978,12 +1020,15 @@ class ParallelAttention(nnx.Module):
         off NVIDIA GPUs, in a dtype other than bfloat16 or float16, or with a
         KV cache of another dtype.
     """
+    x_bsd = jnp.asarray(x_bsd)  # as flax's layers: lists and NumPy arrays too
     qkv_bsn = self.qkv(x_bsd)  # n = kv heads * (g + 2) * k, sharded over tp
     group, theta = self.num_heads // self.num_kv_heads, self.rope_theta
     head_dim = self.head_features
 
     def split(qkv_bsn, positions_s):
-      qkv = qkv_bsn.reshape(*qkv_bsn.shape[:2], -1, group + 2, head_dim)
+      # The local kv heads spelled out: -1 cannot be inferred for an empty batch or sequence.
+      kv_heads = qkv_bsn.shape[-1] // ((group + 2) * head_dim)
+      qkv = qkv_bsn.reshape(*qkv_bsn.shape[:2], kv_heads, group + 2, head_dim)
       q, k, v = qkv[..., :group, :], qkv[..., group, :], qkv[..., group + 1, :]
       if theta is not None:
         q, k = _rope(q, positions_s, theta), _rope(k, positions_s, theta)
@@ -1101,10 +1146,13 @@ class TransformerBlock(nnx.Module):
       rngs: random number streams for the initializers.
 
     Raises:
+      TypeError: ``config`` is not a ``ParallelConfig``.
       ValueError: a size is not a positive int, unknown ``norm`` or
-        ``activation``, ``config.fuse_norm`` with ``norm="layer"``, or sizes
-        not divisible as the sub-layers require.
+        ``activation``, ``config.fuse_norm`` with ``norm="layer"`` or with
+        ``epsilon`` not positive, or sizes not divisible as the sub-layers
+        require.
     """
+    _check_config("TransformerBlock", config)
     _check_sizes("TransformerBlock", num_features=num_features, num_heads=num_heads,
                  mlp_features=mlp_features, head_features=head_features,
                  num_kv_heads=num_kv_heads)
@@ -1112,6 +1160,10 @@ class TransformerBlock(nnx.Module):
       raise ValueError(f"norm must be one of {_NORMS}, got {norm!r}")
     if config.fuse_norm and norm != "rms":
       raise ValueError(f"config.fuse_norm fuses an RMSNorm; this block's norm is {norm!r}")
+    if config.fuse_norm and not (isinstance(epsilon, numbers.Real) and 0 < epsilon < math.inf):
+      # all_reduce_rms_norm's eps must be positive; say so here, not at the first call.
+      raise ValueError(f"TransformerBlock: config.fuse_norm needs epsilon > 0 (the fused "
+                       f"norm's eps), got epsilon={epsilon!r}")
     self.config = config
     self.epsilon = epsilon
     norm_cls = RMSNorm if norm == "rms" else LayerNorm
@@ -1154,14 +1206,19 @@ class TransformerBlock(nnx.Module):
         not an ``RMSNorm``, or with a norm that computes in a dtype other than
         the activations' (``_reduce_residual_norm``).
     """
+    x_bsd = jnp.asarray(x_bsd)  # as flax's layers: lists and NumPy arrays too
     if not (self.config.fuse_norm and self.config.mesh is not None):
       x_bsd = x_bsd + self.attn(self.attn_norm(x_bsd) if normed is None else normed,
                                 decode=decode)
       x_bsd = x_bsd + self.mlp(self.mlp_norm(x_bsd))
       return x_bsd if next_norm is None else (x_bsd, next_norm(x_bsd))
     if next_norm is not None and not isinstance(next_norm, RMSNorm):
-      raise ValueError("config.fuse_norm fuses an RMSNorm; next_norm is a "
-                       f"{type(next_norm).__name__}")
+      kind = type(next_norm)
+      raise ValueError(
+          "config.fuse_norm fuses a jaxoverlap.nnx.RMSNorm into the reduction before it; "
+          f"next_norm is a {kind.__module__}.{kind.__qualname__}. Pass "
+          "jaxoverlap.nnx.RMSNorm(num_features, config=config) (flax's nnx.RMSNorm is not "
+          "fused), or turn fuse_norm off")
     if normed is None:
       normed = self.attn_norm(x_bsd)
     x_bsd, normed = self._reduce_residual_norm(
@@ -1193,7 +1250,9 @@ class TransformerBlock(nnx.Module):
           f"config.fuse_norm: the fused norm computes in the activations' dtype "
           f"({jnp.dtype(dtype).name}), this RMSNorm in {norm_dtype.name} (its dtype, or its "
           f"scale's {jnp.dtype(norm.scale[...].dtype).name} promoted with the activations); "
-          f"give the norm dtype={jnp.dtype(dtype).name} or turn fuse_norm off")
+          f"feed the block activations in {norm_dtype.name} (the residual stream in the "
+          f"norm's dtype, e.g. x.astype(jnp.{norm_dtype.name})), give your next_norm "
+          f"dtype={jnp.dtype(dtype).name}, or turn fuse_norm off")
     residual = x_bsd.astype(dtype)
     if bias is not None:
       residual = residual + bias.astype(dtype)
