@@ -188,24 +188,21 @@ __global__ void __launch_bounds__(kAddThreads)
   }
 }
 
-// Copies `height` rows of `width` bytes between pitched buffers, 16 bytes
-// per thread and step where everything is 16-byte aligned.
+// Copies `height` rows of `width` bytes between pitched buffers, one `Unit`
+// (16, 8, 4, 2 or 1 bytes: the widest that divides both addresses, the width
+// and both pitches) per thread and step.
+template <typename Unit>
 __global__ void __launch_bounds__(kCopyThreads)
     CopyRowsKernel(char* dst, size_t dst_pitch, const char* src, size_t src_pitch, size_t width,
-                   size_t height, bool vectorized) {
-  const size_t unit = vectorized ? 16 : 1;
-  const size_t per_row = width / unit;
+                   size_t height) {
+  const size_t per_row = width / sizeof(Unit);
   const size_t total = per_row * height;
   const size_t stride = static_cast<size_t>(gridDim.x) * blockDim.x;
   for (size_t i = static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < total;
        i += stride) {
-    const size_t row = i / per_row, off = (i % per_row) * unit;
-    if (vectorized) {
-      *reinterpret_cast<uint4*>(dst + row * dst_pitch + off) =
-          *reinterpret_cast<const uint4*>(src + row * src_pitch + off);
-    } else {
-      dst[row * dst_pitch + off] = src[row * src_pitch + off];
-    }
+    const size_t row = i / per_row, off = (i % per_row) * sizeof(Unit);
+    *reinterpret_cast<Unit*>(dst + row * dst_pitch + off) =
+        *reinterpret_cast<const Unit*>(src + row * src_pitch + off);
   }
 }
 
@@ -259,13 +256,34 @@ ffi::Error CopyRows(cudaStream_t stream, char* dst, size_t dst_pitch, const char
         cudaMemcpyAsync(dst, src, width * height, cudaMemcpyDeviceToDevice, stream));
     return ffi::Error::Success();
   }
-  const bool vec = Aligned16(dst) && Aligned16(src) && width % 16 == 0 && dst_pitch % 16 == 0 &&
-                   src_pitch % 16 == 0;
-  const size_t work = (vec ? width / 16 : width) * height;
+  // The widest unit that divides everything: the lowest set bit of their OR.
+  const size_t all = reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(src) | width |
+                     dst_pitch | src_pitch;
+  const size_t unit = std::min<size_t>(16, all & (~all + 1));
+  const size_t work = width / unit * height;
   const int blocks = static_cast<int>(
       std::max<size_t>(1, std::min<size_t>(132 * 2, (work + kCopyThreads - 1) / kCopyThreads)));
-  CopyRowsKernel<<<blocks, kCopyThreads, 0, stream>>>(dst, dst_pitch, src, src_pitch, width,
-                                                      height, vec);
+  switch (unit) {
+    case 16:
+      CopyRowsKernel<uint4><<<blocks, kCopyThreads, 0, stream>>>(dst, dst_pitch, src, src_pitch,
+                                                                 width, height);
+      break;
+    case 8:
+      CopyRowsKernel<uint2><<<blocks, kCopyThreads, 0, stream>>>(dst, dst_pitch, src, src_pitch,
+                                                                 width, height);
+      break;
+    case 4:
+      CopyRowsKernel<uint32_t><<<blocks, kCopyThreads, 0, stream>>>(dst, dst_pitch, src,
+                                                                    src_pitch, width, height);
+      break;
+    case 2:
+      CopyRowsKernel<uint16_t><<<blocks, kCopyThreads, 0, stream>>>(dst, dst_pitch, src,
+                                                                    src_pitch, width, height);
+      break;
+    default:
+      CopyRowsKernel<unsigned char><<<blocks, kCopyThreads, 0, stream>>>(dst, dst_pitch, src,
+                                                                         src_pitch, width, height);
+  }
   JAXOVERLAP_RETURN_IF_LAUNCH_ERROR("CopyRowsKernel launch");
   return ffi::Error::Success();
 }
@@ -761,7 +779,11 @@ ffi::Error PreloadKernels() {
   JAXOVERLAP_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&a, AddKernel<float>));
   JAXOVERLAP_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&a, AddKernel<__nv_bfloat16>));
   JAXOVERLAP_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&a, AddKernel<__half>));
-  JAXOVERLAP_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&a, CopyRowsKernel));
+  JAXOVERLAP_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&a, CopyRowsKernel<uint4>));
+  JAXOVERLAP_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&a, CopyRowsKernel<uint2>));
+  JAXOVERLAP_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&a, CopyRowsKernel<uint32_t>));
+  JAXOVERLAP_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&a, CopyRowsKernel<uint16_t>));
+  JAXOVERLAP_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&a, CopyRowsKernel<unsigned char>));
   return ffi::Error::Success();
 }
 

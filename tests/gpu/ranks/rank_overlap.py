@@ -447,7 +447,11 @@ def test_graphs(handlers, fx, mesh, monkeypatch):
   p, pos, nproc = fx.nproc, fx.pos, fx.nproc
   gcases = [("ag", (64, 96), (96, 40), 0), ("ag", (2, 32, 96), (96, 40), 1),
             ("rs", (64 * p, 96), (96, 40), 0), ("rs", (2, 32 * p, 96), (96, 40), 1),
-            ("ar", (64 * p, 96), (96, 40), None), ("ag_gathered", (2, 32, 96), (96, 40), 1)]
+            ("ar", (64 * p, 96), (96, 40), None), ("ag_gathered", (2, 32, 96), (96, 40), 1),
+            # gathered rows of 30, 12 and 24 bytes (bf16): copied 2, 4 and 8 bytes at a time
+            # (trial 19: anything not 16-byte aligned was copied byte by byte)
+            ("ag_gathered", (2, 5, 3), (3, 40), 1), ("ag_gathered", (2, 3, 2), (2, 40), 1),
+            ("ag_gathered", (2, 2, 6), (6, 40), 1)]
   failures = []
   for gi, (op, x_shape, w_shape, dim) in enumerate(gcases):
     base = "ag" if op == "ag_gathered" else op
