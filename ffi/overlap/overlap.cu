@@ -314,14 +314,16 @@ ffi::Error Precheck(const Call& c) {
         std::string(c.op) + ": transport 'nvshmem' needs the NVSHMEM runtime (one GPU per "
         "process); this process drives its GPUs in-process: use transport 'copy_engine'");
   }
-  if (c.opt.transport != Transport::kCopyEngine) return ffi::Error::Success();
+  // Both transports need every peer load/store-reachable: the copy engines
+  // write into the peer's slots, and NVSHMEM's puts read XLA's buffers, which a
+  // network transport of NVSHMEM could only read registered (they are not).
   for (int j = 0; j < c.g.size; ++j) {
     if (j == c.g.rank || PeerAddress(c.s.peers, c.s.oslots, c.g.pes[j]) != nullptr) continue;
     return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
-                      std::string(c.op) + ": transport 'copy_engine' needs peer PE " +
+                      std::string(c.op) + ": the fused ops need every peer of the group "
+                          "load/store-reachable (NVLink or PCIe peer access), and peer PE " +
                           std::to_string(c.g.pes[j]) +
-                          " to be load/store-reachable (NVLink/PCIe peer access), and it is "
-                          "not; use transport 'nvshmem'");
+                          " is not (with either transport); run this op with backend 'xla'");
   }
   return ffi::Error::Success();
 }
