@@ -912,7 +912,7 @@ def _finalize(clear_caches: bool) -> None:
 
 
 def _mark_down(clear_caches: bool) -> None:
-  """After the native shutdown (or its skipping): the runtime is down, no executable of it is kept."""
+  """After the native shutdown (or its skipping): the runtime is down, no executable kept."""
   global _initialized, _facts
   _initialized = False
   _facts = None

@@ -623,7 +623,8 @@ def test_a_second_initialize_without_the_first_calls_ranks_per_node(fake_gpu):
 
 
 @pytest.mark.parametrize("peer,what", [
-    ({"heap_bytes": 2 << 30}, r"heap_bytes: 1073741824 on ranks \[0, 2, 3\]; 2147483648 on ranks \[1\]"),
+    ({"heap_bytes": 2 << 30},
+     r"heap_bytes: 1073741824 on ranks \[0, 2, 3\]; 2147483648 on ranks \[1\]"),
     ({"ranks_per_node": 2}, r"ranks_per_node: 4 on ranks \[0, 2, 3\]; 2 on ranks \[1\]"),
     ({"JAXOVERLAP_HIERARCHICAL_LL": "v3"},
      r"JAXOVERLAP_HIERARCHICAL_LL: None on ranks \[0, 2, 3\]; 'v3' on ranks \[1\]"),
