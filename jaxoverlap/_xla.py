@@ -336,6 +336,25 @@ def rms_norm_tail(s, residual, weight, eps: float):
   return h, y
 
 
+def rms_norm_vjp(h, weight, ct_y, eps: float):
+  """The VJP of ``y = rms_norm_tail(0, h, weight, eps)[1]``, in closed form: ``(dh, dw)``.
+
+  With ``r = rsqrt(mean(h^2, -1) + eps)`` and ``g = ct_y * weight`` (float32):
+  ``dh = r * g - h * r^3 * mean(g * h, -1)``, ``dw = sum(ct_y * h * r)`` over
+  every axis but the last; each rounded once to its input's dtype, as
+  ``jax.vjp`` of the expression gives them. Written out rather than taken with
+  ``jax.vjp`` inside a backward rule, where jax (0.12) fails under
+  ``jax.vmap(..., spmd_axis_name=...)`` ("varying manual axes to match").
+  """
+  h32 = h.astype(jnp.float32)
+  ct32 = ct_y.astype(jnp.float32)
+  r = lax.rsqrt(jnp.mean(jnp.square(h32), axis=-1, keepdims=True) + eps)
+  g = ct32 * weight.astype(jnp.float32)
+  dh = r * g - h32 * r ** 3 * jnp.mean(g * h32, axis=-1, keepdims=True)
+  dw = jnp.sum(ct32 * h32 * r, axis=tuple(range(h.ndim - 1)))
+  return dh.astype(h.dtype), dw.astype(weight.dtype)
+
+
 def all_reduce_rms_norm(p, residual, weight, axis_name, eps: float, algorithm: str,
                         mesh_axes=None):
   """``rms_norm_tail(all_reduce(p), residual, weight, eps)`` (the op's pure expression)."""

@@ -210,12 +210,10 @@ def _norm_fwd(p, residual, weight, cfg):
 def _norm_bwd(cfg, saved, cts):
   h, weight = saved
   ct_h, ct_y = cts
-  # The VJP of the pure expression: y = norm(h, weight) (jax.vjp of the same
-  # code), h = residual + psum(p), whose cotangent passes unchanged to the
-  # residual and, through psum's transpose, to every rank's p.
-  _, norm_vjp = jax.vjp(lambda h, w: _xla.rms_norm_tail(jnp.zeros_like(h), h, w, cfg.eps)[1],
-                        h, weight)
-  dh_norm, dw = norm_vjp(ct_y)
+  # The VJP of the pure expression: y = norm(h, weight) (in closed form,
+  # _xla.rms_norm_vjp), h = residual + psum(p), whose cotangent passes unchanged
+  # to the residual and, through psum's transpose, to every rank's p.
+  dh_norm, dw = _xla.rms_norm_vjp(h, weight, ct_y, cfg.eps)
   dh = ct_h + dh_norm
   p_vma, r_vma, w_vma = cfg.vmas
   axis_name = cfg.request.axis_name
