@@ -25,6 +25,7 @@ import operator
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from jaxoverlap import names
@@ -101,15 +102,47 @@ def axis_size(op: str, axis_name) -> int:
   return int(lax.axis_size(axis_name))
 
 
+def _check_not_unreduced(op: str, name: str, a) -> None:
+  """Refuses a value typed unreduced or reduced over mesh axes (jax's manual axis types).
+
+  The ops take per-rank values (varying, or invariant) and sum them. An
+  unreduced value is a pending sum that only jax's own collectives resolve
+  (``lax.psum`` of it), and a reduced one is a sum already taken, which
+  ``lax.psum`` refuses; neither can enter the ops' casts to varying.
+  """
+  mat = getattr(jax.typeof(a), "manual_axis_type", None)  # jax 0.12; none before
+  for kind in ("unreduced", "reduced"):
+    axes = sorted(getattr(mat, kind, None) or ())
+    if axes:
+      raise ValueError(
+          f"{op}: {name} is typed {kind} over mesh axes {axes} ({jax.typeof(a).str_short()}); "
+          f"{op} takes per-rank values: "
+          + ("reduce it with lax.psum (or give shard_map an in_spec without unreduced=)"
+             if kind == "unreduced" else "it is a sum already; pass the per-rank values"))
+
+
 def check_array(op: str, name: str, a) -> jnp.dtype:
   """Checks that ``a`` is an array of a supported dtype and returns its dtype.
 
   Raises:
-    ValueError: ``a`` has no shape/dtype, or its dtype is not float32,
-      bfloat16 or float16.
+    ValueError: ``a`` has no shape/dtype, its dtype is not float32,
+      bfloat16 or float16 (a PRNG key array included), it is typed unreduced or
+      reduced over mesh axes (jax's manual axis types), or a dimension is
+      symbolic (``jax.export`` with shape polymorphism: the ops plan and lower
+      for concrete sizes).
   """
   if not (hasattr(a, "shape") and hasattr(a, "dtype")):
     raise ValueError(f"{op}: {name} must be an array, got {type(a).__name__}")
+  if jax.dtypes.issubdtype(a.dtype, jax.dtypes.extended):  # PRNG keys: no NumPy dtype
+    raise ValueError(f"{op}: {name}.dtype={a.dtype} is not supported; use one of "
+                     f"{', '.join(str(d) for d in DTYPES)}")
+  _check_not_unreduced(op, name, a)
+  symbolic = [d for d in a.shape if not isinstance(d, (int, np.integer))]
+  if symbolic:
+    raise ValueError(
+        f"{op}: {name} has the symbolic dimensions {symbolic} (shape {tuple(a.shape)}); "
+        f"{op} plans its kernels and chunks for concrete sizes, so it cannot be exported "
+        "shape-polymorphically (jax.export.symbolic_shape): export with concrete shapes")
   dtype = jnp.dtype(a.dtype)
   if dtype not in DTYPES:
     raise ValueError(

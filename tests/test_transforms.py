@@ -310,3 +310,60 @@ def test_rms_norm_vjp_in_closed_form_equals_jax_vjp(rng, dtype):
   for g, x in zip(got, want):
     assert g.dtype == x.dtype and g.shape == x.shape
     _close(g, x, tol=tol)
+
+
+@pytest.mark.parametrize("op", ["all_reduce", "matmul_all_reduce"])
+def test_shape_polymorphic_export_is_refused_naming_the_op(op):
+  """Trial 20: jax.export with a symbolic dimension failed in the planner with JAX's
+  InconclusiveDimensionOperation, naming neither the op nor the limit."""
+  from jax import export
+
+  mesh = _mesh()
+  if op == "all_reduce":
+    shapes, specs, out = ("4*b, 8",), (P("tp"),), P()
+    fn = lambda x: jaxoverlap.all_reduce(x, "tp", backend="xla")
+  else:
+    shapes, specs, out = ("b, 16", "16, 8"), (P(None, "tp"), P("tp")), P()
+    fn = lambda x, w: jaxoverlap.matmul_all_reduce(x, w, "tp", backend="xla")
+  args = [jax.ShapeDtypeStruct(export.symbolic_shape(s), F32, sharding=NamedSharding(mesh, sp))
+          for s, sp in zip(shapes, specs)]
+  f = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=specs, out_specs=out))
+  with pytest.raises(ValueError, match=rf"{op}: x has the symbolic dimensions \[b\].*cannot be "
+                                       r"exported shape-polymorphically"):
+    export.export(f)(*args)
+
+
+def test_a_key_array_gets_the_dtype_message():
+  """Trial 20: a PRNG key array got NumPy's "Cannot interpret 'key<fry>' as a data type"."""
+  keys = jax.random.split(jax.random.key(0), R)
+  f = jax.shard_map(lambda k: jaxoverlap.all_reduce(k, "tp"), mesh=_mesh(), in_specs=P("tp"),
+                    out_specs=P())
+  with pytest.raises(ValueError, match=r"all_reduce: x.dtype=key<fry> is not supported"):
+    f(keys)
+
+
+def test_unreduced_and_reduced_inputs_are_refused_naming_the_op():
+  """Trial 20: an input typed unreduced failed in JAX's pcast without naming the op; one typed
+  reduced was summed again (num_ranks * x), where lax.psum refuses it."""
+  mesh = jax.make_mesh((R,), ("tp",), axis_types=(jax.sharding.AxisType.Explicit,),
+                       devices=jax.devices()[:R])
+  with jax.set_mesh(mesh):
+    x = jax.reshard(jnp.ones((8, 4 * R), F32), P(None, "tp"))
+    w = jax.reshard(jnp.ones((4 * R, 6), F32), P("tp", None))
+    try:
+      partial = jax.jit(lambda x, w: jnp.dot(x, w, out_sharding=P(None, None,
+                                                                   unreduced={"tp"})))(x, w)
+    except (TypeError, ValueError) as e:  # a jax without unreduced types
+      pytest.skip(f"this jax has no unreduced types: {e}")
+    f = jax.jit(jax.shard_map(lambda v: jaxoverlap.all_reduce(v, "tp"),
+                              in_specs=P(None, None, unreduced={"tp"}), out_specs=P()))
+    with pytest.raises(ValueError, match=r"all_reduce: x is typed unreduced over mesh axes "
+                                         r"\['tp'\].*reduce it with lax.psum"):
+      f(partial)
+  # A sum already taken, typed reduced: lax.psum refuses it; so does the op, by name.
+  def body(v):
+    return jaxoverlap.all_reduce(jax.lax.pcast(jax.lax.psum(v, "tp"), "tp", to="reduced"), "tp")
+
+  h = jax.jit(jax.shard_map(body, mesh=_mesh(), in_specs=P("tp"), out_specs=P()))
+  with pytest.raises(ValueError, match=r"all_reduce: x is typed reduced over mesh axes \['tp'\]"):
+    h(jnp.ones((2 * R, 3), F32))
