@@ -6,6 +6,9 @@ CUDA backend (or ``jaxoverlap.initialize``) does, through ``load()``.
 
 from __future__ import annotations
 
+import importlib.machinery
+import os
+import sys
 import threading
 
 _lock = threading.Lock()
@@ -30,14 +33,41 @@ def _import():
           f"the CUDA extension is built but cannot load cuBLASLt ({e}); install it with "
           "pip install 'jaxoverlap[cuda]' or nvidia-cublas>=13")
     elif "cannot import name" in str(e) or "No module named" in str(e):
-      _error = (
-          "the CUDA extension jaxoverlap._jaxoverlap_cuda is not built (the package was "
-          "installed without nvcc, or with JAXOVERLAP_CUDA=OFF); reinstall with nvcc on PATH "
-          "(see README, 'Building')")
+      _error = _not_built_message()
     else:
       _error = f"the CUDA extension jaxoverlap._jaxoverlap_cuda cannot be loaded: {e}"
     return
   _ext = ext
+
+
+def _built_elsewhere() -> str | None:
+  """Another jaxoverlap package on ``sys.path`` that holds the compiled extension, or None.
+
+  Run from a checkout's root, ``import jaxoverlap`` finds the source tree
+  first (the working directory leads ``sys.path``), not the installed copy.
+  """
+  here = os.path.realpath(os.path.dirname(os.path.abspath(__file__)))
+  for entry in sys.path:
+    package = os.path.realpath(os.path.join(entry or os.getcwd(), "jaxoverlap"))
+    if package == here or not os.path.isdir(package):
+      continue
+    for suffix in importlib.machinery.EXTENSION_SUFFIXES:
+      if os.path.exists(os.path.join(package, "_jaxoverlap_cuda" + suffix)):
+        return package
+  return None
+
+
+def _not_built_message() -> str:
+  """Why ``_jaxoverlap_cuda`` is missing from the imported package, and what to do."""
+  built = _built_elsewhere()
+  if built is not None:
+    here = os.path.dirname(os.path.abspath(__file__))
+    return (f"this process imported jaxoverlap from {here}, a source tree without the compiled "
+            f"CUDA extension (Python's working directory is the repository's root), while the "
+            f"installed package at {built} has it: run from outside the repository's root")
+  return ("the CUDA extension jaxoverlap._jaxoverlap_cuda is not built (the package was "
+          "installed without nvcc, or with JAXOVERLAP_CUDA=OFF); reinstall with nvcc on PATH "
+          "(see README, 'Building')")
 
 
 def unavailable_reason() -> str | None:

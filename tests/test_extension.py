@@ -158,3 +158,23 @@ def test_heap_layout_gives_lamport_room_without_refusing_a_job(num_pes, rpn):
   least = int(re.search(r"needs at least (\d+) bytes", str(err.value)).group(1))
   tight = ext.heap_layout(num_pes, rpn, least, runtime.DEFAULT_OVERLAP_HEAP_BYTES)
   assert tight["lamport_slot_bytes"] == 0 and tight["slot_bytes"] >= 64 << 10
+
+
+def test_a_source_tree_without_the_extension_names_the_installed_copy(tmp_path, monkeypatch):
+  """Trial 21: run from the repository's root, `import jaxoverlap` finds the source tree, and
+  the message said to reinstall a build that had succeeded (into site-packages)."""
+  import importlib.machinery
+
+  from jaxoverlap import _ffi
+
+  installed = tmp_path / "site" / "jaxoverlap"
+  installed.mkdir(parents=True)
+  suffix = importlib.machinery.EXTENSION_SUFFIXES[0]
+  monkeypatch.setattr(_ffi.sys, "path", [str(tmp_path / "site"), *_ffi.sys.path])
+  assert _ffi._built_elsewhere() != str(installed.resolve())  # no extension there yet
+  (installed / ("_jaxoverlap_cuda" + suffix)).write_bytes(b"")
+  assert _ffi._built_elsewhere() == str(installed.resolve())
+  message = _ffi._not_built_message()
+  assert message.startswith("this process imported jaxoverlap from ")
+  assert f"while the installed package at {installed.resolve()} has it: run from outside the "\
+         "repository's root" in message

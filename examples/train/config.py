@@ -49,7 +49,8 @@ class Config:
     sequence_parallel: shard activations between blocks over tp along the
       sequence (Megatron-SP).
     backend: jaxoverlap backend, "auto", "xla" or "cuda".
-    algorithm: jaxoverlap algorithm name, or "auto".
+    algorithm: the GEMM ops' algorithm, or "auto" (``ParallelConfig.algorithm``);
+      the all-reduces keep "auto".
   """
 
   d_model: int = 128

@@ -29,7 +29,11 @@ flags.register_validator(
 _STEPS = flags.DEFINE_integer("steps", None, "Override the preset's total steps.")
 _BACKEND = flags.DEFINE_enum("backend", None, ["auto", "xla", "cuda"],
                              "jaxoverlap backend. Default: the preset's.")
-_ALGORITHM = flags.DEFINE_string("algorithm", None, "jaxoverlap algorithm. Default: the preset's.")
+_ALGORITHM = flags.DEFINE_string(
+    "algorithm", None,
+    "the GEMM ops' algorithm (ParallelConfig.algorithm: matmul_all_reduce, or all_gather_matmul "
+    "and matmul_reduce_scatter under sequence parallelism); the all-reduces keep auto. Default: "
+    "the preset's.")
 _HOST_DEVICES = flags.DEFINE_integer(
     "host_devices", 8, "Simulated CPU devices (XLA --xla_force_host_platform_device_count); "
     "only the CPU platform uses them.")
