@@ -296,10 +296,13 @@ def test_finalize_then_initialize_runs_again(runtime, topology, mesh, ops, rank,
   from jaxoverlap import runtime as rt
 
   algorithm = "one_shot" if topology.num_nodes == 1 else "hierarchical"
-  f = jax.jit(jax.shard_map(
-      lambda x: jax.lax.pcast(ops.all_reduce(x, "x", algorithm=algorithm, protocol="ll"), "x",
-                              to="varying"),
-      mesh=mesh, in_specs=P("x"), out_specs=P("x")))
+
+  def body(x):  # three calls among elementwise work: enough commands for XLA's CUDA graphs
+    total = sum(ops.all_reduce(x * scale, "x", algorithm=algorithm, protocol="ll")
+                for scale in (1.0, 2.0, 3.0))
+    return jax.lax.pcast(total / 6.0, "x", to="varying")
+
+  f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("x"), out_specs=P("x")))
   n = 4099
 
   def check(seed):
@@ -310,7 +313,7 @@ def test_finalize_then_initialize_runs_again(runtime, topology, mesh, ops, rank,
     got = np.asarray(f(x).addressable_shards[0].data)
     want = np.sum(np.asarray(xs, np.float64), axis=0)
     err = np.max(np.abs(got - want) / (np.abs(want) + 1.0))
-    assert err <= 2e-6, f"call {seed}: max rel err {err:.3g} (got {got[:4]}, want {want[:4]})"
+    assert err <= 1e-5, f"call {seed}: max rel err {err:.3g} (got {got[:4]}, want {want[:4]})"
 
   for seed in range(3):  # XLA records its graph on the first calls and replays it
     check(seed)
