@@ -334,12 +334,8 @@ std::atomic<bool> g_starting{false};
 class StartUp {
  public:
   ffi::Error Begin() {
-    if (g_mode != Mode::kNone) {
-      return Fail(ffi::ErrorCode::kFailedPrecondition,
-                  "jaxoverlap runtime is already initialised in this process (" +
-                      std::to_string(g_num_devices) + " GPU(s), first PE " +
-                      std::to_string(State().my_pe) + ")");
-    }
+    // Claimed first, then the mode checked: a start-up that ends between the two
+    // cannot be followed by a second one over the live runtime.
     bool expected = false;
     if (!g_starting.compare_exchange_strong(expected, true)) {
       return Fail(ffi::ErrorCode::kFailedPrecondition,
@@ -350,6 +346,12 @@ class StartUp {
                       "end first");
     }
     owner_ = true;
+    if (g_mode != Mode::kNone) {
+      return Fail(ffi::ErrorCode::kFailedPrecondition,
+                  "jaxoverlap runtime is already initialised in this process (" +
+                      std::to_string(g_num_devices) + " GPU(s), first PE " +
+                      std::to_string(State().my_pe) + ")");
+    }
     return ffi::Error::Success();
   }
   ~StartUp() {

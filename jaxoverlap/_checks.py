@@ -117,7 +117,8 @@ def _check_not_unreduced(op: str, name: str, a) -> None:
       raise ValueError(
           f"{op}: {name} is typed {kind} over mesh axes {axes} ({jax.typeof(a).str_short()}); "
           f"{op} takes per-rank values: "
-          + ("reduce it with lax.psum (or give shard_map an in_spec without unreduced=)"
+          + ("reduce it with lax.psum, or pass per-rank values (e.g. the product computed "
+             "without out_sharding=P(..., unreduced=...))"
              if kind == "unreduced" else "it is a sum already; pass the per-rank values"))
 
 

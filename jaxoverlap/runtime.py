@@ -84,7 +84,7 @@ DEFAULT_OVERLAP_HEAP_BYTES = 2 << 30
 DEFAULT_TIMEOUT_S = 10.0
 DEFAULT_INIT_TIMEOUT_S = 120.0  # every wait of initialize(): peers, rank 0's table and id, NVSHMEM
 HEAP_ALIGNMENT = 256  # heap_bytes and overlap_heap_bytes are multiples of this (bytes)
-MIN_TIMEOUT_S, MAX_TIMEOUT_S = 1e-3, 1e9  # the range of timeout_s (seconds)
+MIN_TIMEOUT_S, MAX_TIMEOUT_S = 1e-3, 1e9  # the range of timeout_s (seconds); init_timeout_s <= max
 # What must be equal on every process, besides the heap sizes and ranks per node: the
 # measurement knobs that pick the kernel or protocol on both ends of a transfer (docs/design.md).
 _SHARED_KNOBS = ("JAXOVERLAP_HIERARCHICAL_LL", "JAXOVERLAP_EPOCH_AT_START",
@@ -329,8 +329,16 @@ def _ranks_per_node(rank: int, num_ranks: int, override: int | None,
 
 def _resolve(heap_bytes, overlap_heap_bytes, timeout_s, ranks_per_node,
              init_timeout_s) -> dict[str, Any]:
-  """The parameters of ``initialize``: arguments, else environment, else defaults; checked."""
+  """The parameters of ``initialize``: arguments, else environment, else defaults; checked.
+
+  A value refused names the environment variable it came from, where it did.
+  """
   env = os.environ
+  passed = {"heap_bytes": heap_bytes, "overlap_heap_bytes": overlap_heap_bytes,
+            "timeout_s": timeout_s, "init_timeout_s": init_timeout_s}
+  # "name" in messages, or "name (JAXOVERLAP_NAME)" for a value read from the environment.
+  said = {k: k + (f" ({_PARAMETER_ENV[k]})" if v is None and env.get(_PARAMETER_ENV[k]) else "")
+          for k, v in passed.items()}
   if heap_bytes is None:
     heap_bytes = (_parse_bytes(env["JAXOVERLAP_HEAP_BYTES"], "JAXOVERLAP_HEAP_BYTES")
                   if env.get("JAXOVERLAP_HEAP_BYTES") else DEFAULT_HEAP_BYTES)
@@ -354,23 +362,26 @@ def _resolve(heap_bytes, overlap_heap_bytes, timeout_s, ranks_per_node,
   for name, value in (("heap_bytes", heap_bytes), ("overlap_heap_bytes", overlap_heap_bytes)):
     sizes[name] = _as_int(value)
     if sizes[name] is None or sizes[name] <= 0:
-      raise ValueError(f"{name} must be a positive int (bytes), got {value!r}")
+      raise ValueError(f"{said[name]} must be a positive int (bytes), got {value!r}")
     if sizes[name] % HEAP_ALIGNMENT:
       # The fused ops' region starts at heap_bytes: its 64-bit flags and 16-byte vectors need
       # the alignment (ffi/runtime.cu, MakeLayout checks it too).
-      raise ValueError(f"{name} must be a multiple of {HEAP_ALIGNMENT} bytes, got {value!r} "
+      raise ValueError(f"{said[name]} must be a multiple of {HEAP_ALIGNMENT} bytes, got {value!r} "
                        f"(e.g. {sizes[name] // HEAP_ALIGNMENT * HEAP_ALIGNMENT + HEAP_ALIGNMENT})")
   heap_bytes, overlap_heap_bytes = sizes["heap_bytes"], sizes["overlap_heap_bytes"]
   for name, value in (("timeout_s", timeout_s), ("init_timeout_s", init_timeout_s)):
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or not value > 0:
-      raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
+      raise ValueError(f"{said[name]} must be a positive number of seconds, got {value!r}")
     if not math.isfinite(value):  # a wait cannot be unbounded (nan fails the test above)
-      raise ValueError(f"{name} must be a finite number of seconds, got {value!r}")
+      raise ValueError(f"{said[name]} must be a finite number of seconds, got {value!r}")
   if not MIN_TIMEOUT_S <= timeout_s <= MAX_TIMEOUT_S:
     # The device waits count nanoseconds in 64 bits; below a millisecond every wait that is not
     # met at its first look would trap the kernel (and lose the GPU context).
-    raise ValueError(f"timeout_s must be from {MIN_TIMEOUT_S:g} to {MAX_TIMEOUT_S:g} seconds, "
-                     f"got {timeout_s!r}")
+    raise ValueError(f"{said['timeout_s']} must be from {MIN_TIMEOUT_S:g} to "
+                     f"{MAX_TIMEOUT_S:g} seconds, got {timeout_s!r}")
+  if init_timeout_s > MAX_TIMEOUT_S:  # the host's waits: past threading's limit they overflow
+    raise ValueError(f"{said['init_timeout_s']} must be at most {MAX_TIMEOUT_S:g} seconds, got "
+                     f"{init_timeout_s!r}")
   if ranks_per_node is not None:
     rpn = _as_int(ranks_per_node)
     if rpn is None or rpn < 1:

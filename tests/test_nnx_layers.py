@@ -789,9 +789,12 @@ def test_fuse_norm_refusals():
                                        r"jaxoverlap\.nnx\.RMSNorm\(num_features, config=config\) "
                                        r"\(flax's nnx\.RMSNorm is not fused\)"):
     block(jnp.zeros((B, S, D)), next_norm=nnx.RMSNorm(D, rngs=nnx.Rngs(0)))
-  with pytest.raises(ValueError, match=r"TransformerBlock: config.fuse_norm needs epsilon > 0 "
-                                       r"\(the fused norm's eps\), got epsilon=0.0"):
-    TransformerBlock(D, H, F, config=config, epsilon=0.0, rngs=nnx.Rngs(0))
+  for eps in (0.0, jnp.float32(1e-6)):  # trial 22: a 0-d array was told "needs epsilon > 0"
+    with pytest.raises(ValueError, match=r"TransformerBlock: config.fuse_norm needs epsilon, "
+                                         r"the fused norm's eps, as a positive finite number "
+                                         r"\(a Python or NumPy scalar, not an array\)"):
+      TransformerBlock(D, H, F, config=config, epsilon=eps, rngs=nnx.Rngs(0))
+  TransformerBlock(D, H, F, config=config, epsilon=np.float32(1e-6), rngs=nnx.Rngs(0))
   TransformerBlock(D, H, F, config=ParallelConfig(mesh=None), epsilon=0.0, rngs=nnx.Rngs(0))
   with pytest.raises(ValueError, match="apply_blocks needs at least one block"):
     apply_blocks([], jnp.zeros((B, S, D)), RMSNorm(D, config=config, rngs=nnx.Rngs(0)))
@@ -800,12 +803,17 @@ def test_fuse_norm_refusals():
                                           rngs=nnx.Rngs(0)))()
   wide = RMSNorm(D, config=config, dtype=jnp.float32, rngs=nnx.Rngs(0))
   with pytest.raises(ValueError, match="the fused norm computes in the activations' dtype "
-                                       r"\(bfloat16\), this RMSNorm in float32"):
+                                       r"\(bfloat16\), next_norm \(an RMSNorm\) in float32"):
     bf16(jnp.zeros((B, S, D), jnp.bfloat16), next_norm=wide)
   # Trial 18: the block's own norm (bf16 compute) with float32 activations: the advice applies.
-  with pytest.raises(ValueError, match=r"feed the block activations in bfloat16 .*"
-                                       r"x\.astype\(jnp\.bfloat16\)"):
+  with pytest.raises(ValueError, match=r"the block's mlp_norm \(an RMSNorm\) in bfloat16 .*feed "
+                                       r"the block activations in bfloat16 .*"
+                                       r"x\.astype\(jnp\.bfloat16\)\), or turn fuse_norm off"):
     bf16(jnp.zeros((B, S, D), jnp.float32))
+  # ... and a next_norm of the caller's is named as such, with its own remedy (trial 22).
+  with pytest.raises(ValueError, match=r"next_norm \(an RMSNorm\) in float32 .*; give "
+                                       r"next_norm dtype=bfloat16, or turn fuse_norm off"):
+    bf16(jnp.zeros((B, S, D), jnp.bfloat16), next_norm=wide)
   assert bf16(jnp.zeros((B, S, D), jnp.bfloat16)).dtype == jnp.bfloat16
 
 

@@ -176,7 +176,8 @@ def test_non_finite_timeouts_are_refused(kw, match):
 def test_non_finite_timeouts_from_the_environment_are_refused(monkeypatch, name, text):
   monkeypatch.setenv(name, text)
   key = name.removeprefix("JAXOVERLAP_").lower()
-  with pytest.raises(ValueError, match=f"{key} must be a (positive|finite) number of seconds"):
+  with pytest.raises(ValueError, match=rf"{key} \({name}\) must be a (positive|finite) number "
+                                       "of seconds"):
     runtime._resolve(None, None, None, None, None)
 
 
@@ -662,6 +663,23 @@ def test_sizes_and_timeouts_out_of_range_are_refused(kwargs, match):
   with pytest.raises(ValueError, match=match):
     runtime._resolve(kwargs.get("heap_bytes"), kwargs.get("overlap_heap_bytes"),
                      kwargs.get("timeout_s"), None, None)
+
+
+@pytest.mark.parametrize("var,value,match", [
+    ("JAXOVERLAP_HEAP_BYTES", "1000000001",
+     r"heap_bytes \(JAXOVERLAP_HEAP_BYTES\) must be a multiple of 256 bytes"),
+    ("JAXOVERLAP_TIMEOUT_S", "1e-10", r"timeout_s \(JAXOVERLAP_TIMEOUT_S\) must be from 0.001"),
+    ("JAXOVERLAP_INIT_TIMEOUT_S", "1e10",
+     r"init_timeout_s \(JAXOVERLAP_INIT_TIMEOUT_S\) must be at most 1e\+09 seconds"),
+])
+def test_a_refused_value_names_the_variable_it_came_from(monkeypatch, var, value, match):
+  """Trial 22: the messages named the parameter, not the variable that set it; and an
+  init_timeout_s past threading's limit overflowed after the native start-up had run."""
+  for name in _PARAMETER_VARIABLES:
+    monkeypatch.delenv(name, raising=False)
+  monkeypatch.setenv(var, value)
+  with pytest.raises(ValueError, match=match):
+    runtime._resolve(None, None, None, None, None)
 
 
 def test_finalize_clears_the_compilation_caches(fake_gpu, monkeypatch):

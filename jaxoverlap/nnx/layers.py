@@ -1160,10 +1160,12 @@ class TransformerBlock(nnx.Module):
       raise ValueError(f"norm must be one of {_NORMS}, got {norm!r}")
     if config.fuse_norm and norm != "rms":
       raise ValueError(f"config.fuse_norm fuses an RMSNorm; this block's norm is {norm!r}")
-    if config.fuse_norm and not (isinstance(epsilon, numbers.Real) and 0 < epsilon < math.inf):
-      # all_reduce_rms_norm's eps must be positive; say so here, not at the first call.
-      raise ValueError(f"TransformerBlock: config.fuse_norm needs epsilon > 0 (the fused "
-                       f"norm's eps), got epsilon={epsilon!r}")
+    if config.fuse_norm and not (isinstance(epsilon, numbers.Real)
+                                 and not isinstance(epsilon, bool) and 0 < epsilon < math.inf):
+      # all_reduce_rms_norm's eps is a positive Python float; say so here, not at the first call.
+      raise ValueError(f"TransformerBlock: config.fuse_norm needs epsilon, the fused norm's "
+                       f"eps, as a positive finite number (a Python or NumPy scalar, not an "
+                       f"array), got epsilon={epsilon!r}")
     self.config = config
     self.epsilon = epsilon
     norm_cls = RMSNorm if norm == "rms" else LayerNorm
@@ -1225,14 +1227,17 @@ class TransformerBlock(nnx.Module):
         self.attn(normed, decode=decode, partial=True), x_bsd, self.mlp_norm)
     if next_norm is None:
       return x_bsd + self.mlp(normed)
-    return self._reduce_residual_norm(self.mlp(normed, partial=True), x_bsd, next_norm)
+    return self._reduce_residual_norm(self.mlp(normed, partial=True), x_bsd, next_norm,
+                                      "next_norm")
 
-  def _reduce_residual_norm(self, partial, x_bsd: jax.Array, norm: RMSNorm):
+  def _reduce_residual_norm(self, partial, x_bsd: jax.Array, norm: RMSNorm,
+                            role: str = "mlp_norm"):
     """``h = x + the sum of the partials`` and ``norm(h)`` through one ``all_reduce_rms_norm``.
 
     ``partial``: a row-parallel layer's ``(p_tbsd, bias)`` (its ``partial``
-    output). The all-reduce of the partials, the residual add and the
-    RMSNorm run as one op (one kernel on backend "cuda"). A bias joins the
+    output). ``role``: which norm ``norm`` is ("mlp_norm", the block's own, or
+    "next_norm", the caller's), for the error message. The all-reduce of the
+    partials, the residual add and the RMSNorm run as one op (one kernel on backend "cuda"). A bias joins the
     residual before the sum. Computed in the dtype of ``x + layer(...)`` (the
     norm's scale cast to it), the dtype the unfused norm computes in when its
     ``dtype`` is that dtype, or None with a scale no wider.
@@ -1246,13 +1251,16 @@ class TransformerBlock(nnx.Module):
     dtype = jnp.result_type(x_bsd.dtype, p_tbsd.dtype)
     norm_dtype = jnp.dtype(norm.dtype or jnp.result_type(dtype, norm.scale[...].dtype))
     if norm_dtype != jnp.dtype(dtype):
+      which = "next_norm" if role == "next_norm" else "the block's mlp_norm"
+      remedy = (f"give next_norm dtype={jnp.dtype(dtype).name}" if role == "next_norm" else
+                f"feed the block activations in {norm_dtype.name} (the residual stream in "
+                f"the block's dtype, e.g. x.astype(jnp.{norm_dtype.name}))")
       raise ValueError(
           f"config.fuse_norm: the fused norm computes in the activations' dtype "
-          f"({jnp.dtype(dtype).name}), this RMSNorm in {norm_dtype.name} (its dtype, or its "
-          f"scale's {jnp.dtype(norm.scale[...].dtype).name} promoted with the activations); "
-          f"feed the block activations in {norm_dtype.name} (the residual stream in the "
-          f"norm's dtype, e.g. x.astype(jnp.{norm_dtype.name})), give your next_norm "
-          f"dtype={jnp.dtype(dtype).name}, or turn fuse_norm off")
+          f"({jnp.dtype(dtype).name}), {which} (an RMSNorm) in "
+          f"{norm_dtype.name} (its dtype, or its scale's "
+          f"{jnp.dtype(norm.scale[...].dtype).name} promoted with the activations); {remedy}, "
+          f"or turn fuse_norm off")
     residual = x_bsd.astype(dtype)
     if bias is not None:
       residual = residual + bias.astype(dtype)
