@@ -483,9 +483,9 @@ ffi::Error Initialize(const std::string& unique_id, int rank, int num_ranks, int
                                  my_pe, num_pes, ranks_per_node, heap_bytes, overlap_bytes,
                                  timeout_ns);
       e.failure()) {
-    // What this PE made alone is freed; NVSHMEM's heap and NVSHMEM itself are
-    // collective (freeing them would wait for the other PEs), and stay to the
-    // process's exit (NVSHMEM cannot start twice in a process anyway).
+    // What this PE made alone is freed (the clean-up's own failures are not
+    // reported: `e` is); NVSHMEM's heap and NVSHMEM itself are collective
+    // (freeing them would wait for the other PEs) and stay to the process's exit.
     cudaDeviceSynchronize();
     TearDownDevice(st, device, nullptr);
     gemm::Shutdown();
@@ -564,7 +564,8 @@ ffi::Error InitializePeer(const int* devices, int num_devices, int first_pe, int
   peers.first_pe = first_pe;
   peers.num_local = num_devices;
   // On a failure, every GPU's heap and state made so far is freed: a retry in
-  // this process must not find GiBs taken by this attempt.
+  // this process must not find GiBs taken by this attempt. The clean-up's own
+  // failures are not reported: the error that stopped the start-up is.
   auto undo = [&](ffi::Error e) {
     for (int i = 0; i < num_devices; ++i) {
       if (peers.heaps[i] == nullptr) continue;
