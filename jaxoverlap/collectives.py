@@ -146,16 +146,20 @@ def all_reduce(x, axis_name, *, backend="auto", algorithm="auto", protocol="auto
     intra-node all-gather; the LL and simple protocols); Megatron-LM, arXiv
     1909.08053, for where TP all-reduces occur.
   """
+  _checks.refuse_forward_mode(names.ALL_REDUCE, x)
+  return _all_reduce(x, _checked_config(x, axis_name, backend, algorithm, protocol, transport))
+
+
+def _checked_config(x, axis_name, backend, algorithm, protocol, transport) -> _Config:
+  """``all_reduce``'s checks of its arguments, and its config."""
   op = names.ALL_REDUCE
   _checks.check_array(op, "x", x)
-  _checks.refuse_forward_mode(op, x)
   num_ranks = _checks.axis_size(op, axis_name)
   _checks.check_options(op, backend=backend, algorithm=algorithm, protocol=protocol,
                         transport=transport)
   request = Request(op, axis_name, backend=backend, algorithm=algorithm, protocol=protocol,
                     transport=transport)
-  cfg = _Config(request, num_ranks, _xla.vma_checked(axis_name), _xla.varying_axes(x))
-  return _all_reduce(x, cfg)
+  return _Config(request, num_ranks, _xla.vma_checked(axis_name), _xla.varying_axes(x))
 
 
 def all_reduce_in_rule(x, axis_name, *, backend="auto", algorithm="auto", protocol="auto"):
@@ -168,15 +172,8 @@ def all_reduce_in_rule(x, axis_name, *, backend="auto", algorithm="auto", protoc
   ``all_reduce``, itself a ``custom_vjp``, refuses the tangent. Same checks
   and kernels as ``all_reduce``; same errors but that one.
   """
-  op = names.ALL_REDUCE
-  _checks.check_array(op, "x", x)
-  num_ranks = _checks.axis_size(op, axis_name)
-  _checks.check_options(op, backend=backend, algorithm=algorithm, protocol=protocol,
-                        transport="auto")
-  request = Request(op, axis_name, backend=backend, algorithm=algorithm, protocol=protocol,
-                    transport="auto")
-  return _all_reduce_impl(x, _Config(request, num_ranks, _xla.vma_checked(axis_name),
-                                     _xla.varying_axes(x)))
+  return _all_reduce_impl(x, _checked_config(x, axis_name, backend, algorithm, protocol,
+                                             "auto"))
 
 
 # ---------------------------------------------------------------------------- all_reduce_rms_norm
