@@ -211,9 +211,16 @@ def _norm_bwd(cfg, saved, cts):
   # _xla.rms_norm_vjp), h = residual + psum(p), whose cotangent passes unchanged
   # to the residual and, through psum's transpose, to every rank's p.
   dh_norm, dw = _xla.rms_norm_vjp(h, weight, ct_y, cfg.eps)
-  dh = ct_h + dh_norm
   p_vma, r_vma, w_vma = cfg.vmas
   axis_name = cfg.request.axis_name
+  if cfg.checked:
+    # h varies over (p's axes less the reduced ones) and the residual's; dh_norm
+    # also over the weight's. Where only the weight varies, h reached y through
+    # pvary, whose transpose sums: sum dh_norm there before adding ct_h, which
+    # is already h's cotangent (summing after would count ct_h once per rank).
+    dh_norm = _xla.cast_to_vma(dh_norm, (frozenset(p_vma) - set(_axes(axis_name)))
+                               | frozenset(r_vma))
+  dh = ct_h + dh_norm
   if cfg.checked:
     # psum(p) is invariant over the axis: a varying h (a varying residual)
     # received it through pvary, whose transpose sums; psum's own transpose

@@ -131,11 +131,12 @@ def test_equals_the_pure_expression_bitwise(rng):
 # ---------------------------------------------------------------------------- gradients
 
 
-def _grads(fn, n, shape, dtype, rng, *, varying_residual, check_vma, w_spec=P()):
+def _grads(fn, n, shape, dtype, rng, *, varying_residual, check_vma, varying_weight=False):
   mesh = make_mesh((n,), ("tp",))
   p, _ = randn(rng, (n,) + shape, dtype, outlier=4.0)
   r, _ = randn(rng, ((n,) if varying_residual else ()) + shape, dtype, outlier=4.0)
-  w, _ = randn(rng, shape[-1:], dtype, outlier=1.0)
+  w, _ = randn(rng, ((n * shape[-1]) if varying_weight else shape[-1],), dtype, outlier=1.0)
+  w_spec = P("tp") if varying_weight else P()  # a weight of its own on each rank
   ch, _ = randn(rng, (n,) + shape, dtype, outlier=1.0)
   cy, _ = randn(rng, (n,) + shape, dtype, outlier=1.0)
   r_spec = P("tp") if varying_residual else P()
@@ -155,9 +156,22 @@ def _grads(fn, n, shape, dtype, rng, *, varying_residual, check_vma, w_spec=P())
 @pytest.mark.parametrize("varying_residual", [False, True])
 @pytest.mark.parametrize("check_vma", [True, False])
 def test_gradients_equal_the_pure_expression(rng, dt, algorithm, varying_residual, check_vma):
-  dtype = DTYPES[dt]
+  _check_gradients(rng, DTYPES[dt], algorithm, varying_residual=varying_residual,
+                   check_vma=check_vma)
+
+
+@pytest.mark.parametrize("algorithm", ["collective", "ppermute"])
+@pytest.mark.parametrize("varying_residual", [False, True])
+def test_gradients_with_a_weight_that_varies_where_h_does_not(rng, algorithm, varying_residual):
+  """weight varies over tp, h (an invariant residual + the sum) does not: the backward added
+  h's summed cotangent to the norm's still-varying one, then summed both over tp, so dp and
+  dresidual counted ct_h 4 times (errors of 12 where the gradient is at most 10)."""
+  _check_gradients(rng, jnp.float32, algorithm, varying_residual=varying_residual,
+                   check_vma=True, varying_weight=True)
+
+
+def _check_gradients(rng, dtype, algorithm, **kw):
   seed = int(rng.integers(1 << 30))
-  kw = dict(varying_residual=varying_residual, check_vma=check_vma)
   ours = _grads(lambda p, r, w: jaxoverlap.all_reduce_rms_norm(p, r, w, "tp",
                                                                algorithm=algorithm),
                 4, (3, 64), dtype, np.random.default_rng(seed), **kw)
