@@ -61,7 +61,9 @@ _MAX_DECISIONS = 1000
 _log: collections.deque = collections.deque(maxlen=_MAX_DECISIONS)
 _warned: set[str] = set()
 _lock = threading.Lock()
-_policy_cache: dict[tuple, _policy.Policy] = {}
+# (path, table, policy) of the last table seen; the table itself is kept, so that a
+# new table (a new initialize()) never passes for it by a reused id().
+_policy_cache: list[tuple[str, Any, _policy.Policy]] = []
 
 
 @dataclasses.dataclass(frozen=True)
@@ -342,12 +344,11 @@ def _warn_fallback(request: Request, reason: str) -> None:
 
 def _tuning_policy() -> _policy.Policy:
   path, table = runtime.tuning_table()
-  key = (path, id(table))
   with _lock:
-    p = _policy_cache.get(key)
-    if p is None:
-      _policy_cache.clear()
-      p = _policy_cache[key] = _policy.Policy.from_result(table, path=path)
+    if _policy_cache and _policy_cache[0][0] == path and _policy_cache[0][1] is table:
+      return _policy_cache[0][2]
+    p = _policy.Policy.from_result(table, path=path)
+    _policy_cache[:] = [(path, table, p)]
   return p
 
 

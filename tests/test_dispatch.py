@@ -26,7 +26,7 @@ from jax.sharding import PartitionSpec as P
 
 import jaxoverlap
 from _helpers import make_mesh
-from jaxoverlap import _checks, _ffi, dispatch, names, overlap, reference, runtime
+from jaxoverlap import _checks, _ffi, dispatch, names, overlap, reference, runtime, tuning
 from jaxoverlap.dispatch import Request
 from jaxoverlap.tuning import policy
 
@@ -821,3 +821,24 @@ def test_nested_shard_map_names_the_abstract_mesh(cuda_runtime, caplog):
   assert p.backend == "xla" and "has an AbstractMesh" in p.reason("backend")
   with pytest.raises(Exception, match="no concrete jax.sharding.Mesh"):
     _nested("all_reduce", jaxoverlap, backend="cuda").lower(x)
+
+
+def test_policy_cache_holds_its_table(monkeypatch):
+  """The policy cache was keyed by id(table): after finalize() and a new initialize(), a new
+  table allocated at the freed table's address got the old policy. It keeps the table now, and
+  a new table object (equal or not) gets its own policy."""
+  monkeypatch.setattr(runtime, "tuning_table", lambda: ("t.json", None))
+  none_policy = dispatch._tuning_policy()
+  assert dispatch._tuning_policy() is none_policy  # cached while the table is the same object
+  table = tuning.make_result(
+      [{"op": "all_reduce", "impl": impl, "dtype": "bfloat16", "bytes": 8192, "shape": [4096],
+        "world": 2, "ranks_per_node": 2, "time_us": us}
+       for impl, us in (("xla:psum", 10.0), ("jaxoverlap:one_shot_ll", 5.0))],
+      machine="test", command="pytest", method="fake")
+  monkeypatch.setattr(runtime, "tuning_table", lambda: ("t.json", table))
+  p = dispatch._tuning_policy()
+  assert p is not none_policy and dispatch._policy_cache[0][1] is table
+  assert p.choose(8192, 2, 2, 1).time_us == 5.0
+  same_content = json.loads(json.dumps(table))
+  monkeypatch.setattr(runtime, "tuning_table", lambda: ("t.json", same_content))
+  assert dispatch._tuning_policy() is not p  # another object: another start-up's table
