@@ -155,6 +155,8 @@ def main(argv):
     r.update(num_nodes=run.num_nodes, inter_node_transport=run.runtime.get("inter_node_transport"),
              processes=run.processes, transport=run.runtime.get("transport"),
              lamport_blocks_per_sm=run.runtime.get("lamport_blocks_per_sm"))
+    if run.num_nodes > 1:  # nodes sharing a host: NVLink between them (tuning.Policy.choose)
+      r["emulated_nodes"] = bool(run.runtime.get("emulated_nodes"))
   for r in rejected:
     run.log(f"WRONG: {r['impl']} at {r['bytes']} B: {r['reason']}")
   if run.rank == 0:

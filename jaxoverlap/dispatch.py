@@ -494,7 +494,7 @@ def _all_reduce_plan(r, dtype, local_size, num_nodes, facts, cuda) -> Plan:
     why.append(("algorithm", "requested"))
   else:
     choice = _tuning_policy().choose(nbytes, dtype.itemsize, local_size, num_nodes,
-                                     facts.transport)
+                                     facts.transport, facts.emulated_nodes)
     if choice.algorithm == _policy.PSUM:
       if r.protocol != names.AUTO:
         raise ValueError(f"all_reduce: protocol={r.protocol!r} was requested, but the policy "
@@ -515,9 +515,10 @@ def _all_reduce_plan(r, dtype, local_size, num_nodes, facts, cuda) -> Plan:
   elif protocol is not None:
     why.append(("protocol", f"with the algorithm: {choice.source}"))
   else:
-    protocol = _policy.protocol_for(algorithm, nbytes, local_size)
-    why.append(("protocol", "rule: LL for small messages (jaxoverlap.tuning.policy."
-                            "protocol_for, measured on 2x H200)"))
+    choice = _tuning_policy().choose_protocol(algorithm, nbytes, dtype.itemsize, local_size,
+                                              num_nodes, facts.transport, facts.emulated_nodes)
+    protocol = choice.protocol
+    why.append(("protocol", choice.source))
   if protocol == names.LAMPORT and facts.lamport_slot_bytes == 0:
     raise ValueError(
         f"all_reduce: protocol 'lamport' ({why[-1][1]}) has no slots in this runtime: its heap "

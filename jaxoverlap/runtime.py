@@ -52,7 +52,7 @@ import os
 import re
 import socket
 import threading
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from jaxoverlap import names
@@ -68,6 +68,7 @@ __all__ = [
     "unavailable_reason",
     "Facts",
     "facts",
+    "nodes_are_emulated",
     "tuning_table",
     "pe_of_device",
     "groups_along_axis",
@@ -125,6 +126,7 @@ class Facts:
       ``max_nodes``, ``max_chunks``, ...), exported by the extension.
     fused_command_buffer: ``JAXOVERLAP_FUSED_CMD_BUFFER=1``: the fused ops
       lower to their command-buffer handlers.
+    emulated_nodes: the runtime's nodes share hosts (``nodes_are_emulated``).
   """
 
   unavailable: str | None
@@ -138,6 +140,28 @@ class Facts:
   overlap_slot_bytes: int = 0
   limits: Mapping[str, int] = dataclasses.field(default_factory=dict)
   fused_command_buffer: bool = False
+  emulated_nodes: bool = False
+
+
+def nodes_are_emulated(hosts: Sequence[str], num_nodes: int) -> bool:
+  """True when ``num_nodes`` nodes are not each on hosts of their own.
+
+  Nodes emulated on one host (``JAXOVERLAP_RANKS_PER_NODE`` below the GPUs of
+  a host) run the hierarchical all-reduce's inter-node steps over NVLink, so
+  their timings say nothing of a network; the tuning policy keeps such
+  records apart (``tuning.Policy.choose``).
+
+  Args:
+    hosts: the host of every process, by process rank (the processes of one
+      node consecutive).
+    num_nodes: nodes of the runtime.
+  """
+  if num_nodes < 2:
+    return False
+  if len(set(hosts)) < num_nodes:
+    return True
+  per_node = len(hosts) // num_nodes
+  return len({hosts[n * per_node] for n in range(num_nodes)}) < num_nodes
 
 
 def is_initialized() -> bool:
@@ -660,6 +684,7 @@ def _start(params: dict[str, Any]) -> None:
       "ranks_per_node": rpn,
       "num_nodes": num_ranks // rpn,
       "hosts": hosts,
+      "emulated_nodes": nodes_are_emulated(hosts, num_ranks // rpn),
       "heap_bytes": params["heap_bytes"],
       "overlap_heap_bytes": params["overlap_heap_bytes"],
       "timeout_s": params["timeout_s"],
@@ -729,6 +754,7 @@ def _initialize_peer(ext, devices, params: dict[str, Any]) -> None:
       "ranks_per_node": num_local,
       "num_nodes": num_processes,
       "hosts": hosts,
+      "emulated_nodes": nodes_are_emulated(hosts, num_processes),
       "heap_bytes": params["heap_bytes"],
       "overlap_heap_bytes": params["overlap_heap_bytes"],
       "timeout_s": params["timeout_s"],
@@ -987,7 +1013,7 @@ def facts() -> Facts:
         ranks_per_node=_info["ranks_per_node"], slot_bytes=native["slot_bytes"],
         ll_slot_bytes=native["ll_slot_bytes"], lamport_slot_bytes=native["lamport_slot_bytes"],
         overlap_slot_bytes=native["overlap_slot_bytes"],
-        limits=dict(ext.limits()))
+        limits=dict(ext.limits()), emulated_nodes=_info["emulated_nodes"])
     with _lock:
       if _initialized:
         _facts = base
@@ -1000,7 +1026,8 @@ def runtime_info() -> dict[str, Any]:
   Returns:
     A dict with ``initialized``, ``extension`` ("loaded" or why not), and once
     initialised: ``transport``, ``pe``, ``num_pes``, ``ranks_per_node``,
-    ``num_nodes``, ``hosts``, ``heap_bytes``, ``slot_bytes`` (simple-protocol
+    ``num_nodes``, ``hosts``, ``emulated_nodes`` (True when nodes share a
+    host: ``nodes_are_emulated``), ``heap_bytes``, ``slot_bytes`` (simple-protocol
     capacity per sender, bytes), ``overlap_slot_bytes`` (the fused ops'
     capacity per sender, bytes), ``ll_slot_bytes`` (LL8 cells per sender,
     bytes), ``lamport_slot_bytes`` (Lamport payload per sender, bytes; 0

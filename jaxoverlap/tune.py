@@ -47,7 +47,8 @@ import sys
 
 from absl import app, flags, logging
 
-from jaxoverlap import names, tuning
+from jaxoverlap import names, runtime, tuning
+from jaxoverlap.tuning.results import parse_bytes
 
 flags.DEFINE_string("out", "", "tuning table path (default: tuning.default_tuning_path())")
 flags.DEFINE_list("sizes", [f"{4 << i}K" for i in range(8)] + [f"{1 << i}M" for i in range(9)],
@@ -71,13 +72,6 @@ flags.DEFINE_list("from_results", [],
 FLAGS = flags.FLAGS
 
 _AXIS = "x"
-
-
-def parse_bytes(text: str) -> int:
-  """``"4K"`` -> 4096 (K, M, G are powers of 1024)."""
-  s = text.strip().upper()
-  mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(s[-1:], 1)
-  return int(s[:-1] if s[-1:] in "KMG" else s) * mult
 
 
 def default_impls(num_nodes: int) -> list[str]:
@@ -319,8 +313,14 @@ def main(argv):
       ranks_per_node=ranks_per_node, world=world, log=log, measure_row=bench.measure_row)
   for r in rejected:
     log(f"rejected {r['impl']} at {r['bytes']} B: {r['reason']}")
+  # Nodes that share a host (ranks_per_node below a host's GPUs) are marked: their
+  # inter-node steps ran over NVLink, and the policy keeps them from real nodes.
+  hosts = rt.get("hosts") or [None] * jax.process_count()
+  emulated = runtime.nodes_are_emulated(hosts, num_nodes)
   for r in records:  # the process model: the policy prefers the records of the caller's
     r.update(processes=jax.process_count(), transport=rt.get("transport"))
+    if num_nodes > 1:
+      r["emulated_nodes"] = emulated
 
   result = None
   if rank == 0:
@@ -339,14 +339,14 @@ def main(argv):
   except ValueError as e:  # on every process alike (the same result)
     print(f"jaxoverlap.tune: error: {e}; no table written", file=sys.stderr, flush=True)
     return 1
-  hosts = rt.get("hosts") or [None] * jax.process_count()
   if rank == 0 or hosts[rank] not in hosts[:rank]:  # first process of its host
     path = tuning.save_result(result, FLAGS.out or None)
     print(f"wrote {path} (process {rank})", flush=True)
   if rank == 0:
     policy = tuning.Policy.from_result(result, FLAGS.out or None)
     for row in policy.table(ranks_per_node, num_nodes, sizes=sizes, itemsize=dtype.itemsize,
-                            transport=rt.get("transport")):
+                            transport=rt.get("transport"),
+                            emulated_nodes=emulated if num_nodes > 1 else None):
       print(f"{row['bytes']:>10} B  {row['impl']:<28} {row['source']}", flush=True)
 
 

@@ -104,12 +104,49 @@ def test_plan_reason_refuses_a_name_that_is_not_a_choice(one_process_per_device)
     ("one_shot", 4, (1 << 20) + 16, "simple"), ("two_shot", 4, 16, "simple"),
     ("hierarchical", 2, 1 << 20, "ll"), ("hierarchical", 2, (1 << 20) + 16, "simple")])
 def test_all_reduce_protocol_rule(one_process_per_device, algorithm, rpn, nbytes, protocol):
-  """A requested algorithm without a protocol takes the measured size rule."""
+  """A requested algorithm without a protocol takes the size rule measured on one host:
+  within a node, and across nodes emulated on one host."""
   p = plan(Request("all_reduce", "tp", algorithm=algorithm), [(nbytes // 2,)],
-           ranks_per_node=rpn)
+           ranks_per_node=rpn, emulated_nodes=rpn < 4)
   assert p.protocol == protocol
   assert p.reason("protocol").startswith("rule: LL for small messages")
   assert policy.protocol_for(algorithm, nbytes, rpn) == protocol
+
+
+@pytest.mark.parametrize("nbytes", [64 << 10, 256 << 10, 1 << 20, 8 << 20])
+def test_hierarchical_protocol_across_real_nodes_is_the_models(one_process_per_device, nbytes):
+  """Across real nodes the one-host rule (LL while the shard is <= 512 KiB) does not apply:
+  at 1 MiB over 2 nodes x 2 it gave LL, 62.9 us in the model against 40.0 for simple."""
+  p = plan(Request("all_reduce", "tp", algorithm="hierarchical"), [(nbytes // 2,)],
+           ranks_per_node=2)
+  best = min((tuning.predict_us("hierarchical", proto, nbytes, 2, 2, 2), proto)
+             for proto in ("ll", "simple"))
+  assert p.protocol == best[1]
+  assert p.reason("protocol").startswith("cost model across nodes (no tuning file at")
+  if nbytes in (256 << 10, 1 << 20):
+    assert policy.protocol_for("hierarchical", nbytes, 2) == "ll" and p.protocol == "simple"
+
+
+def test_emulated_node_records_never_decide_for_real_nodes(one_process_per_device, tmp_path,
+                                                           monkeypatch):
+  """A table's records of nodes emulated on one host (NVLink between them, as the shipped
+  H200 table's 2-node records) decide for emulated nodes only; real nodes get the model."""
+  recs = [{"op": "all_reduce", "impl": impl, "dtype": "bfloat16", "bytes": b, "shape": [b // 2],
+           "world": 4, "ranks_per_node": 2, "time_us": us, "emulated_nodes": True}
+          for b in (8192, 1 << 20) for impl, us in (("xla:psum", 3.0),
+                                                    ("jaxoverlap:hierarchical_ll", 9.0))]
+  path = tmp_path / "table.json"
+  path.write_text(json.dumps(tuning.make_result(recs, machine="test", command="pytest",
+                                                method="fake")))
+  monkeypatch.setenv("JAXOVERLAP_TUNING_FILE", str(path))
+  monkeypatch.setattr(runtime, "tuning_table", lambda: (str(path), json.loads(path.read_text())))
+  emulated = plan(Request("all_reduce", "tp"), [(4096,)], ranks_per_node=2, emulated_nodes=True)
+  assert emulated.backend == "xla"  # the table's psum (3 us) beats its kernel (9 us)
+  assert "nodes emulated on one host" in emulated.reason("backend")
+  real = plan(Request("all_reduce", "tp"), [(4096,)], ranks_per_node=2)
+  assert (real.backend, real.algorithm) == ("cuda", "hierarchical")
+  assert real.reason("algorithm").startswith(
+      f"cost model (no measurements for 2 ranks/node x 2 real nodes in {path})")
 
 
 def test_all_reduce_across_nodes_is_hierarchical(one_process_per_device):

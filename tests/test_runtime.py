@@ -702,3 +702,19 @@ def test_finalize_clears_the_compilation_caches(fake_gpu, monkeypatch):
   runtime._finalize_at_exit()  # at exit: nothing runs again, the caches stay
   f(4.0)
   assert len(traces) == 2 and ext.finalized == 2
+
+
+@pytest.mark.parametrize("hosts,num_nodes,emulated", [
+    (["a", "a"], 1, False),                       # one node: nothing to emulate
+    (["a", "a"], 2, True),                        # JAXOVERLAP_RANKS_PER_NODE=1 on one host
+    (["a", "b"], 2, False),                       # a process per node, on their own hosts
+    (["a", "a", "b", "b"], 2, False),             # two GPUs per node
+    (["a", "a", "a", "a"], 2, True),              # 2 x 2 emulated on one host
+    (["a", "b", "c", "d"], 2, False),             # nodes of two hosts (one NVLink domain)
+    (["a", "b", "a", "b"], 2, True),              # nodes 0 and 1 both start on host a
+    (["a"], 2, True),                             # one process driving both "nodes"
+])
+def test_nodes_are_emulated(hosts, num_nodes, emulated):
+  """Nodes sharing a host run the inter-node steps over NVLink; the policy keeps their timings
+  from real nodes (tuning.Policy.choose)."""
+  assert runtime.nodes_are_emulated(hosts, num_nodes) is emulated

@@ -1,5 +1,6 @@
 """Cost model, tuning table, policy and the tuner's loop (no timing, no GPU)."""
 
+import dataclasses
 import json
 import math
 import os
@@ -25,9 +26,11 @@ def _clean_env(monkeypatch, tmp_path):
   monkeypatch.setenv("JAXOVERLAP_TUNING_FILE", str(tmp_path / "none.json"))
 
 
-def _records(times, *, rpn=2, world=2, dtype="bfloat16", transport=None):
+def _records(times, *, rpn=2, world=2, dtype="bfloat16", transport=None, emulated=None):
   """times: {impl: {bytes: us}} -> records of the results format."""
   extra = {} if transport is None else {"transport": transport}
+  if emulated is not None:
+    extra["emulated_nodes"] = emulated
   return [{"op": "all_reduce", "impl": impl, "dtype": dtype, "bytes": b, "shape": [b // 2],
            "world": world, "ranks_per_node": rpn, "time_us": t, **extra}
           for impl, by_size in times.items() for b, t in by_size.items()]
@@ -116,7 +119,9 @@ def test_env_overrides_change_predictions(monkeypatch):
   with pytest.raises(ValueError, match="JAXOVERLAP_NET_BETA_GBPS='fast' is not a number"):
     tuning.params_from_env()
   monkeypatch.setenv("JAXOVERLAP_NET_BETA_GBPS", "-1")
-  with pytest.raises(ValueError, match="net_beta_gbps must be a positive number"):
+  with pytest.raises(ValueError, match=re.escape(
+      "JAXOVERLAP_NET_BETA_GBPS='-1': cost-model parameter net_beta_gbps must be a positive "
+      "number")):
     tuning.params_from_env()
 
 
@@ -145,6 +150,82 @@ def test_policy_picks_measured_fastest_and_psum():
   assert policy.choose(262144, 2, 2, 1)[:2] == ("two_shot", "simple")
   c = policy.choose(4194304, 2, 2, 1)
   assert (c.algorithm, c.protocol) == ("psum", None) and c.source.startswith("measured")
+
+
+def test_policy_table_rows_give_the_measured_psum_beside_a_measured_choice():
+  """psum_us was the model's psum even where the table decided (35.13 beside a measured 13.94)."""
+  rows = tuning.Policy(_records(TABLE), P, path="t.json").table(2, 1, sizes=[8192, 65536])
+  assert [r["psum_us"] for r in rows] == [14.0, round(math.exp(
+      math.log(14.0) + math.log(8) / math.log(32) * (math.log(18.0) - math.log(14.0))), 2)]
+  model = tuning.Policy((), P).table(2, 1, sizes=[8192])[0]
+  assert model["psum_us"] == round(tuning.predict_us("psum", None, 8192, 2, 2, 1, P), 2)
+
+
+def test_records_of_emulated_nodes_decide_only_for_emulated_nodes():
+  """Records timed on 'nodes' that share a host (NVLink between them) against real nodes."""
+  on_one_host = {"xla:psum": {8192: 14.0, 1 << 20: 20.0},
+                 "jaxoverlap:hierarchical_ll": {8192: 9.0, 1 << 20: 30.0}}
+  real = {"xla:psum": {8192: 40.0, 1 << 20: 90.0},
+          "jaxoverlap:hierarchical_simple": {8192: 30.0, 1 << 20: 60.0}}
+  unmarked = {"xla:psum": {8192: 50.0}, "jaxoverlap:hierarchical_ll": {8192: 1.0}}
+  emulated_only = tuning.Policy(_records(on_one_host, rpn=1, emulated=True), P, path="t.json")
+  c = emulated_only.choose(8192, 2, 1, 2, emulated_nodes=True)
+  assert (c.algorithm, c.time_us, c.psum_us) == ("hierarchical", 9.0, 14.0)
+  assert c.source == "measured (t.json, nodes emulated on one host (NVLink between them), at 8192 bytes)"
+  c = emulated_only.choose(8192, 2, 1, 2, emulated_nodes=False)
+  assert c.source.startswith("cost model (no measurements for 1 ranks/node x 2 real nodes in t.json")
+  assert emulated_only.choose(8192, 2, 1, 2).time_us == 9.0  # caller does not say: any record
+  both = tuning.Policy(_records(on_one_host, rpn=1, emulated=True)
+                       + _records(real, rpn=1, emulated=False), P, path="t.json")
+  assert both.choose(8192, 2, 1, 2, emulated_nodes=False)[:2] == ("hierarchical", "simple")
+  assert both.choose(8192, 2, 1, 2, emulated_nodes=True)[:2] == ("hierarchical", "ll")
+  assert both.choose(1 << 20, 2, 1, 2, emulated_nodes=False).time_us == 60.0
+  # Unmarked records (tables made before the mark) serve both kinds.
+  old = tuning.Policy(_records(unmarked, rpn=1), P, path="t.json")
+  for emulated in (True, False, None):
+    assert old.choose(8192, 2, 1, 2, emulated_nodes=emulated).time_us == 1.0
+  # The protocol of a named algorithm across real nodes: real records, else the model.
+  c = both.choose_protocol("hierarchical", 8192, 2, 1, 2, emulated_nodes=False)
+  assert (c.protocol, c.time_us) == ("simple", 30.0) and c.source.startswith("measured")
+  c = emulated_only.choose_protocol("hierarchical", 2 << 20, 2, 1, 2, emulated_nodes=False)
+  assert c.source.startswith("cost model across nodes (no measurements for 1 ranks/node x 2 "
+                             "real nodes")
+  assert c.protocol == min((tuning.predict_us("hierarchical", p, 2 << 20, 2, 1, 2, P), p)
+                           for p in ("ll", "simple"))[1]
+  c = emulated_only.choose_protocol("hierarchical", 2 << 20, 2, 1, 2, emulated_nodes=True)
+  assert (c.protocol, c.time_us) == (tuning.protocol_for("hierarchical", 2 << 20, 1), None)
+  assert c.source.startswith("rule: LL for small messages")
+
+
+def test_shipped_tables_two_node_records_are_marked_emulated():
+  """The H200 table's 1 GPU x 2 node records ran on one host (JAXOVERLAP_RANKS_PER_NODE=1)."""
+  path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "jaxoverlap",
+                      "tuning_tables", "all_reduce-NVIDIA_H200.json")
+  table = tuning.load_result(path)
+  across = [r for r in table["records"] if r["world"] > r["ranks_per_node"]]
+  assert across and all(r.get("emulated_nodes") is True for r in across)
+  assert all("emulated_nodes" not in r for r in table["records"] if r["world"] == r["ranks_per_node"])
+  c = tuning.Policy.from_result(table, path).choose(512 << 10, 2, 1, 2, emulated_nodes=False)
+  assert c.source.startswith("cost model (no measurements for 1 ranks/node x 2 real nodes")
+
+
+@pytest.mark.parametrize("change,says", [
+    ({"emulated_nodes": "yes"}, "'emulated_nodes' must be true or false"),
+    ({"time_us": float("nan")}, "impossible values"),
+    ({"time_us": float("inf")}, "impossible values"),
+    ({"world": 0}, "impossible values"),
+])
+def test_validate_refuses_bad_record_values(change, says):
+  records = _records(TABLE)
+  records[0].update(change)
+  with pytest.raises(ValueError, match=re.escape(says)):
+    tuning.validate_tuning_table(_result(records), "t.json")
+
+
+def test_a_bad_params_entry_names_the_table():
+  with pytest.raises(ValueError, match=re.escape(
+      "t.json: 'params': cost-model parameter net_beta_gbps must be a positive number, got 0.0")):
+    tuning.validate_tuning_table(_result(_records(TABLE), params={"net_beta_gbps": 0.0}), "t.json")
 
 
 def test_policy_prefers_the_records_of_the_callers_transport():
@@ -263,9 +344,36 @@ def test_policy_table_rows():
                           "source"}
 
 
-def test_policy_choose_rejects_bad_topology():
-  with pytest.raises(ValueError, match="ranks_per_node >= 1"):
-    tuning.Policy((), P).choose(4096, 2, 0, 1)
+@pytest.mark.parametrize("args,says", [
+    ((4096, 2, 0, 1), "ranks_per_node must be an integer >= 1, got 0"),
+    ((4096, 2, 8, 2.5), "num_nodes must be an integer >= 1, got 2.5"),
+    ((4096, 2, True, 2), "ranks_per_node must be an integer >= 1, got True"),
+    ((-1, 2, 8, 1), "nbytes must be an integer >= 0, got -1"),
+    ((4096.0, 2, 8, 1), "nbytes must be an integer >= 0, got 4096.0"),
+    ((4096, 0, 8, 1), "itemsize must be an integer >= 1, got 0"),
+])
+def test_policy_and_model_refuse_what_is_not_a_whole_number(args, says):
+  """num_nodes=2.5 was truncated to 2 without a word; every entry point refuses it now."""
+  with pytest.raises(ValueError, match=re.escape(f"Policy.choose: {says}")):
+    tuning.Policy((), P).choose(*args)
+  with pytest.raises(ValueError, match=re.escape(f"predict_us: {says}")):
+    tuning.predict_us("psum", None, *args, P)
+  assert tuning.Policy((), P).choose(np.int64(4096), 2, np.int32(8), 1).algorithm  # NumPy ints
+
+
+def test_cost_params_built_directly_are_checked():
+  """LinkParams/CostParams constructed by hand took a negative bandwidth (a faster
+  prediction) and a zero one (ZeroDivisionError later)."""
+  with pytest.raises(ValueError, match=re.escape("LinkParams.beta_gbps must be a positive "
+                                                 "number, got -45.0")):
+    tuning.LinkParams(2.5, -45.0)
+  with pytest.raises(ValueError, match="LinkParams.alpha_us must be a positive number, got nan"):
+    tuning.LinkParams(float("nan"), 45.0)
+  with pytest.raises(ValueError, match="CostParams.hbm_gbps must be a positive number, got 0"):
+    dataclasses.replace(P, hbm_gbps=0)
+  with pytest.raises(TypeError, match="CostParams.network must be a LinkParams, got tuple"):
+    dataclasses.replace(P, network=(2.5, 45.0))
+  assert dataclasses.replace(P, network=tuning.LinkParams(2.5, 45.0)) == P
 
 
 # ------------------------------------------------------------------ table file
@@ -439,6 +547,12 @@ def test_run_tuning_times_a_row_together():
   with pytest.raises(ValueError, match="give measure or measure_row"):
     tuning.run_tuning(None, lambda i, b: None, impls, [4096], dtype="float32",
                       ranks_per_node=2, world=2)
+  # A time that is not a finite number is a rejection, never a record (NaN won every size).
+  records, rejected = tuning.run_tuning(
+      None, lambda i, b: None, impls[:2], [4096], dtype="float32", ranks_per_node=2, world=2,
+      measure_row=lambda impls, b: {"xla:psum": 10.0, "jaxoverlap:one_shot_ll": float("nan")})
+  assert [r["impl"] for r in records] == ["xla:psum"]
+  assert rejected == [{"impl": "jaxoverlap:one_shot_ll", "bytes": 4096, "reason": "timed nan us"}]
 
 
 def test_time_chains_us_times_every_op_against_the_empty_chain():

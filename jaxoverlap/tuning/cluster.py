@@ -21,6 +21,16 @@ Algorithm:
   NVRAR. ``paper_comparison`` sets the model's NVRAR speed-up over NCCL beside
   the paper's published figures (``PAPER_FIGURES``: only what was found).
 
+Command line (a planner's table for one cluster; no GPU, no measurement):
+  python -m jaxoverlap.tuning.cluster --preset perlmutter --nodes 4
+  python -m jaxoverlap.tuning.cluster --preset h200_ndr --nodes 16 \
+      --set net_alpha_us=3,net_beta_gbps=45 --sizes 64K,1M,16M
+  prints the parameters and where each comes from, then per size psum (NCCL's
+  best), NCCL's ring and tree, NVRAR (or one-shot/two-shot in one node), its
+  speed-up, and what ``Policy.choose`` picks without a measured table.
+  ``net_beta_gbps`` is the network bandwidth one GPU gets: with a NIC per GPU
+  its achieved rate; where k GPUs share a NIC, that rate / k.
+
 Example:
   >>> from jaxoverlap.tuning import cluster
   >>> p = cluster.PRESETS["perlmutter"]
@@ -33,6 +43,8 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import sys
+import textwrap
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -219,7 +231,8 @@ def predict(nbytes: int, itemsize: int, ranks_per_node: int, num_nodes: int,
       ``cost_model.predict_us``.
   """
   p = cost_model.params_from_env() if params is None else params
-  g, n = int(ranks_per_node), int(num_nodes)
+  g, n = cost_model.whole_numbers("predict", ranks_per_node=ranks_per_node,
+                                  num_nodes=num_nodes)
   if g * n < 2:
     raise ValueError(f"predict: an all-reduce needs 2 or more ranks, got {g} x {n}")
   out = {}
@@ -319,3 +332,112 @@ def paper_comparison(presets: Iterable[str] = ("perlmutter", "vista"),
           "published": (PAPER_FIGURES[0]["low"], PAPER_FIGURES[0]["high"]),
       })
   return rows
+
+
+# --------------------------------------------------------------------------- command line
+
+
+def planner_rows(preset: str, num_nodes: int, gpus_per_node: int | None = None,
+                 overrides: Mapping[str, float] | None = None, itemsize: int = 2,
+                 sizes: Sequence[int] = SIZES) -> tuple[CostParams, list[dict[str, Any]]]:
+  """What ``python -m jaxoverlap.tuning.cluster`` prints, as data.
+
+  Args:
+    preset: a name in ``PRESETS``.
+    num_nodes: nodes (N).
+    gpus_per_node: GPUs per node (G; default the preset's).
+    overrides: flat parameter keys (``cost_model.PARAM_KEYS``) -> values.
+    itemsize: bytes per element of the message.
+    sizes: message sizes per rank, bytes.
+
+  Returns:
+    ``(params, rows)``: the parameters used, and per size a dict of
+    ``bytes``, every ``predict`` entry (``Prediction``), ``speedup`` (psum over
+    our best kernel) and ``auto`` (``Policy.choose`` without a table).
+
+  Raises:
+    ValueError: an unknown preset or parameter, a bad value, or a topology
+      of fewer than 2 ranks.
+  """
+  from jaxoverlap.tuning import policy as _policy
+
+  if preset not in PRESETS:
+    raise ValueError(f"unknown preset {preset!r}; one of {sorted(PRESETS)}")
+  p = PRESETS[preset].params.replace(**dict(overrides or {}))
+  g = PRESETS[preset].gpus_per_node if gpus_per_node is None else gpus_per_node
+  chooser = _policy.Policy((), p, path="no table: the model")
+  rows = []
+  for b in sizes:
+    got = predict(b, itemsize, g, num_nodes, p)
+    ours = got[NVRAR] if NVRAR in got else min(got[names.ONE_SHOT], got[names.TWO_SHOT])
+    rows.append({"bytes": b, **got, "speedup": got[PSUM].time_us / ours.time_us,
+                 "auto": chooser.choose(b, itemsize, g, num_nodes)})
+  return p, rows
+
+
+def _size(b: int) -> str:
+  for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+    if b >= 1 << shift and b % (1 << shift) == 0:
+      return f"{b >> shift} {unit}"
+  return f"{b} B"
+
+
+_ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4}
+
+
+def _main(argv) -> int:
+  from absl import flags
+
+  from jaxoverlap.tuning import policy as _policy
+  from jaxoverlap.tuning.results import parse_bytes
+
+  del argv
+  f = flags.FLAGS
+  try:
+    overrides = {}
+    for item in f.set:
+      key, sep, value = item.partition("=")
+      if not sep:
+        raise ValueError(f"--set {item!r}: expected key=value, e.g. net_beta_gbps=22.5")
+      overrides[key.strip()] = float(value)
+    sizes = [parse_bytes(x) for x in f.sizes] if f.sizes else SIZES
+    params, rows = planner_rows(f.preset, f.nodes, f.gpus_per_node or None, overrides,
+                                _ITEMSIZE[f.dtype], sizes)
+  except (TypeError, ValueError) as e:
+    print(f"jaxoverlap.tuning.cluster: error: {e}", file=sys.stderr, flush=True)
+    return 2
+  preset = PRESETS[f.preset]
+  g = f.gpus_per_node or preset.gpus_per_node
+  print(f"{preset.label}\n{f.nodes} nodes x {g} GPUs, {f.dtype}; cost-model predictions, us "
+        "(no measurement)\n")
+  for key, value in params.as_flat().items():
+    source = "--set" if key in overrides else preset.sources.get(key, "")
+    print(f"  {key:<17} {value:>9g}  {textwrap.shorten(source, 100)}")
+  ours = "NVRAR" if f.nodes > 1 else "ours (best of one/two-shot)"
+  print(f"\n| size | psum (NCCL's best) | NCCL ring | NCCL tree | {ours} | speed-up | auto |")
+  print("|---|---|---|---|---|---|---|")
+  for r in rows:
+    mine = r.get(NVRAR) or min(r[names.ONE_SHOT], r[names.TWO_SHOT])
+    tree = f"{r[NCCL_TREE].time_us:.1f}" if NCCL_TREE in r else "-"
+    auto = r["auto"]
+    pick = auto.algorithm if auto.protocol is None else f"{auto.algorithm} ({auto.protocol})"
+    print(f"| {_size(r['bytes'])} | {r[PSUM].time_us:.1f} ({r[PSUM].detail}) | "
+          f"{r[NCCL_RING].time_us:.1f} | {tree} | {mine.time_us:.1f} ({mine.detail}) | "
+          f"{r['speedup']:.2f}x | {pick} |")
+  print("\nauto: what Policy.choose picks with no measured table (a kernel must be predicted "
+        f"{_policy.MODEL_MARGIN:.0%} faster than psum). Every network value of the presets is "
+        "an assumption; docs/cluster_model.md says which and why.")
+  return 0
+
+
+if __name__ == "__main__":
+  from absl import app, flags
+
+  flags.DEFINE_enum("preset", "h200_ndr", sorted(PRESETS), "the machine's parameters")
+  flags.DEFINE_integer("nodes", 2, "nodes (N)", lower_bound=1)
+  flags.DEFINE_integer("gpus_per_node", 0, "GPUs per node (G; 0: the preset's)", lower_bound=0)
+  flags.DEFINE_list("set", [], "parameter overrides, key=value (keys: "
+                    + ", ".join(cost_model.PARAM_KEYS) + ")")
+  flags.DEFINE_enum("dtype", "bfloat16", sorted(_ITEMSIZE), "element type")
+  flags.DEFINE_list("sizes", [], "message sizes per rank (K/M/G suffixes; default 8K..16M)")
+  app.run(_main)

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import operator
 import os
 from collections.abc import Mapping
 
@@ -58,6 +59,7 @@ __all__ = [
     "nccl_base_us",
     "nccl_us",
     "nccl_best",
+    "whole_numbers",
 ]
 
 ALGORITHMS = names.algorithms(names.ALL_REDUCE, names.CUDA)
@@ -65,6 +67,17 @@ PROTOCOLS = names.PROTOCOLS
 PSUM = "psum"  # lax.psum, i.e. NCCL: the handover that auto must never lose to
 _SINGLE_NODE = (names.ONE_SHOT, names.TWO_SHOT)  # their kernels reach peers over NVLink only
 
+
+
+def _check_positive(what: str, value) -> float:
+  """``value`` as a float; ValueError naming ``what`` unless a positive finite number."""
+  try:
+    v = float(value) if not isinstance(value, bool) else math.nan
+  except (TypeError, ValueError):
+    v = math.nan
+  if not (v > 0 and math.isfinite(v)):
+    raise ValueError(f"{what} must be a positive number, got {value!r}")
+  return v
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,6 +91,10 @@ class LinkParams:
 
   alpha_us: float
   beta_gbps: float
+
+  def __post_init__(self):
+    for name in ("alpha_us", "beta_gbps"):
+      _check_positive(f"LinkParams.{name}", getattr(self, name))
 
   def transfer_us(self, nbytes: float) -> float:
     """Time to stream ``nbytes`` bytes at ``beta_gbps``, us (no latency)."""
@@ -104,6 +121,14 @@ class CostParams:
   launch_us: float
   hbm_gbps: float
 
+  def __post_init__(self):
+    for name in ("nvlink", "network", "nccl"):
+      if not isinstance(getattr(self, name), LinkParams):
+        raise TypeError(f"CostParams.{name} must be a LinkParams, got "
+                        f"{type(getattr(self, name)).__name__}")
+    for name in ("launch_us", "hbm_gbps"):
+      _check_positive(f"CostParams.{name}", getattr(self, name))
+
   def as_flat(self) -> dict[str, float]:
     """The parameters under the flat keys of ``PARAM_KEYS``."""
     return {key: getattr(getattr(self, f[0]), f[1]) if len(f) == 2 else getattr(self, f[0])
@@ -121,10 +146,7 @@ class CostParams:
         continue
       if key not in _FIELDS:
         raise ValueError(f"unknown cost-model parameter {key!r}; expected one of {PARAM_KEYS}")
-      value = float(value)
-      if not (value > 0 and math.isfinite(value)):
-        raise ValueError(f"cost-model parameter {key} must be a positive number, got {value}")
-      values[key] = value
+      values[key] = _check_positive(f"cost-model parameter {key}", value)
     return CostParams(
         nvlink=LinkParams(values["nvlink_alpha_us"], values["nvlink_beta_gbps"]),
         network=LinkParams(values["net_alpha_us"], values["net_beta_gbps"]),
@@ -205,10 +227,10 @@ def params_from_env(base: CostParams | None = None,
         flat[key] = float(environ[name])
       except ValueError:
         raise ValueError(f"{name}={environ[name]!r} is not a number") from None
-  try:
-    return base.replace(**flat)
-  except ValueError as e:
-    raise ValueError(f"{e} (from the JAXOVERLAP_* environment)") from None
+      if not (flat[key] > 0 and math.isfinite(flat[key])):
+        raise ValueError(f"{name}={environ[name]!r}: cost-model parameter {key} must be a "
+                         "positive number")
+  return base.replace(**flat)
 
 
 # --------------------------------------------------------------------------- NCCL across nodes
@@ -302,10 +324,9 @@ def nccl_us(algorithm: str, protocol: str, nbytes: int, ranks_per_node: int, num
       runs a ring there), or a topology with fewer than one rank.
   """
   p = params_from_env() if params is None else params
-  g, n, m = int(ranks_per_node), int(num_nodes), float(nbytes)
-  if g < 1 or n < 1 or m < 0:
-    raise ValueError(f"nccl_us: need ranks_per_node >= 1, num_nodes >= 1 and nbytes >= 0; "
-                     f"got {ranks_per_node}, {num_nodes}, {nbytes}")
+  nbytes, g, n = whole_numbers("nccl_us", nbytes=nbytes, ranks_per_node=ranks_per_node,
+                               num_nodes=num_nodes)
+  m = float(nbytes)
   if algorithm not in NCCL_ALGORITHMS:
     raise ValueError(f"nccl_us: algorithm must be one of {NCCL_ALGORITHMS}, got {algorithm!r}")
   if protocol not in NCCL_PROTOCOL_COSTS:
@@ -358,6 +379,31 @@ def nccl_best(nbytes: int, ranks_per_node: int, num_nodes: int,
 # from 512 KiB (7.7 against 9.4 us). The policy does not let the model alone
 # choose Lamport (policy.MODEL_EXCLUDED).
 LAMPORT_OVERHEAD_US = 0.7
+
+
+_MINIMUM = {"nbytes": 0, "partial_itemsize": 1, "itemsize": 1, "ranks_per_node": 1,
+            "num_nodes": 1}
+
+
+def whole_numbers(where: str, **values) -> tuple[int, ...]:
+  """``values`` (sizes, item sizes, counts) as ints, in the order given.
+
+  Raises:
+    ValueError: a value that is not an integer (a float such as 2.5 too; a
+      bool), or below its minimum (``nbytes`` 0, the others 1); the message
+      names ``where`` and the argument.
+  """
+  out = []
+  for name, value in values.items():
+    try:
+      v = None if isinstance(value, bool) else operator.index(value)
+    except TypeError:
+      v = None
+    if v is None or v < _MINIMUM[name]:
+      raise ValueError(f"{where}: {name} must be an integer >= {_MINIMUM[name]}, "
+                       f"got {value!r}")
+    out.append(int(v))
+  return tuple(out)
 
 
 def _step_us(link: LinkParams, nbytes: float, protocol: str) -> float:
@@ -425,14 +471,14 @@ def predict_us(
 
   Raises:
     ValueError: unknown algorithm or protocol, one_shot/two_shot across
-      nodes, hierarchical within one node, or a non-positive size.
+      nodes, hierarchical within one node, or a size, item size or count
+      that is not an integer or below its minimum (``whole_numbers``).
   """
   p = params_from_env() if params is None else params
-  g, n, m = int(ranks_per_node), int(num_nodes), float(nbytes)
-  if g < 1 or n < 1 or m < 0 or itemsize < 1 or partial_itemsize < 1:
-    raise ValueError(f"predict_us: need ranks_per_node >= 1, num_nodes >= 1, nbytes >= 0, "
-                     f"itemsize >= 1 and partial_itemsize >= 1; got {ranks_per_node}, "
-                     f"{num_nodes}, {nbytes}, {itemsize}, {partial_itemsize}")
+  nbytes, itemsize, g, n, partial_itemsize = whole_numbers(
+      "predict_us", nbytes=nbytes, itemsize=itemsize, ranks_per_node=ranks_per_node,
+      num_nodes=num_nodes, partial_itemsize=partial_itemsize)
+  m = float(nbytes)
   if algorithm == PSUM:
     if protocol is not None:
       raise ValueError(f"predict_us: psum takes protocol=None, got {protocol!r}")

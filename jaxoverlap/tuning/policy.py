@@ -39,6 +39,7 @@ from typing import Any, NamedTuple
 from jaxoverlap import names
 from jaxoverlap.tuning import cost_model, results
 from jaxoverlap.tuning.cost_model import ALGORITHMS, PROTOCOLS, PSUM, CostParams
+from jaxoverlap.tuning.cost_model import whole_numbers as _whole
 
 __all__ = [
     "Choice",
@@ -47,6 +48,7 @@ __all__ = [
     "ONE_SHOT_LL_MAX_BYTES",
     "HIERARCHICAL_LL_MAX_SHARD_BYTES",
     "MODEL_EXCLUDED",
+    "MODEL_MARGIN",
     "FUSED_ALL_REDUCE_MIN_BYTES",
     "LARGE_BYTES",
     "DEFAULT_FUSED_TRANSPORT",
@@ -109,14 +111,34 @@ class Choice(NamedTuple):
   Attributes:
     algorithm: "one_shot", "two_shot", "hierarchical" or "psum".
     protocol: "ll", "simple", or None (psum, or a record without protocol).
-    source: why: "measured (<file>, <size bracket>)" or "cost model (<reason>)".
-    time_us: the measured (interpolated) or predicted latency, us.
+    source: why: "measured (<file>, <size bracket>)", "cost model (<reason>)"
+      or "rule (<reason>)".
+    time_us: the measured (interpolated) or predicted latency, us (None for a
+      rule).
+    psum_us: psum's time by the same source, us (None for a rule).
   """
 
   algorithm: str
   protocol: str | None
   source: str
   time_us: float | None = None
+  psum_us: float | None = None
+
+
+def _log_log(nbytes: int, lo: int, hi: int, t_lo: float, t_hi: float) -> float:
+  """The time at ``nbytes`` on the straight line through (lo, t_lo), (hi, t_hi) in log-log."""
+  return math.exp(math.log(t_lo) + math.log(nbytes / lo) / math.log(hi / lo)
+                  * (math.log(t_hi) - math.log(t_lo)))
+
+
+# Said in a Choice's source when records timed on nodes emulated on one host decided.
+_EMULATED_SOURCE = "nodes emulated on one host (NVLink between them), "
+
+# Where the cost model alone decides, a kernel must be predicted this much
+# faster than psum (t * (1 + MODEL_MARGIN) < psum's t): the model's errors
+# against measurements reach 20-40% (docs/results.md, docs/cluster_model.md),
+# and a close call goes to psum, NCCL's tuned and tested path.
+MODEL_MARGIN = 0.10
 
 
 def _itemsize(dtype: str | None) -> int | None:
@@ -128,6 +150,17 @@ def _itemsize(dtype: str | None) -> int | None:
     import jax.numpy as jnp  # bfloat16 is registered by ml_dtypes through jax
 
     return jnp.dtype(dtype).itemsize
+
+
+class _Measured(NamedTuple):
+  """One timing of a tuning table, as the policy keeps it."""
+
+  impl: tuple[str, str | None]
+  itemsize: int | None
+  nbytes: int
+  time_us: float
+  transport: str | None
+  emulated: bool | None  # nodes emulated on one host (None: one node, or not recorded)
 
 
 class Policy:
@@ -162,18 +195,42 @@ class Policy:
     self.missing = missing
     self.algorithms = tuple(a for a in algorithms if a in ALGORITHMS)
     self.protocols = tuple(p for p in protocols if p in PROTOCOLS)
-    # {(ranks_per_node, world, transport): {(alg, proto): {itemsize: {bytes: [us, ...]}}}},
-    # transport None: every record of the topology, whatever its transport.
-    self._measured: dict = {}
+    # {(ranks_per_node, world): [_Measured, ...]}; grouped per query by _by_impl.
+    self._records: dict[tuple[int, int], list[_Measured]] = {}
+    self._grouped: dict = {}
     for rec in records:
       parsed = results.parse_impl(rec.get("impl", ""))
       if rec.get("op") != "all_reduce" or parsed is None:
         continue
-      topo = (int(rec["ranks_per_node"]), int(rec["world"]))
-      for transport in {None, rec.get("transport")}:
-        sizes = (self._measured.setdefault((*topo, transport), {}).setdefault(parsed, {})
-                 .setdefault(_itemsize(rec.get("dtype")), {}))
-        sizes.setdefault(int(rec["bytes"]), []).append(float(rec["time_us"]))
+      rpn, world = int(rec["ranks_per_node"]), int(rec["world"])
+      emulated = rec.get("emulated_nodes") if world > rpn else None
+      self._records.setdefault((rpn, world), []).append(_Measured(
+          parsed, _itemsize(rec.get("dtype")), int(rec["bytes"]), float(rec["time_us"]),
+          rec.get("transport"), emulated))
+
+  def _by_impl(self, topo: tuple[int, int], transport: str | None,
+               emulated_nodes: bool | None) -> tuple[dict, bool]:
+    """The records of ``topo`` as {(alg, proto): {itemsize: {bytes: [us, ...]}}}.
+
+    ``transport`` None: whatever the transport. ``emulated_nodes`` True/False:
+    without the records known to be of the other kind (a record without
+    ``emulated_nodes`` stays). Also returns whether any record kept was timed
+    on emulated nodes.
+    """
+    key = (topo, transport, emulated_nodes)
+    if key not in self._grouped:
+      by_impl: dict = {}
+      any_emulated = False
+      for m in self._records.get(topo, ()):
+        if transport is not None and m.transport != transport:
+          continue
+        if emulated_nodes is not None and m.emulated is not None and m.emulated != emulated_nodes:
+          continue
+        any_emulated |= bool(m.emulated)
+        (by_impl.setdefault(m.impl, {}).setdefault(m.itemsize, {})
+         .setdefault(m.nbytes, []).append(m.time_us))
+      self._grouped[key] = (by_impl, any_emulated)
+    return self._grouped[key]
 
   @classmethod
   def from_result(cls, result: Mapping[str, Any] | None, path: str | None = None,
@@ -222,31 +279,43 @@ class Policy:
       return False  # a protocol the algorithm's kernels do not have
     return (num_nodes > 1) == (algorithm == names.HIERARCHICAL)
 
-  def _from_measurements(self, nbytes, itemsize, ranks_per_node, num_nodes, transport):
+  def _from_measurements(self, nbytes, itemsize, ranks_per_node, num_nodes, transport,
+                         emulated_nodes, only=None):
     """A Choice from the table, or the reason there is none (str).
 
     The records of ``transport`` (the process model: "peer" within one
     process, "nvshmem" across processes) decide where they cover the size:
     psum and at least one kernel measured at both ends of the size's bracket.
-    Otherwise every record of the topology decides.
+    Otherwise every record of the topology decides. Across nodes, records of
+    the other kind of node than ``emulated_nodes`` are left out.
+    ``only``: an algorithm; only its kernels compete (psum gives the sizes).
     """
     topo = (ranks_per_node, ranks_per_node * num_nodes)
-    if transport is not None and (*topo, transport) in self._measured:
-      got = self._pick(self._measured[(*topo, transport)], nbytes, itemsize, num_nodes,
-                       f"the records of transport {transport!r}, ")
-      if isinstance(got, Choice):
-        return got
-    by_impl = self._measured.get((*topo, None))
+    emulated = emulated_nodes if num_nodes > 1 else None
+    nodes = (f"{ranks_per_node} ranks/node x {num_nodes} "
+             f"{'emulated ' if emulated else 'real ' if emulated is False else ''}nodes")
+    if transport is not None:
+      by_impl, on_one_host = self._by_impl(topo, transport, emulated)
+      if by_impl:
+        got = self._pick(by_impl, nbytes, itemsize, num_nodes,
+                         f"the records of transport {transport!r}, "
+                         + _EMULATED_SOURCE * on_one_host, only=only)
+        if isinstance(got, Choice):
+          return got
+    by_impl, on_one_host = self._by_impl(topo, None, emulated)
     if not by_impl:
-      return f"no measurements for {ranks_per_node} ranks/node x {num_nodes} nodes"
+      return f"no measurements for {nodes}"
     if (PSUM, None) not in by_impl:
-      return f"no xla:psum measurement for {ranks_per_node} ranks/node x {num_nodes} nodes"
-    return self._pick(by_impl, nbytes, itemsize, num_nodes, "", kernels_needed=False)
+      return f"no xla:psum measurement for {nodes}"
+    return self._pick(by_impl, nbytes, itemsize, num_nodes, _EMULATED_SOURCE * on_one_host,
+                      kernels_needed=only is not None, only=only)
 
-  def _pick(self, by_impl, nbytes, itemsize, num_nodes, which: str, kernels_needed: bool = True):
+  def _pick(self, by_impl, nbytes, itemsize, num_nodes, which: str, kernels_needed: bool = True,
+            only: str | None = None):
     """The fastest of ``by_impl`` at ``nbytes`` (a Choice), or why it cannot say (str).
 
-    ``kernels_needed``: also a str where no kernel but psum competes at the size.
+    ``kernels_needed``: also a str where no kernel but psum competes at the
+    size. ``only``: an algorithm; no other (psum neither) competes.
     """
     if (PSUM, None) not in by_impl:
       return "no xla:psum measurement"
@@ -270,7 +339,8 @@ class Policy:
     for (alg, proto), t in times.items():
       # An impl competes only if measured at both ends of psum's bracket: one
       # rejected (or not run) at a size never wins next to it.
-      if not self._allowed(alg, proto, num_nodes) or lo not in t or hi not in t:
+      if (not self._allowed(alg, proto, num_nodes) or lo not in t or hi not in t
+          or only not in (None, alg)):
         continue
       kernels += alg != PSUM
       if above:  # bandwidth-bound there: every impl's time grows with the bytes
@@ -278,14 +348,16 @@ class Policy:
       elif lo == hi or nbytes <= lo:
         us = t[lo]
       else:
-        us = math.exp(math.log(t[lo]) + math.log(nbytes / lo) / math.log(hi / lo)
-                      * (math.log(t[hi]) - math.log(t[lo])))
+        us = _log_log(nbytes, lo, hi, t[lo], t[hi])
       key = (us, alg != PSUM)  # psum wins ties
       if best is None or key < best[0]:
         best = (key, alg, proto)
     if kernels_needed and not kernels:
       return f"no kernel measured at both {lo} and {hi} bytes"
     (us, _), alg, proto = best
+    psum_us = times[(PSUM, None)]
+    psum_us = (psum_us[hi] * nbytes / hi if above else psum_us[lo] if lo == hi or nbytes <= lo
+               else _log_log(nbytes, lo, hi, psum_us[lo], psum_us[hi]))
     if above:
       bracket = f"above {hi} bytes, the largest measured: its times scaled by the bytes"
     elif nbytes == lo == hi:
@@ -294,10 +366,10 @@ class Policy:
       bracket = f"below {lo} bytes, the smallest measured"
     else:
       bracket = f"between {lo} and {hi} bytes"
-    return Choice(alg, proto, f"measured ({self.path}, {which}{bracket})", us)
+    return Choice(alg, proto, f"measured ({self.path}, {which}{bracket})", us, psum_us)
 
   def choose(self, nbytes: int, itemsize: int, ranks_per_node: int, num_nodes: int,
-             transport: str | None = None) -> Choice:
+             transport: str | None = None, emulated_nodes: bool | None = None) -> Choice:
     """The algorithm and protocol for one all-reduce.
 
     Args:
@@ -311,28 +383,89 @@ class Policy:
         bracket), only those decide: the kernels are the same, but how the
         processes launch them is not (docs/results.md, "Process models").
         None, or no such records: every record of the topology.
+      emulated_nodes: across nodes, whether the caller's nodes share a host
+        (``runtime.nodes_are_emulated``). Records marked ``emulated_nodes``
+        (timed with ``JAXOVERLAP_RANKS_PER_NODE`` on one host: NVLink between
+        the "nodes") never decide for real nodes, nor real nodes' records for
+        emulated ones; records without the mark serve both. None: any record.
 
     Returns:
       A ``Choice``; ``algorithm == "psum"`` is the explicit handover to XLA.
+      Where the cost model decides, a kernel wins only when predicted
+      ``MODEL_MARGIN`` faster than psum.
 
     Raises:
-      ValueError: negative size, or a topology with fewer than one rank.
+      ValueError: a size, item size or topology that is not a whole number
+        (a negative size, fewer than one rank or node).
     """
-    if nbytes < 0 or itemsize < 1 or ranks_per_node < 1 or num_nodes < 1:
-      raise ValueError(f"Policy.choose: need nbytes >= 0, itemsize >= 1, ranks_per_node >= 1 "
-                       f"and num_nodes >= 1; got {nbytes}, {itemsize}, {ranks_per_node}, "
-                       f"{num_nodes}")
-    got = self._from_measurements(nbytes, itemsize, ranks_per_node, num_nodes, transport)
+    nbytes, itemsize, ranks_per_node, num_nodes = _whole("Policy.choose", nbytes=nbytes,
+                                                         itemsize=itemsize,
+                                                         ranks_per_node=ranks_per_node,
+                                                         num_nodes=num_nodes)
+    got = self._from_measurements(nbytes, itemsize, ranks_per_node, num_nodes, transport,
+                                  emulated_nodes)
     if isinstance(got, Choice):
       return got
     why = f"no tuning file at {self.path}" if self.missing else f"{got} in {self.path}"
-    candidates = [(PSUM, None)] + [(a, p) for a in self.algorithms for p in self.protocols
-                                   if self._allowed(a, p, num_nodes)
-                                   and (a, p) not in MODEL_EXCLUDED]
-    t, _, alg, proto = min(
-        (cost_model.predict_us(a, p, nbytes, itemsize, ranks_per_node, num_nodes, self.params), a != PSUM,
-         a, p) for a, p in candidates)
-    return Choice(alg, proto, f"cost model ({why})", t)
+    psum = cost_model.predict_us(PSUM, None, nbytes, itemsize, ranks_per_node, num_nodes,
+                                 self.params)
+    kernels = [(cost_model.predict_us(a, p, nbytes, itemsize, ranks_per_node, num_nodes,
+                                      self.params), a, p)
+               for a in self.algorithms for p in self.protocols
+               if self._allowed(a, p, num_nodes) and (a, p) not in MODEL_EXCLUDED]
+    if kernels:
+      t, alg, proto = min(kernels)
+      if t * (1 + MODEL_MARGIN) < psum:
+        return Choice(alg, proto, f"cost model ({why})", t, psum)
+      kernel = f"the fastest kernel, {results.impl_name(alg, proto)}, {t:.1f} us"
+      why += (f"; {kernel}, is not {MODEL_MARGIN:.0%} faster than psum's {psum:.1f} us"
+              if t < psum else f"; psum's {psum:.1f} us beats {kernel}")
+    return Choice(PSUM, None, f"cost model ({why})", psum, psum)
+
+  def choose_protocol(self, algorithm: str, nbytes: int, itemsize: int, ranks_per_node: int,
+                      num_nodes: int, transport: str | None = None,
+                      emulated_nodes: bool | None = None) -> Choice:
+    """The protocol of a named algorithm when the caller names none.
+
+    Across real nodes (``num_nodes > 1``, ``emulated_nodes`` not True) the
+    table's records of the topology decide among the algorithm's protocols
+    where they cover the size, else the cost model; the network is not NVLink,
+    so the size rule measured on one host does not apply there. Otherwise
+    ``protocol_for``'s size rule (measured on 2x H200) decides.
+
+    Args:
+      algorithm: "one_shot", "two_shot" or "hierarchical".
+      nbytes, itemsize, ranks_per_node, num_nodes, transport, emulated_nodes:
+        as in ``choose``.
+
+    Returns:
+      A ``Choice`` of ``algorithm``.
+
+    Raises:
+      ValueError: as ``choose``; an algorithm that is not a CUDA kernel's.
+    """
+    if algorithm not in ALGORITHMS:
+      raise ValueError(f"Policy.choose_protocol: algorithm must be one of {ALGORITHMS}, "
+                       f"got {algorithm!r}")
+    nbytes, itemsize, ranks_per_node, num_nodes = _whole(
+        "Policy.choose_protocol", nbytes=nbytes, itemsize=itemsize,
+        ranks_per_node=ranks_per_node, num_nodes=num_nodes)
+    if num_nodes > 1 and emulated_nodes is not True:
+      got = self._from_measurements(nbytes, itemsize, ranks_per_node, num_nodes, transport,
+                                    False, only=algorithm)
+      if isinstance(got, Choice):
+        return got
+      why = f"no tuning file at {self.path}" if self.missing else f"{got} in {self.path}"
+      options = [(cost_model.predict_us(algorithm, p, nbytes, itemsize, ranks_per_node,
+                                        num_nodes, self.params), p)
+                 for p in names.protocols(algorithm) if p in self.protocols
+                 and (algorithm, p) not in MODEL_EXCLUDED]
+      if options:
+        t, proto = min(options)
+        return Choice(algorithm, proto, f"cost model across nodes ({why})", t)
+    return Choice(algorithm, protocol_for(algorithm, nbytes, ranks_per_node),
+                  "rule: LL for small messages (jaxoverlap.tuning.policy.protocol_for, "
+                  "measured on 2x H200 over NVLink)")
 
   def choose_over_xla(self, nbytes: int, itemsize: int, ranks_per_node: int,
                       num_nodes: int) -> Choice:
@@ -376,29 +509,29 @@ class Policy:
 
   def table(self, ranks_per_node: int, num_nodes: int,
             sizes: Sequence[int] = tuple(4096 << (2 * i) for i in range(9)),
-            itemsize: int = 2, transport: str | None = None) -> list[dict[str, Any]]:
+            itemsize: int = 2, transport: str | None = None,
+            emulated_nodes: bool | None = None) -> list[dict[str, Any]]:
     """What ``choose`` picks for each size (for ``runtime_info()`` and the README).
 
     Args:
       ranks_per_node, num_nodes: the topology.
       sizes: message sizes per rank, bytes (default 4 KB, 16 KB, ..., 256 MB).
       itemsize: bytes per element.
-      transport: as in ``choose``.
+      transport, emulated_nodes: as in ``choose``.
 
     Returns:
       One dict per size: ``bytes``, ``impl``, ``algorithm``, ``protocol``,
-      ``time_us`` (measured or predicted), ``psum_us`` (psum's predicted time)
-      and ``source``.
+      ``time_us`` and ``psum_us`` (measured where the table decided, else
+      predicted) and ``source``.
     """
     rows = []
     for nbytes in sizes:
-      c = self.choose(nbytes, itemsize, ranks_per_node, num_nodes, transport)
+      c = self.choose(nbytes, itemsize, ranks_per_node, num_nodes, transport, emulated_nodes)
       rows.append({
-          "bytes": nbytes, "impl": results.impl_name(c.algorithm, c.protocol), "algorithm": c.algorithm,
-          "protocol": c.protocol, "time_us": None if c.time_us is None else round(c.time_us, 2),
-          "psum_us": round(cost_model.predict_us(PSUM, None, nbytes, itemsize, ranks_per_node, num_nodes,
-                                      self.params), 2),
-          "source": c.source})
+          "bytes": nbytes, "impl": results.impl_name(c.algorithm, c.protocol),
+          "algorithm": c.algorithm, "protocol": c.protocol,
+          "time_us": None if c.time_us is None else round(c.time_us, 2),
+          "psum_us": None if c.psum_us is None else round(c.psum_us, 2), "source": c.source})
     return rows
 
 

@@ -12,7 +12,9 @@ Algorithm:
   implementation (``impl``: ``"jaxoverlap:<algorithm>"``, or a baseline such as
   ``"xla:psum"``), ``dtype``, ``bytes``, ``shape``, ``world``,
   ``ranks_per_node`` and ``time_us`` (the median latency of one op, in
-  microseconds). Tuning tables (benchmark ``all_reduce_tuning``) add the
+  microseconds). A record of more than one node may say whether its nodes
+  were emulated on one host (``emulated_nodes``: true or false; see
+  ``runtime.nodes_are_emulated``). Tuning tables (benchmark ``all_reduce_tuning``) add the
   cost-model ``params`` and the configurations ``rejected`` by their
   correctness check. ``save_result`` writes atomically. A table the policy
   reads (``validate_tuning_table``) is the all-reduce's and times at least one
@@ -28,6 +30,7 @@ Example:
 from __future__ import annotations
 
 import datetime
+import math
 import importlib.metadata
 import json
 import os
@@ -46,6 +49,7 @@ __all__ = [
     "make_result",
     "validate_result",
     "check_all_reduce_records",
+    "parse_bytes",
     "check_kernel_measured",
     "validate_tuning_table",
     "load_result",
@@ -75,6 +79,20 @@ def parse_impl(impl: str) -> tuple[str, str | None] | None:
     if name.endswith("_" + protocol) and alg in ALGORITHMS:
       return alg, protocol
   return None
+
+
+def parse_bytes(text: str) -> int:
+  """``"4K"`` -> 4096 (K, M, G are powers of 1024).
+
+  Raises:
+    ValueError: not a non-negative whole number with an optional K/M/G suffix.
+  """
+  s = text.strip().upper()
+  mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(s[-1:], 1)
+  digits = s[:-1] if s[-1:] in ("K", "M", "G") else s
+  if not digits.isdigit():
+    raise ValueError(f"{text!r} is not a size in bytes (e.g. 8192, 64K, 16M)")
+  return int(digits) * mult
 
 
 def default_tuning_path() -> str:
@@ -154,10 +172,15 @@ def validate_result(result: Any, where: str = "tuning table") -> None:
           rec.get(key), bool):
         raise ValueError(f"{where}: records[{i}] lacks {key!r} of type "
                          f"{getattr(typ, '__name__', 'number')}: {rec!r}")
-    if rec["time_us"] <= 0 or rec["bytes"] < 0 or rec["ranks_per_node"] < 1 or (
-        rec["world"] % rec["ranks_per_node"]):
+    if not (0 < rec["time_us"] < math.inf) or rec["bytes"] < 0 or rec["ranks_per_node"] < 1 or (
+        rec["world"] < 1 or rec["world"] % rec["ranks_per_node"]):
       raise ValueError(f"{where}: records[{i}] has impossible values: {rec!r}")
-  cost_model.DEFAULT_PARAMS.replace(**result.get("params", {}))  # raises on a bad key or value
+    if not isinstance(rec.get("emulated_nodes", False), bool):
+      raise ValueError(f"{where}: records[{i}]'s 'emulated_nodes' must be true or false: {rec!r}")
+  try:
+    cost_model.DEFAULT_PARAMS.replace(**result.get("params", {}))
+  except (TypeError, ValueError) as e:  # a bad key or value; params not an object
+    raise ValueError(f"{where}: 'params': {e}") from None
 
 
 # The benchmarks whose files hold all-reduce records: the tuner's tables and

@@ -25,6 +25,7 @@ Example:
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -70,8 +71,10 @@ def run_tuning(
       used instead of ``measure`` when given.
 
   Returns:
-    ``(records, rejected)``: records of the results format (``jaxoverlap.tuning.results``), and ``{"impl", "bytes",
-    "reason"}`` for each configuration that failed its check.
+    ``(records, rejected)``: records of the results format
+    (``jaxoverlap.tuning.results``), and ``{"impl", "bytes", "reason"}`` for
+    each configuration that failed its check or was timed at a value that is
+    not a finite number.
 
   Raises:
     ValueError: neither ``measure`` nor ``measure_row`` given.
@@ -94,6 +97,10 @@ def run_tuning(
         row.append(f"{impl}=rejected")
         continue
       us = float(times[impl])
+      if not math.isfinite(us):  # a broken timer: not a time a policy may compare
+        rejected.append({"impl": impl, "bytes": nbytes, "reason": f"timed {us} us"})
+        row.append(f"{impl}=rejected")
+        continue
       records.append({"op": "all_reduce", "impl": impl, "dtype": dtype, "bytes": nbytes,
                       "shape": [nbytes // itemsize], "world": world,
                       "ranks_per_node": ranks_per_node, "time_us": round(max(us, 0.01), 2)})
