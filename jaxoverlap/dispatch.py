@@ -266,14 +266,37 @@ def _nbytes(shape, itemsize) -> int:
   return int(np.prod(shape, dtype=np.int64)) * int(itemsize)
 
 
-def _group_of(groups: Sequence[Sequence[int]], pe: int) -> Sequence[int]:
-  return next((g for g in groups if pe in g), groups[0])
+def _topology(groups: Sequence[Sequence[int]], pe: int, ranks_per_node: int,
+              axis_name) -> tuple[Sequence[int], int, int]:
+  """This PE's group, and (ranks of a group per node, nodes of a group).
 
+  Every group must hold as many ranks on each of its nodes (the kernels
+  refuse others when they run), and every group must have the same shape:
+  one plan serves every group of the call, and under the in-process runtime
+  one process plans for all of its GPUs' groups.
 
-def _topology(group: Sequence[int], ranks_per_node: int) -> tuple[int, int]:
-  """(ranks of the group per node, nodes of the group)."""
-  nodes = {pe // ranks_per_node for pe in group}
-  return len(group) // len(nodes), len(nodes)
+  Raises:
+    _Fallback: a group with different numbers of ranks on its nodes, or
+      groups of different shapes.
+  """
+  shapes: dict[tuple[int, int], tuple[int, ...]] = {}
+  for g in groups:
+    counts = collections.Counter(p // ranks_per_node for p in g)
+    if len(set(counts.values())) != 1:
+      per_node = ", ".join(f"{n} on node {node}" for node, n in sorted(counts.items()))
+      raise _Fallback(f"the group {tuple(g)} over {axis_name!r} has {per_node} (PEs of node k: "
+                      f"k * {ranks_per_node} on); the kernels need as many ranks on each node "
+                      "of a group")
+    shapes.setdefault((len(g) // len(counts), len(counts)), tuple(g))
+  if len(shapes) > 1:
+    kinds = "; ".join(f"{g}: {rpn} on each of {n} node{'s' * (n > 1)}"
+                      for (rpn, n), g in shapes.items())
+    raise _Fallback(f"the groups over {axis_name!r} differ in shape ({kinds}); one plan serves "
+                    "every group of the call, so the kernels need every group to have as many "
+                    "ranks on as many nodes")
+  group = next((g for g in groups if pe in g), groups[0])
+  (local_size, num_nodes), = shapes
+  return group, local_size, num_nodes
 
 
 def geometry(op: str, x_shape, w_shape, dim: int | None, num_ranks: int,
@@ -454,8 +477,7 @@ def _cuda_plan(r, shapes, dtype, mesh, facts, num_ranks, base) -> Plan:
     groups = runtime.groups_along_axis(mesh, r.axis_name)
   except ValueError as e:
     raise _Fallback(str(e)) from None
-  group = _group_of(groups, facts.pe)
-  local_size, num_nodes = _topology(group, facts.ranks_per_node)
+  group, local_size, num_nodes = _topology(groups, facts.pe, facts.ranks_per_node, r.axis_name)
   if r.op == names.ALL_REDUCE_RMS_NORM:
     return _norm_plan(r, shapes, dtype, group, local_size, num_nodes, facts,
                       dict(base, backend=names.CUDA, ranks_per_node=local_size,

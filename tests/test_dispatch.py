@@ -40,8 +40,9 @@ needs_extension = pytest.mark.skipif(_ffi.unavailable_reason() is not None,
                                      reason="the CUDA extension is not built")
 
 
-def facts(ranks_per_node=4, overlap_slot_bytes=1 << 30, unavailable=None, pe=0, **kw):
-  return runtime.Facts(unavailable=unavailable, transport="nvshmem", pe=pe, num_pes=8,
+def facts(ranks_per_node=4, overlap_slot_bytes=1 << 30, unavailable=None, pe=0,
+          transport="nvshmem", **kw):
+  return runtime.Facts(unavailable=unavailable, transport=transport, pe=pe, num_pes=8,
                        ranks_per_node=ranks_per_node, slot_bytes=64 * MIB,
                        ll_slot_bytes=2 * MIB, overlap_slot_bytes=overlap_slot_bytes,
                        limits=LIMITS, **{"lamport_slot_bytes": 16 * MIB, **kw})
@@ -879,3 +880,47 @@ def test_policy_cache_holds_its_table(monkeypatch):
   same_content = json.loads(json.dumps(table))
   monkeypatch.setattr(runtime, "tuning_table", lambda: ("t.json", same_content))
   assert dispatch._tuning_policy() is not p  # another object: another start-up's table
+
+
+def _mesh_of(order, shape=(2, 4)):
+  from jax.sharding import Mesh
+
+  return Mesh(np.array(jax.devices())[list(order)].reshape(shape), ("dp", "tp"))
+
+
+@pytest.mark.parametrize("op,shapes", [("all_reduce", [(4096,)]),
+                                       ("all_gather_matmul", [(64, 64), (64, 64)])])
+def test_a_group_with_uneven_nodes_falls_back_before_any_kernel(one_process_per_device, op,
+                                                                 shapes):
+  """tp groups (1, 2, 3, 4) and (5, 6, 7, 0) at 4 ranks per node hold 3 ranks on one node and 1
+  on the other: planned as '2 nodes x 2' (len // nodes) and refused by the kernel when it ran."""
+  mesh = _mesh_of([1, 2, 3, 4, 5, 6, 7, 0])
+  f = facts(ranks_per_node=4, pe=1)
+  p = dispatch.make_plan(Request(op, "tp", dim=0 if op != "all_reduce" else None),
+                         [A(s, BF16) for s in shapes], mesh, f)
+  assert p.backend == "xla"
+  assert p.reason("backend") == (
+      "auto: the group (1, 2, 3, 4) over 'tp' has 3 on node 0, 1 on node 1 (PEs of node k: "
+      "k * 4 on); the kernels need as many ranks on each node of a group")
+  with pytest.raises(ValueError, match=re.escape(
+      f"{op}: backend='cuda' was requested, but the group (1, 2, 3, 4) over 'tp' has 3 on node "
+      "0, 1 on node 1")):
+    dispatch.make_plan(Request(op, "tp", backend="cuda", dim=0 if op != "all_reduce" else None),
+                       [A(s, BF16) for s in shapes], mesh, f)
+
+
+@pytest.mark.parametrize("pe", [0, 4])
+def test_groups_of_different_shapes_fall_back_on_every_process(one_process_per_device, pe):
+  """In-process runtime, 2 processes x 4 GPUs, tp groups (0, 1), (3, 4), (2, 5), (6, 7):
+  process 0 planned a CUDA kernel from its group (0, 1) while process 1 planned XLA for group
+  (3, 4), which spans both: two collectives for one group. Both now plan XLA, alike."""
+  mesh = _mesh_of([0, 1, 3, 4, 2, 5, 6, 7], (4, 2))
+  f = facts(ranks_per_node=4, pe=pe, transport="peer")
+  for op, shapes in (("all_reduce", [(4096,)]), ("all_gather_matmul", [(64, 64), (64, 64)])):
+    p = dispatch.make_plan(Request(op, "tp", dim=0 if op != "all_reduce" else None),
+                           [A(s, BF16) for s in shapes], mesh, f)
+    assert p.backend == "xla", (op, p.summary())
+    assert p.reason("backend") == (
+        "auto: the groups over 'tp' differ in shape ((0, 1): 2 on each of 1 node; (3, 4): 1 on "
+        "each of 2 nodes); one plan serves every group of the call, so the kernels need every "
+        "group to have as many ranks on as many nodes")
