@@ -166,10 +166,10 @@ def all_reduce_fn(impl: str, axis: str) -> Callable:
 
 
 def parse_bytes(text: str) -> int:
-  """``"4K"`` -> 4096 (K, M, G are powers of 1024)."""
-  s = text.strip().upper()
-  mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(s[-1:], 1)
-  return int(s[:-1] if s[-1:] in "KMG" else s) * mult
+  """``"4K"`` -> 4096 (``jaxoverlap.tuning.results.parse_bytes``)."""
+  from jaxoverlap.tuning.results import parse_bytes as parse
+
+  return parse(text)
 
 
 def parse_ints(flag: str, values: str | Iterable[str]) -> list[int]:

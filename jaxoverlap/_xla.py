@@ -66,6 +66,7 @@ __all__ = [
     "matmul_reduce_scatter",
     "matmul_all_reduce",
     "rms_norm_tail",
+    "rms_norm_vjp",
     "all_reduce_rms_norm",
 ]
 

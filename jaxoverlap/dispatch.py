@@ -207,7 +207,7 @@ class Plan:
       what += " (" + ", ".join(extra) + ")"
     topo = f"{self.num_ranks} ranks"
     if self.num_nodes is not None:
-      topo += f" = {self.num_nodes} nodes x {self.ranks_per_node}"
+      topo += f" = {self.num_nodes} node{'s' * (self.num_nodes != 1)} x {self.ranks_per_node}"
     shapes = " x ".join(str(list(s)) for s in self.shapes)
     reasons = "; ".join(f"{k}: {v}" for k, v in self.why)
     line = f"{self.op} {shapes} {self.dtype} over {self.axis_name!r} ({topo}): {what} [{reasons}]"
@@ -220,6 +220,8 @@ class Plan:
     out = dataclasses.asdict(self)
     out["why"] = dict(self.why)
     out["axis_name"] = list(self.axis_name) if isinstance(self.axis_name, tuple) else self.axis_name
+    if self.all_reduce is not None:  # the unfused ops' all-reduce: a plan of its own
+      out["all_reduce"] = self.all_reduce.as_dict()
     return out
 
 
@@ -376,8 +378,6 @@ def _tuning_policy() -> _policy.Policy:
 
 
 def _precision() -> str:
-  import jax
-
   p = str(jax.config.jax_default_matmul_precision).lower()
   return "highest" if p in ("highest", "float32", "precision.highest") else "default"
 

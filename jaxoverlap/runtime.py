@@ -179,11 +179,9 @@ def _valid_alignment_cap(text: str) -> bool:
 
 
 def _parse_bytes(text: str, what: str) -> int:
-  m = re.fullmatch(r"\s*(\d+)\s*([kKmMgG]?)(i?[bB])?\s*", text)
-  if not m:
-    raise ValueError(f"{what}={text!r} is not a byte count (e.g. 1073741824, 512M, 1G)")
-  scale = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30}[m.group(2).lower()]
-  return int(m.group(1)) * scale
+  from jaxoverlap.tuning.results import parse_bytes
+
+  return parse_bytes(text, what)
 
 
 def _kv_client():
@@ -359,7 +357,8 @@ def _resolve(heap_bytes, overlap_heap_bytes, timeout_s, ranks_per_node,
   """
   env = os.environ
   passed = {"heap_bytes": heap_bytes, "overlap_heap_bytes": overlap_heap_bytes,
-            "timeout_s": timeout_s, "init_timeout_s": init_timeout_s}
+            "timeout_s": timeout_s, "init_timeout_s": init_timeout_s,
+            "ranks_per_node": ranks_per_node}
   # "name" in messages, or "name (JAXOVERLAP_NAME)" for a value read from the environment.
   said = {k: k + (f" ({_PARAMETER_ENV[k]})" if v is None and env.get(_PARAMETER_ENV[k]) else "")
           for k, v in passed.items()}
@@ -409,7 +408,8 @@ def _resolve(heap_bytes, overlap_heap_bytes, timeout_s, ranks_per_node,
   if ranks_per_node is not None:
     rpn = _as_int(ranks_per_node)
     if rpn is None or rpn < 1:
-      raise ValueError(f"ranks_per_node must be a positive int, got {ranks_per_node!r}")
+      raise ValueError(f"{said['ranks_per_node']} must be a positive int, got "
+                       f"{ranks_per_node!r}")
     ranks_per_node = rpn
   cap = env.get("JAXOVERLAP_GEMM_ALIGNMENT_CAP")
   if cap is not None and not _valid_alignment_cap(cap):

@@ -317,6 +317,9 @@ def test_matmul_all_reduce_fused_or_unfused(one_process_per_device):
   assert "under 33554432" in small.reason("algorithm")
   sub = small.all_reduce
   assert (sub.op, sub.backend, sub.shapes) == ("all_reduce", "cuda", ((8, 32),))
+  d = json.loads(json.dumps(small.as_dict()))  # plain data, the sub-plan too
+  assert d["all_reduce"]["why"]["algorithm"] == sub.reason("algorithm")
+  assert d["all_reduce"]["axis_name"] == "tp" and d["all_reduce"]["shapes"] == [[8, 32]]
   rows = policy.FUSED_ALL_REDUCE_MIN_BYTES // (2 * 256)
   big = plan(Request(AR, "tp"), [(rows, 64), (64, 256)])
   assert (big.algorithm, big.all_reduce) == ("fused", None)

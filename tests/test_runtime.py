@@ -120,6 +120,10 @@ def test_parameters_from_the_environment(monkeypatch):
   monkeypatch.setenv("JAXOVERLAP_RANKS_PER_NODE", "two")
   with pytest.raises(ValueError, match="JAXOVERLAP_RANKS_PER_NODE='two' is not a positive"):
     runtime._resolve(None, None, None, None, None)
+  monkeypatch.setenv("JAXOVERLAP_RANKS_PER_NODE", "0")  # named its variable as the others do
+  with pytest.raises(ValueError, match=re.escape(
+      "ranks_per_node (JAXOVERLAP_RANKS_PER_NODE) must be a positive int, got 0")):
+    runtime._resolve(None, None, None, None, None)
 
 
 _PARAMETER_VARIABLES = ("JAXOVERLAP_HEAP_BYTES", "JAXOVERLAP_OVERLAP_HEAP_BYTES",

@@ -9,7 +9,8 @@ import re
 import numpy as np
 import pytest
 
-from jaxoverlap import names, tune, tuning
+from jaxoverlap import names, runtime, tune, tuning
+from jaxoverlap.tuning import results
 
 P = tuning.DEFAULT_PARAMS
 KERNELS = [(a, p) for a in tuning.ALGORITHMS for p in names.protocols(a)]
@@ -507,9 +508,17 @@ def test_tuner_check_rejects_wrong_kernel(bench, monkeypatch, variant, ok):
                       "build")
 
 
-def test_parse_bytes():
-  assert [tune.parse_bytes(s) for s in ("4K", "256M", "1G", "100")] == [
-      4096, 256 << 20, 1 << 30, 100]
+def test_parse_bytes(monkeypatch):
+  """One grammar for the tuner's --sizes, the planner's and JAXOVERLAP_*_HEAP_BYTES (the
+  tuner's own parser failed on '1MiB' with a traceback the runtime's accepted)."""
+  assert [tune.parse_bytes(s) for s in ("4K", "256M", "1G", "100", "1MiB", "64KB", " 8 k")] == [
+      4096, 256 << 20, 1 << 30, 100, 1 << 20, 64 << 10, 8192]
+  for bad in ("", "1.5M", "-1", "12Q", "1TB"):
+    with pytest.raises(ValueError, match=re.escape(f"--sizes={bad!r} is not a byte count")):
+      results.parse_bytes(bad, "--sizes")
+  monkeypatch.setenv("JAXOVERLAP_HEAP_BYTES", "1.5G")
+  with pytest.raises(ValueError, match=re.escape("JAXOVERLAP_HEAP_BYTES='1.5G' is not a byte")):
+    runtime._resolve(None, None, None, None, None)
 
 
 def test_policy_above_a_large_table_scales_its_largest_size():

@@ -110,7 +110,8 @@ class Choice(NamedTuple):
 
   Attributes:
     algorithm: "one_shot", "two_shot", "hierarchical" or "psum".
-    protocol: "ll", "simple", or None (psum, or a record without protocol).
+    protocol: "ll", "simple", "lamport" (from a table that timed it), or None
+      (psum, or a record without protocol).
     source: why: "measured (<file>, <size bracket>)", "cost model (<reason>)"
       or "rule (<reason>)".
     time_us: the measured (interpolated) or predicted latency, us (None for a

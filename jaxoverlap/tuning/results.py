@@ -30,10 +30,11 @@ Example:
 from __future__ import annotations
 
 import datetime
-import math
 import importlib.metadata
 import json
+import math
 import os
+import re
 import tempfile
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -81,18 +82,21 @@ def parse_impl(impl: str) -> tuple[str, str | None] | None:
   return None
 
 
-def parse_bytes(text: str) -> int:
-  """``"4K"`` -> 4096 (K, M, G are powers of 1024).
+def parse_bytes(text: str, what: str | None = None) -> int:
+  """A byte count: ``"4K"`` -> 4096, ``"512M"``, ``"1GiB"``, ``"8192"`` (K, M, G are powers of 1024).
+
+  Args:
+    text: the count, with an optional K/M/G suffix and an optional ``B`` or ``iB``.
+    what: the setting it came from (a flag or variable), for the message.
 
   Raises:
-    ValueError: not a non-negative whole number with an optional K/M/G suffix.
+    ValueError: not a non-negative whole number with such a suffix; names ``what``.
   """
-  s = text.strip().upper()
-  mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(s[-1:], 1)
-  digits = s[:-1] if s[-1:] in ("K", "M", "G") else s
-  if not digits.isdigit():
-    raise ValueError(f"{text!r} is not a size in bytes (e.g. 8192, 64K, 16M)")
-  return int(digits) * mult
+  m = re.fullmatch(r"\s*(\d+)\s*([kKmMgG]?)(i?[bB])?\s*", text)
+  if not m:
+    raise ValueError(f"{what + '=' if what else ''}{text!r} is not a byte count "
+                     "(e.g. 8192, 64K, 512M, 1GiB)")
+  return int(m.group(1)) * {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30}[m.group(2).lower()]
 
 
 def default_tuning_path() -> str:
