@@ -172,3 +172,25 @@ def test_packed_worlds_after_a_start_up_failure_skip(tmp_path, monkeypatch):
   run = _harness.run_ranks(tmp_path, "no_such_module.py", World(4, 2), timeout_s=60,
                            available_gpus=2, env=CPU, needs_runtime=False)
   assert run.returncode not in (0, None)
+
+
+@pytest.mark.parametrize("gpus,built,env,skips,fails", [
+    (0, False, None, True, False),    # no GPU: skipped, as on CI
+    (2, True, None, False, False),    # the GPU machine with the extension: runs
+    (2, False, None, False, True),    # GPUs, no extension: fails (a green suite would lie)
+    (2, False, "skip", True, False),  # ... unless asked to skip
+])
+def test_gpus_without_the_extension_fail_unless_told_to_skip(monkeypatch, gpus, built, env,
+                                                             skips, fails):
+  monkeypatch.setattr(_harness, "gpu_count", lambda: gpus)
+  monkeypatch.setattr(_harness, "extension_built", lambda: built)
+  if env:
+    monkeypatch.setenv("JAXOVERLAP_GPU_TESTS_WITHOUT_EXTENSION", env)
+  else:
+    monkeypatch.delenv("JAXOVERLAP_GPU_TESTS_WITHOUT_EXTENSION", raising=False)
+  _harness.skip_reason.cache_clear()
+  try:
+    assert (_harness.skip_reason() is not None) == skips
+    assert (_harness.missing_extension() is not None) == fails
+  finally:
+    _harness.skip_reason.cache_clear()

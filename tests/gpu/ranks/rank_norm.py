@@ -110,12 +110,12 @@ def norm(mesh, ops, rank, nproc) -> Norm:
   return Norm(mesh, ops, rank, nproc)
 
 
-def _check(h, y, ps, r, w, dtype, what) -> list[str]:
+def _check(h, y, ps, r, w, dtype, what, eps=EPS) -> list[str]:
   """Every element of h and y against float64 (tests/test_all_reduce_rms_norm.py's bounds)."""
   p64 = np.stack([_f64(p) for p in ps])
   r64, w64 = _f64(r), _f64(w)
   h_want = r64 + p64.sum(axis=0)
-  rms = np.sqrt(np.mean(h_want * h_want, axis=-1, keepdims=True) + EPS)
+  rms = np.sqrt(np.mean(h_want * h_want, axis=-1, keepdims=True) + eps)
   y_want = h_want / rms * w64
   e = float(jnp.finfo(dtype).eps)
   mag = np.abs(p64).sum(axis=0) + np.abs(r64)
@@ -223,15 +223,21 @@ def test_unfused_and_auto(algorithm, norm, kv, topology, nccl):
 
 @pytest.mark.quick
 def test_eps_reaches_the_kernel(norm, kv):
-  # Tiny rows: with eps = 1 the scale is ~1, with eps = 1e-6 ~1/rms.
-  rows, hidden = 2, 256
-  ps = [_inputs(60, q, (rows, hidden), np.float32) * 1e-3 for q in range(norm.nproc)]
-  r = _inputs(60, -1, (rows, hidden), np.float32) * 1e-3
-  w = np.ones((hidden,), np.float32)
+  """eps = 1 on tiny rows (the scale ~1, not ~1/rms as with eps = 1e-6), a row of zeros, an
+  ordinary row; h and y against float64 from the inputs, with a random weight, on every rank."""
+  rows, hidden = 3, 256
+  scale = np.array([[1e-3], [0.0], [1.0]], np.float32)
+  ps = [_inputs(60, q, (rows, hidden), np.float32) * scale for q in range(norm.nproc)]
+  r = _inputs(60, -1, (rows, hidden), np.float32) * scale
+  w = _inputs(60, -2, (hidden,), np.float32, outlier=1.0)
   h, y = norm.fn(eps=1.0)(*norm.arrays(ps[norm.rank], r, w))
-  h, y = norm.local(h).astype(np.float64), norm.local(y).astype(np.float64)
-  want = h / np.sqrt(np.mean(h * h, axis=-1, keepdims=True) + 1.0)
-  assert np.allclose(y, want, rtol=1e-5, atol=1e-9), np.max(np.abs(y - want))
+  h, y = norm.local(h), norm.local(y)
+  failures = _check(h, y, ps, r, w, np.float32, "eps=1", eps=1.0)
+  for name, a in (("h", h), ("y", y)):
+    same, digests = kv.same_on_all_ranks(a)
+    if not same:
+      failures.append(f"eps=1 {name}: differs across ranks ({digests})")
+  assert not failures, _report(failures)
 
 
 @pytest.mark.quick
