@@ -62,12 +62,20 @@ def check_outputs(h, y, p64, r64, w64, dtype, what, eps=EPS):
 
 
 def run(n, shape, dtype, rng, *, algorithm="auto", backend="auto", varying_residual=False,
-        check_vma=True, eps=EPS):
-  """Runs the op on n ranks; returns per-rank (h, y) [n, *shape] and the float64 inputs."""
+        check_vma=True, eps=EPS, row_scales=None):
+  """Runs the op on n ranks; returns per-rank (h, y) [n, *shape] and the float64 inputs.
+
+  ``row_scales``: {row: factor} applied to p's and the residual's row (0: a row of zeros).
+  """
   mesh = make_mesh((n,), ("tp",))
   p, p64 = randn(rng, (n,) + shape, dtype, outlier=8.0)
   r, r64 = randn(rng, ((n,) if varying_residual else ()) + shape, dtype, outlier=8.0)
   w, w64 = randn(rng, shape[-1:], dtype, outlier=1.0)
+  for row, factor in (row_scales or {}).items():
+    p, r = p.at[..., row, :].multiply(factor), r.at[..., row, :].multiply(factor)
+    p64, r64 = p64.copy(), r64.copy()
+    p64[..., row, :] = np.asarray(p[..., row, :].astype(jnp.float32), np.float64)
+    r64[..., row, :] = np.asarray(r[..., row, :].astype(jnp.float32), np.float64)
 
   def body(p, r, w):
     r = r[0] if varying_residual else r
@@ -105,10 +113,13 @@ def test_varying_residual_adds_each_ranks_own(rng):
 
 
 def test_eps_is_used(rng):
-  # Rows of zeros: h = 0, y = 0 * rsqrt(eps) = 0; tiny rows feel a large eps.
+  """A row of zeros (h = 0, y = 0 * rsqrt(eps) = 0), a tiny row that feels the large eps
+  (y ~ h / sqrt(eps)), and ordinary rows, on every rank."""
   eps = 1.0
-  h, y, p64, r64, w64 = run(2, (4, 32), jnp.float32, rng, eps=eps)
-  check_outputs(h[0], y[0], p64, r64, w64, jnp.float32, "eps=1", eps=eps)
+  h, y, p64, r64, w64 = run(2, (4, 32), jnp.float32, rng, eps=eps, row_scales={1: 0.0, 2: 1e-3})
+  assert not np.asarray(h[:, 1]).any() and not np.asarray(y[:, 1]).any()
+  for k in range(2):
+    check_outputs(h[k], y[k], p64, r64, w64, jnp.float32, f"eps=1, rank {k}", eps=eps)
 
 
 def test_equals_the_pure_expression_bitwise(rng):

@@ -327,6 +327,9 @@ def test_close():
   a = jax.device_put(jnp.linspace(-4, 4, 64, dtype=jnp.float32).reshape(8, 8), sh)
   assert harness.close(a, a)[0]
   assert harness.close(a * 1.01, a)[0]
+  # RTOL is 2%: 5% off at an element far above the atol (1% of the largest) is refused.
+  big = a.at[3, 3].set(100.0)
+  assert harness.close(big * 1.01, big)[0] and not harness.close(big * 1.05, big)[0]
   ok, err, atol = harness.close(a.at[7, 7].add(1.0), a)  # rank 1's block
   assert not ok and err == pytest.approx(1.0) and atol == pytest.approx(0.04)
   assert not harness.close(a.at[0, 0].set(jnp.nan), a)[0]

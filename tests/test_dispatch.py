@@ -284,6 +284,8 @@ def test_fused_plan_has_its_geometry_and_chunks(one_process_per_device):
 def test_fused_chunks_above_the_kernels_limit(one_process_per_device):
   with pytest.raises(ValueError, match="chunks=33 exceeds the kernels' limit of 32"):
     plan(Request(RS, "tp", dim=0, chunks=33), [(256, 64), (64, 32)])
+  at_limit = plan(Request(RS, "tp", dim=0, chunks=32), [(256, 64), (64, 32)])  # 64 rows a rank
+  assert (at_limit.chunks, at_limit.reason("chunks")) == (32, "requested")
 
 
 def test_fused_slot_too_small_raises_even_with_auto(one_process_per_device):

@@ -1004,3 +1004,57 @@ def test_inputs_as_lists_are_taken_as_flax_takes_them():
                 TransformerBlock(D, H, F, config=config, rngs=nnx.Rngs(0))):
     np.testing.assert_allclose(np.asarray(layer(x.tolist())), np.asarray(layer(jnp.asarray(x))),
                                rtol=1e-6, atol=1e-6)
+
+
+# ----------------------------------------------------------------------------
+# The local maths against float64 NumPy (the tests above compare the sharded layers with
+# the same classes unsharded, where a wrong activation or norm is its own reference)
+# ----------------------------------------------------------------------------
+
+
+def _np_gelu(x):  # jax.nn.gelu's default, the tanh approximation
+  return 0.5 * x * (1 + np.tanh(np.sqrt(2 / np.pi) * (x + 0.044715 * x ** 3)))
+
+
+def _np_mlp(x, p, activation):
+  h = x @ p["up"]["kernel"] + p["up"]["bias"]
+  if activation == "gelu":
+    a = _np_gelu(h)
+  else:  # columns 2i (gate) and 2i + 1 (up) of unit i
+    gate, up = h[..., 0::2], h[..., 1::2]
+    a = gate / (1 + np.exp(-gate)) * up
+  return a @ p["down"]["kernel"] + p["down"]["bias"]
+
+
+def _np_norm(x, p, kind, eps=1e-6):
+  if kind == "rms":
+    return x / np.sqrt(np.mean(x * x, -1, keepdims=True) + eps) * p["scale"]
+  c = x - x.mean(-1, keepdims=True)
+  return c / np.sqrt(np.mean(c * c, -1, keepdims=True) + eps) * p["scale"] + p["bias"]
+
+
+LOCAL_MATHS = {
+    "mlp-gelu": (lambda c: ParallelMLP(D, F, config=c, activation="gelu", rngs=nnx.Rngs(0)),
+                 lambda x, p: _np_mlp(x, p, "gelu")),
+    "mlp-swiglu": (lambda c: ParallelMLP(D, F, config=c, activation="swiglu", rngs=nnx.Rngs(0)),
+                   lambda x, p: _np_mlp(x, p, "swiglu")),
+    "rms": (lambda c: RMSNorm(D, config=c, rngs=nnx.Rngs(0)), lambda x, p: _np_norm(x, p, "rms")),
+    "layer": (lambda c: LayerNorm(D, config=c, rngs=nnx.Rngs(0)),
+              lambda x, p: _np_norm(x, p, "layer")),
+}
+
+
+@pytest.mark.parametrize("sp", [False, True], ids=["nosp", "sp"])
+@pytest.mark.parametrize("layer", list(LOCAL_MATHS))
+def test_layer_maths_match_float64_numpy(layer, sp):
+  """Sharded (dp 2 x tp 2) layer on fresh random weights (biases included) against float64."""
+  build, want_fn = LOCAL_MATHS[layer]
+  config = ParallelConfig(mesh=_mesh(2, 2), sequence_parallel=sp, backend="xla")
+  model = nnx.jit(lambda: build(config))()
+  pure = _random_params(model, _key())
+  _load(model, pure)
+  x = jax.random.normal(_key(), (B, S, D), jnp.float32) * 2.0 + 0.5  # a mean for LayerNorm
+  got = np.asarray(nnx.jit(lambda m, x: m(x))(model, x), np.float64)
+  p64 = jax.tree.map(lambda a: np.asarray(a, np.float64), pure)
+  want = want_fn(np.asarray(x, np.float64), p64)
+  np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5 * np.abs(want).max())

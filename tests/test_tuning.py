@@ -483,12 +483,20 @@ def bench():
 
 
 @pytest.mark.parametrize("variant,ok", [("exact", True), ("scaled", False),
-                                        ("last_element", False), ("raises", False)])
+                                        ("last_element", False), ("raises", False),
+                                        ("stale", False)])
 def test_tuner_check_rejects_wrong_kernel(bench, monkeypatch, variant, ok):
   """The real correctness check, with a stand-in kernel built from lax.psum on CPU."""
   import jax
 
+  nbytes = 4096 + 2 * 3  # not a multiple of 8 ranks
+  # The check's first input (rank 0's process holds every device here).
+  first = bench._array(nbytes, [0, nbytes, 0, 1], outliers=True)
+
   def op(y):
+    if variant == "stale":  # the first call's sum at every call: a slot never refreshed
+      mine = first.reshape(bench.num_ranks, -1)[jax.lax.axis_index(tune._AXIS)]
+      return jax.lax.psum(mine.reshape(y.shape), tune._AXIS)
     out = jax.lax.psum(y, tune._AXIS)
     if variant == "scaled":
       return out * 1.02
@@ -499,8 +507,10 @@ def test_tuner_check_rejects_wrong_kernel(bench, monkeypatch, variant, ok):
     return out
 
   monkeypatch.setattr(tune, "_op", lambda impl: op)
-  reason = bench.check("jaxoverlap:two_shot_ll", 4096 + 2 * 3)  # not a multiple of 8 ranks
+  reason = bench.check("jaxoverlap:two_shot_ll", nbytes)
   assert (reason is None) == ok, reason
+  if variant == "stale":  # right on the first input, wrong on the second
+    assert reason.startswith("wrong result on device") and "(input 1)" in reason, reason
   if variant == "last_element":
     assert reason.startswith("wrong result on device") and "first at 2050" in reason, reason
   if variant == "raises":
@@ -767,3 +777,25 @@ def test_tune_refuses_to_measure_without_gpus(tmp_path):
                    "NVIDIA GPUs; JAX runs on 'cpu' here"], proc.stdout + proc.stderr
   assert "Run it inside every process" not in proc.stderr and "--sizes" not in proc.stderr
   assert not out.exists()
+
+
+@pytest.mark.parametrize("op,payload,pieces,flops,chunks", [
+    # all_gather_matmul: one chunk while the transfer takes at most 0.4 of the shard GEMM
+    # (64 MiB at 350 GB/s = 191.7 us; GEMM flops at 680 TF/s).
+    ("all_gather_matmul", 64 << 20, 8192, 3.3e11, 1),           # ratio 0.395
+    ("all_gather_matmul", 64 << 20, 8192, 3.2e11, 2),           # ratio 0.408
+    ("all_gather_matmul", 64 << 20, 8192, 2 * 8192 * 4096 * 4096, 2),  # the docstring's example
+    ("all_gather_matmul", 64 << 20, 1, 1e9, 1),                 # never more chunks than pieces
+    # matmul_reduce_scatter / matmul_all_reduce: two chunks from 8 MiB blocks.
+    ("matmul_reduce_scatter", (8 << 20) - 1, 4096, 1e15, 1),
+    ("matmul_reduce_scatter", 8 << 20, 4096, 1e9, 2),
+    ("matmul_all_reduce", (8 << 20) - 1, 4096, 1e15, 1),
+    ("matmul_all_reduce", 8 << 20, 4096, 1e9, 2),
+    ("matmul_all_reduce", 64 << 20, 1, 1e9, 1),
+])
+def test_fused_chunks_rule_as_calibrated(op, payload, pieces, flops, chunks):
+  """The calibrated cut-offs themselves (other tests compared plans with fused_chunks' own
+  answer, so inverting the AG rule or moving the 8 MiB threshold passed them)."""
+  from jaxoverlap.tuning import policy
+
+  assert policy.fused_chunks(op, payload, pieces, flops) == chunks
