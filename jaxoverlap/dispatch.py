@@ -523,7 +523,7 @@ def _all_reduce_plan(r, dtype, local_size, num_nodes, facts, cuda) -> Plan:
                          f"hands this call to lax.psum ({choice.source}); name an algorithm too")
       return Plan(**dict(cuda, backend=names.XLA, groups=None),
                   algorithm=names.COLLECTIVE,
-                  why=(("backend", f"auto policy: lax.psum (NCCL) is faster here, {choice.source}"),
+                  why=(("backend", f"auto policy hands the call to lax.psum (NCCL): {choice.source}"),
                        ("algorithm", "lax.psum")))
     algorithm, protocol = choice.algorithm, choice.protocol
     why.append(("algorithm", choice.source))
@@ -654,7 +654,7 @@ def _all_reduce_over_xla_plan(r, dtype, mesh, local_size, num_nodes, facts, cuda
                                               num_nodes)
     if choice.algorithm == _policy.PSUM:
       return Plan(**dict(cuda, backend=names.XLA, groups=None), algorithm=names.COLLECTIVE,
-                  why=(("backend", f"auto policy: lax.psum (NCCL) is faster here, "
+                  why=(("backend", f"auto policy hands the call to lax.psum (NCCL): "
                                    f"{choice.source}"), ("algorithm", "lax.psum")))
     why.append(("algorithm", choice.source))
   why.append(("protocol", "the only protocol of the intra-node steps between processes"))

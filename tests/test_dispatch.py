@@ -187,7 +187,9 @@ def test_all_reduce_one_shot_across_nodes_raises(one_process_per_device):
 def test_all_reduce_hands_large_messages_to_psum(one_process_per_device):
   p = plan(Request("all_reduce", "tp"), [(128 * MIB,)], ranks_per_node=2)
   assert (p.backend, p.algorithm) == ("xla", "collective")
-  assert p.reason("backend").startswith("auto policy: lax.psum (NCCL) is faster here, cost model")
+  assert p.reason("backend").startswith(
+      "auto policy hands the call to lax.psum (NCCL): cost model (no tuning file at ")
+  assert "psum's" in p.reason("backend") and "beats the fastest kernel" in p.reason("backend")
 
 
 def test_all_reduce_requested_choices(one_process_per_device):
@@ -455,7 +457,7 @@ def test_groups_across_processes_with_the_in_process_runtime(one_process_per_dev
   p = peer_plan(Request("all_reduce", ("dp", "tp")), [(4096,)], mesh_shape=(2, 4),
                 axes=("dp", "tp"))
   assert p.backend == "xla" and p.reason("backend").startswith(
-      "auto policy: lax.psum (NCCL) is faster here, cost model: intra-node steps + psum of the "
+      "auto policy hands the call to lax.psum (NCCL): cost model: intra-node steps + psum of the "
       "fp32 shard over 2 processes")
   # Requested: the kernels' intra-node steps around XLA's all-reduce of the fp32 shard.
   p = peer_plan(Request("all_reduce", ("dp", "tp"), algorithm="hierarchical"), [(4096,)],

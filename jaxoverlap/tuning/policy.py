@@ -113,7 +113,7 @@ class Choice(NamedTuple):
     protocol: "ll", "simple", "lamport" (from a table that timed it), or None
       (psum, or a record without protocol).
     source: why: "measured (<file>, <size bracket>)", "cost model (<reason>)"
-      or "rule (<reason>)".
+      or "rule: <reason>".
     time_us: the measured (interpolated) or predicted latency, us (None for a
       rule).
     psum_us: psum's time by the same source, us (None for a rule).
