@@ -272,6 +272,11 @@ def main(argv):
     print(f"wrote {tuning.save_result(result, FLAGS.out or None)} "
           f"({len(result['records'])} records)", flush=True)
     return
+  try:  # before anything starts: a bad size is the command's fault, on every machine
+    sizes = [parse_bytes(s, "--sizes") for s in FLAGS.sizes]
+  except ValueError as e:
+    print(f"jaxoverlap.tune: error: {e}", file=sys.stderr, flush=True)
+    return 1
   from jaxoverlap import launch
 
   info = launch.initialize_from_env()
@@ -301,7 +306,6 @@ def main(argv):
   impls = default_impls(num_nodes) if FLAGS.impls == ["all"] else FLAGS.impls
   if "xla:psum" not in impls:
     impls = ["xla:psum"] + impls  # the table needs the handover's times
-  sizes = [parse_bytes(s) for s in FLAGS.sizes]
   dtype = jnp.dtype(FLAGS.dtype)
   log = (lambda s: print(s, flush=True)) if rank == 0 else (lambda s: None)
   log(f"tuning all_reduce: {world} ranks = {num_nodes} nodes x {ranks_per_node}, "

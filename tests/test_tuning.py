@@ -777,6 +777,13 @@ def test_tune_refuses_to_measure_without_gpus(tmp_path):
                    "NVIDIA GPUs; JAX runs on 'cpu' here"], proc.stdout + proc.stderr
   assert "Run it inside every process" not in proc.stderr and "--sizes" not in proc.stderr
   assert not out.exists()
+  # A size that is not one: one line naming the flag, before anything starts.
+  proc = subprocess.run([sys.executable, "-m", "jaxoverlap.tune", "--out", str(out),
+                         "--sizes", "8K,1.5M"], capture_output=True, text=True, env=env,
+                        timeout=120)
+  assert proc.returncode == 1 and not out.exists(), proc.stdout + proc.stderr
+  assert proc.stderr.strip().splitlines()[-1] == (
+      "jaxoverlap.tune: error: --sizes='1.5M' is not a byte count (e.g. 8192, 64K, 512M, 1GiB)")
 
 
 @pytest.mark.parametrize("op,payload,pieces,flops,chunks", [
