@@ -325,3 +325,7 @@ def test_planner_command_prints_the_models_table():
   assert bad.returncode == 2 and bad.stdout == ""
   assert bad.stderr.strip() == ("jaxoverlap.tuning.cluster: error: cost-model parameter "
                                 "net_beta_gbps must be a positive number, got 0.0")
+  for flag, says in ((["--set", "net_beta_gbps=fast"], "--set 'net_beta_gbps=fast': expected "
+                      "key=number"), (["--sizes", "1.5M"], "--sizes='1.5M' is not a byte count")):
+    bad = subprocess.run(cmd[:5] + flag, capture_output=True, text=True, env=env, timeout=120)
+    assert bad.returncode == 2 and says in bad.stderr, bad.stderr

@@ -397,10 +397,13 @@ def _main(argv) -> int:
     overrides = {}
     for item in f.set:
       key, sep, value = item.partition("=")
-      if not sep:
-        raise ValueError(f"--set {item!r}: expected key=value, e.g. net_beta_gbps=22.5")
-      overrides[key.strip()] = float(value)
-    sizes = [parse_bytes(x) for x in f.sizes] if f.sizes else SIZES
+      try:
+        if not sep:
+          raise ValueError
+        overrides[key.strip()] = float(value)
+      except ValueError:
+        raise ValueError(f"--set {item!r}: expected key=number, e.g. net_beta_gbps=22.5") from None
+    sizes = [parse_bytes(x, "--sizes") for x in f.sizes] if f.sizes else SIZES
     params, rows = planner_rows(f.preset, f.nodes, f.gpus_per_node or None, overrides,
                                 _ITEMSIZE[f.dtype], sizes)
   except (TypeError, ValueError) as e:
