@@ -43,10 +43,6 @@ __all__ = ["bind_all_reduce", "bind_all_gather_matmul", "bind_matmul_reduce_scat
            "bind_matmul_all_reduce", "bind_all_reduce_rms_norm"]
 
 
-def _axes(axis_name) -> set:
-  return set(axis_name) if isinstance(axis_name, tuple) else {axis_name}
-
-
 def _with_vma(aval, shape, vma):
   out = aval.update(shape=tuple(shape))
   mat = out.manual_axis_type
@@ -76,7 +72,7 @@ all_reduce_p = Primitive("jaxoverlap_all_reduce")
 def _all_reduce_abstract_eval(x, *, request, num_ranks):
   del num_ranks
   # Like psum: the result is the same on every rank of the axis.
-  return _with_vma(x, x.shape, _vma(x) - _axes(request.axis_name))
+  return _with_vma(x, x.shape, _vma(x) - set(names.axis_names(request.axis_name)))
 
 
 def _all_reduce_lowering(ctx, x, *, request, num_ranks):
@@ -262,7 +258,7 @@ matmul_all_reduce_p = Primitive("jaxoverlap_matmul_all_reduce")
 def _ar_abstract_eval(x, w, *, request, num_ranks):
   del num_ranks
   out = tuple(x.shape[:-1]) + (w.shape[1],)
-  return _with_vma(x, out, _vma(x) - _axes(request.axis_name))
+  return _with_vma(x, out, _vma(x) - set(names.axis_names(request.axis_name)))
 
 
 def _ar_lowering(ctx, x, w, *, request, num_ranks):
@@ -310,7 +306,7 @@ def _norm_abstract_eval(p, residual, weight, *, request, num_ranks, eps):
   del num_ranks, eps
   # As the pure expression: psum(p) is invariant over the axis; the residual
   # and the weight bring their own varying axes.
-  h_vma = (_vma(p) - _axes(request.axis_name)) | _vma(residual)
+  h_vma = (_vma(p) - set(names.axis_names(request.axis_name))) | _vma(residual)
   return [_with_vma(p, p.shape, h_vma), _with_vma(p, p.shape, h_vma | _vma(weight))]
 
 
@@ -326,7 +322,8 @@ def _norm_lowering(ctx, p, residual, weight, *, request, num_ranks, eps):
   if plan.algorithm == names.UNFUSED:
     # The CUDA all-reduce of p, then the residual add and the norm in XLA.
     p_aval = ctx.avals_in[0]
-    s_aval = _with_vma(p_aval, p_aval.shape, _vma(p_aval) - _axes(request.axis_name))
+    s_aval = _with_vma(p_aval, p_aval.shape,
+                       _vma(p_aval) - set(names.axis_names(request.axis_name)))
     (s,) = _cuda.all_reduce(ctx.replace(avals_in=[p_aval], avals_out=[s_aval]), p,
                             plan.all_reduce)
     return _lower_xla(lambda s, r, w: _xla.rms_norm_tail(s, r, w, eps),

@@ -54,6 +54,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jaxoverlap import names
+
 __all__ = [
     "matmul",
     "contract_leading",
@@ -96,10 +98,6 @@ def contract_leading(a, b):
 # Varying-manual-axes ("vma") types under shard_map(check_vma=True)
 
 
-def _names(axis_name) -> tuple[str, ...]:
-  return axis_name if isinstance(axis_name, tuple) else (axis_name,)
-
-
 def varying_axes(x) -> frozenset:
   """The mesh axes over which ``x`` is typed varying (empty outside shard_map)."""
   aval = jax.typeof(x)
@@ -115,12 +113,12 @@ def vma_checked(axis_name) -> bool:
   ``lax.axis_index`` is typed varying over its axis when types are checked,
   and has no varying axes when ``check_vma=False``.
   """
-  return set(_names(axis_name)) <= varying_axes(lax.axis_index(axis_name))
+  return set(names.axis_names(axis_name)) <= varying_axes(lax.axis_index(axis_name))
 
 
 def to_varying(x, axis_name):
   """Casts ``x`` to varying over ``axis_name`` where it is not yet (no data moves)."""
-  missing = tuple(a for a in _names(axis_name) if a not in varying_axes(x))
+  missing = tuple(a for a in names.axis_names(axis_name) if a not in varying_axes(x))
   return lax.pcast(x, missing, to="varying") if missing else x
 
 
@@ -163,16 +161,16 @@ def _send_right(x, axis_name, num_ranks, mesh_axes=None):
   the abstract mesh in scope).
   """
   pairs = [(i, (i + 1) % num_ranks) for i in range(num_ranks)]
-  names = _names(axis_name)
-  if len(names) > 1:
+  axes = names.axis_names(axis_name)
+  if len(axes) > 1:
     order = tuple(mesh_axes) if mesh_axes else _mesh_axes()
-    ordered = tuple(sorted(names, key=lambda a: order.index(a) if a in order else len(order)))
-    if ordered != names:
-      sizes = {a: int(lax.axis_size(a)) for a in names}
+    ordered = tuple(sorted(axes, key=lambda a: order.index(a) if a in order else len(order)))
+    if ordered != axes:
+      sizes = {a: int(lax.axis_size(a)) for a in axes}
 
-      def renumber(i):  # position in `names` numbering -> position in `ordered` numbering
+      def renumber(i):  # position in `axes` numbering -> position in `ordered` numbering
         coord = {}
-        for a in reversed(names):
+        for a in reversed(axes):
           i, coord[a] = divmod(i, sizes[a])
         out = 0
         for a in ordered:

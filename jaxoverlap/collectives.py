@@ -218,14 +218,14 @@ def _norm_bwd(cfg, saved, cts):
     # also over the weight's. Where only the weight varies, h reached y through
     # pvary, whose transpose sums: sum dh_norm there before adding ct_h, which
     # is already h's cotangent (summing after would count ct_h once per rank).
-    dh_norm = _xla.cast_to_vma(dh_norm, (frozenset(p_vma) - set(_axes(axis_name)))
+    dh_norm = _xla.cast_to_vma(dh_norm, (frozenset(p_vma) - set(names.axis_names(axis_name)))
                                | frozenset(r_vma))
   dh = ct_h + dh_norm
   if cfg.checked:
     # psum(p) is invariant over the axis: a varying h (a varying residual)
     # received it through pvary, whose transpose sums; psum's own transpose
     # is the cast to varying.
-    ds = _xla.cast_to_vma(dh, frozenset(p_vma) - set(_axes(axis_name)))
+    ds = _xla.cast_to_vma(dh, frozenset(p_vma) - set(names.axis_names(axis_name)))
     dp = _xla.cast_to_vma(_xla.to_varying(ds, axis_name), p_vma)
   else:  # every value counts as per-rank and psum transposes to psum
     alg = cfg.request.algorithm  # an XLA algorithm stays; one_shot and unfused become auto
@@ -234,10 +234,6 @@ def _norm_bwd(cfg, saved, cts):
     sub = Request(names.ALL_REDUCE, axis_name, backend=cfg.request.backend, algorithm=alg)
     dp = _primitives.bind_all_reduce(dh, sub, cfg.num_ranks)
   return dp, _xla.cast_to_vma(dh, r_vma), _xla.cast_to_vma(dw, w_vma)
-
-
-def _axes(axis_name) -> tuple:
-  return axis_name if isinstance(axis_name, tuple) else (axis_name,)
 
 
 _all_reduce_rms_norm.defvjp(_norm_fwd, _norm_bwd)

@@ -260,10 +260,6 @@ def clear_decisions() -> None:
 # ---------------------------------------------------------------------------- helpers
 
 
-def _axes(axis_name) -> tuple[str, ...]:
-  return axis_name if isinstance(axis_name, tuple) else (axis_name,)
-
-
 def _nbytes(shape, itemsize) -> int:
   return int(np.prod(shape, dtype=np.int64)) * int(itemsize)
 
@@ -412,7 +408,7 @@ def make_plan(request: Request, avals: Sequence[Any], mesh, facts: runtime.Facts
   dtype = np.dtype(avals[0].dtype)
   shapes = tuple(tuple(int(d) for d in a.shape) for a in avals)
   if num_ranks is None:
-    num_ranks = math.prod(int(mesh.shape[a]) for a in _axes(r.axis_name))
+    num_ranks = math.prod(int(mesh.shape[a]) for a in names.axis_names(r.axis_name))
   base = dict(op=r.op, axis_name=r.axis_name, shapes=shapes, dtype=dtype.name,
               nbytes=_nbytes(shapes[0], dtype.itemsize), num_ranks=num_ranks)
 
@@ -523,7 +519,8 @@ def _all_reduce_plan(r, dtype, local_size, num_nodes, facts, cuda) -> Plan:
                          f"hands this call to lax.psum ({choice.source}); name an algorithm too")
       return Plan(**dict(cuda, backend=names.XLA, groups=None),
                   algorithm=names.COLLECTIVE,
-                  why=(("backend", f"auto policy hands the call to lax.psum (NCCL): {choice.source}"),
+                  why=(("backend",
+                        f"auto policy hands the call to lax.psum (NCCL): {choice.source}"),
                        ("algorithm", "lax.psum")))
     algorithm, protocol = choice.algorithm, choice.protocol
     why.append(("algorithm", choice.source))

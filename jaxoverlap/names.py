@@ -52,6 +52,7 @@ __all__ = [
     "LL", "SIMPLE", "LAMPORT", "PROTOCOLS",
     "NVSHMEM", "PEER", "COPY_ENGINE", "RUNTIME_TRANSPORTS",
     "algorithms", "protocols", "transports", "backend_of_algorithm", "renamed_value",
+    "axis_names",
 ]
 
 AUTO = "auto"
@@ -188,3 +189,8 @@ def transports(op: str) -> tuple[str, ...]:
 def renamed_value(op: str, value: str) -> str | None:
   """How to spell a value of version 0.1 now (e.g. ``"one_shot_ll"``), or None."""
   return _RENAMED.get(op, {}).get(value)
+
+
+def axis_names(axis_name) -> tuple[str, ...]:
+  """A mesh axis name, or a tuple of them, as a tuple (checked by ``_checks`` at trace time)."""
+  return axis_name if isinstance(axis_name, tuple) else (axis_name,)

@@ -84,13 +84,9 @@ def _paired(request: Request, op: str, dim: int | None, gathered: bool = False) 
                              chunks=request.chunks if op in names.FUSED_OPS else None)
 
 
-def _axes(axis_name) -> frozenset:
-  return frozenset(axis_name) if isinstance(axis_name, tuple) else frozenset((axis_name,))
-
-
 def _same_vma(x, w, axis_name):
   """Casts x and w to varying over the union of their axes and ``axis_name``."""
-  vma = _xla.varying_axes(x) | _xla.varying_axes(w) | _axes(axis_name)
+  vma = _xla.varying_axes(x) | _xla.varying_axes(w) | frozenset(names.axis_names(axis_name))
   return _xla.cast_to_vma(x, vma), _xla.cast_to_vma(w, vma)
 
 

@@ -1096,7 +1096,7 @@ def _rows_along_axis(mesh, axis_name):
   import numpy as np
 
   mesh_axes = list(mesh.axis_names)
-  axes = axis_name if isinstance(axis_name, tuple) else (axis_name,)
+  axes = names.axis_names(axis_name)
   for a in axes:
     if a not in mesh_axes:
       raise ValueError(f"axis {a!r} is not in the mesh axes {tuple(mesh_axes)}")
