@@ -228,7 +228,7 @@ def all_gather_matmul(x, w, axis_name, *, gather_dimension=0, backend="auto",
     CommFuse, arXiv 2604.24013, section 3 (AllGather+GEMM with rank-adaptive
     order); Megatron-LM sequence parallelism, arXiv 2205.05198, section 4.2.2.
   """
-  op = "all_gather_matmul"
+  op = names.ALL_GATHER_MATMUL
   _check_operands(op, x, w, axis_name)
   g = _checks.normalize_dimension(op, "gather_dimension", gather_dimension, len(x.shape), "x")
   if g == len(x.shape) - 1:
@@ -349,7 +349,7 @@ def matmul_reduce_scatter(x, w, axis_name, *, scatter_dimension=0, backend="auto
     CommFuse, arXiv 2604.24013, section 3 (GEMM+ReduceScatter, rank-adaptive
     order and tail latency); Megatron-LM, arXiv 2205.05198, section 4.2.2.
   """
-  op = "matmul_reduce_scatter"
+  op = names.MATMUL_REDUCE_SCATTER
   num_ranks = _check_operands(op, x, w, axis_name)
   out_shape = tuple(x.shape[:-1]) + (w.shape[1],)
   s = _checks.normalize_dimension(op, "scatter_dimension", scatter_dimension, len(out_shape),
@@ -461,7 +461,7 @@ def matmul_all_reduce(x, w, axis_name, *, backend="auto", algorithm="auto", tran
     all-gather); Megatron-LM, arXiv 1909.08053, section 3 (row-parallel
     layers).
   """
-  op = "matmul_all_reduce"
+  op = names.MATMUL_ALL_REDUCE
   _check_operands(op, x, w, axis_name)
   cfg = _config(op, x, w, axis_name, None, backend, algorithm, transport, chunks)
   return _matmul_all_reduce(x, w, cfg)
