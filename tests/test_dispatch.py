@@ -737,7 +737,8 @@ def test_unfused_matmul_all_reduce_with_an_xla_all_reduce_lowers_once(cuda_runti
   # GEMM and psum lower as one function (two lowerings in one rule's context failed with
   # "Should only set `tokens_out` once").
   class ToPsum:
-    def choose(self, nbytes, itemsize, ranks_per_node, num_nodes, transport=None):
+    def choose(self, nbytes, itemsize, ranks_per_node, num_nodes, transport=None,
+               emulated_nodes=None):
       return policy.Choice(policy.PSUM, None, "a test's policy")
 
   monkeypatch.setattr(dispatch, "_tuning_policy", ToPsum)
