@@ -806,3 +806,15 @@ def test_fused_chunks_rule_as_calibrated(op, payload, pieces, flops, chunks):
   from jaxoverlap.tuning import policy
 
   assert policy.fused_chunks(op, payload, pieces, flops) == chunks
+
+
+def test_link_params_store_numbers():
+  """LinkParams('1', '2') passed the positive check but kept the strings (a TypeError later)."""
+  assert tuning.LinkParams("1", "2.5") == tuning.LinkParams(1.0, 2.5)
+  with pytest.raises(ValueError, match="LinkParams.beta_gbps must be a positive number, got 'x'"):
+    tuning.LinkParams(1.0, "x")
+
+
+def test_choose_over_xla_gives_psums_time():
+  c = tuning.Policy((), P).choose_over_xla(8192, 2, 4, 2)
+  assert c.psum_us == pytest.approx(tuning.predict_us("psum", None, 8192, 2, 4, 2, P))

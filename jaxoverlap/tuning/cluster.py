@@ -23,8 +23,7 @@ Algorithm:
 
 Command line (a planner's table for one cluster; no GPU, no measurement):
   python -m jaxoverlap.tuning.cluster --preset perlmutter --nodes 4
-  python -m jaxoverlap.tuning.cluster --preset h200_ndr --nodes 16 \
-      --set net_alpha_us=3,net_beta_gbps=45 --sizes 64K,1M,16M
+  python -m jaxoverlap.tuning.cluster --nodes 16 --set net_alpha_us=3 --sizes 64K,1M
   prints the parameters and where each comes from, then per size psum (NCCL's
   best), NCCL's ring and tree, NVRAR (or one-shot/two-shot in one node), its
   speed-up, and what ``Policy.choose`` picks without a measured table.
@@ -411,8 +410,8 @@ def _main(argv) -> int:
     return 2
   preset = PRESETS[f.preset]
   g = f.gpus_per_node or preset.gpus_per_node
-  print(f"{preset.label}\n{f.nodes} nodes x {g} GPUs, {f.dtype}; cost-model predictions, us "
-        "(no measurement)\n")
+  print(f"{preset.label}\n{f.nodes} node{'s' * (f.nodes != 1)} x {g} GPUs, {f.dtype}; "
+        "cost-model predictions, us (no measurement)\n")
   for key, value in params.as_flat().items():
     source = "--set" if key in overrides else preset.sources.get(key, "")
     print(f"  {key:<17} {value:>9g}  {textwrap.shorten(source, 100)}")

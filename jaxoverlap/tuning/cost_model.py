@@ -93,8 +93,8 @@ class LinkParams:
   beta_gbps: float
 
   def __post_init__(self):
-    for name in ("alpha_us", "beta_gbps"):
-      _check_positive(f"LinkParams.{name}", getattr(self, name))
+    for name in ("alpha_us", "beta_gbps"):  # stored as floats ("2.5" would fail later)
+      object.__setattr__(self, name, _check_positive(f"LinkParams.{name}", getattr(self, name)))
 
   def transfer_us(self, nbytes: float) -> float:
     """Time to stream ``nbytes`` bytes at ``beta_gbps``, us (no latency)."""
@@ -127,7 +127,7 @@ class CostParams:
         raise TypeError(f"CostParams.{name} must be a LinkParams, got "
                         f"{type(getattr(self, name)).__name__}")
     for name in ("launch_us", "hbm_gbps"):
-      _check_positive(f"CostParams.{name}", getattr(self, name))
+      object.__setattr__(self, name, _check_positive(f"CostParams.{name}", getattr(self, name)))
 
   def as_flat(self) -> dict[str, float]:
     """The parameters under the flat keys of ``PARAM_KEYS``."""

@@ -393,7 +393,11 @@ class Policy:
     Returns:
       A ``Choice``; ``algorithm == "psum"`` is the explicit handover to XLA.
       Where the cost model decides, a kernel wins only when predicted
-      ``MODEL_MARGIN`` faster than psum.
+      ``MODEL_MARGIN`` faster than psum. The policy does not know the
+      build's limits (``ext.limits()``: 8 ranks per node, 64 nodes);
+      ``jaxoverlap.dispatch`` checks them before it asks, and a planner
+      calling ``choose`` for larger topologies gets the model's answer for
+      kernels that would refuse them.
 
     Raises:
       ValueError: a size, item size or topology that is not a whole number
@@ -429,15 +433,18 @@ class Policy:
     """The protocol of a named algorithm when the caller names none.
 
     Across real nodes (``num_nodes > 1``, ``emulated_nodes`` not True) the
-    table's records of the topology decide among the algorithm's protocols
-    where they cover the size, else the cost model; the network is not NVLink,
-    so the size rule measured on one host does not apply there. Otherwise
-    ``protocol_for``'s size rule (measured on 2x H200) decides.
+    table's records of the topology that are not marked emulated decide among
+    the algorithm's protocols where they cover the size, else the cost model;
+    the network is not NVLink, so the size rule measured on one host does not
+    apply there. Otherwise ``protocol_for``'s size rule (measured on 2x H200)
+    decides.
 
     Args:
       algorithm: "one_shot", "two_shot" or "hierarchical".
-      nbytes, itemsize, ranks_per_node, num_nodes, transport, emulated_nodes:
-        as in ``choose``.
+      nbytes, itemsize, ranks_per_node, num_nodes, transport: as in ``choose``.
+      emulated_nodes: True: the nodes share a host (the size rule). False or
+        None: real nodes (unlike ``choose``, None does not admit emulated
+        records: a protocol measured over NVLink says nothing of a network).
 
     Returns:
       A ``Choice`` of ``algorithm``.
@@ -505,8 +512,8 @@ class Policy:
     why = (f"cost model: intra-node steps + psum of the fp32 shard over {num_nodes} "
            f"processes {hierarchical:.1f} us, one psum {psum:.1f} us")
     if hierarchical < psum:
-      return Choice(names.HIERARCHICAL, names.SIMPLE, why, hierarchical)
-    return Choice(PSUM, None, why, psum)
+      return Choice(names.HIERARCHICAL, names.SIMPLE, why, hierarchical, psum)
+    return Choice(PSUM, None, why, psum, psum)
 
   def table(self, ranks_per_node: int, num_nodes: int,
             sizes: Sequence[int] = tuple(4096 << (2 * i) for i in range(9)),
