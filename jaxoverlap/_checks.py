@@ -110,7 +110,7 @@ def _check_not_unreduced(op: str, name: str, a) -> None:
   (``lax.psum`` of it), and a reduced one is a sum already taken, which
   ``lax.psum`` refuses; neither can enter the ops' casts to varying.
   """
-  mat = getattr(jax.typeof(a), "manual_axis_type", None)  # jax 0.12; none before
+  mat = getattr(jax.typeof(a), "manual_axis_type", None)  # None: an aval of another kind
   for kind in ("unreduced", "reduced"):
     axes = sorted(getattr(mat, kind, None) or ())
     if axes:

@@ -100,11 +100,8 @@ def contract_leading(a, b):
 
 def varying_axes(x) -> frozenset:
   """The mesh axes over which ``x`` is typed varying (empty outside shard_map)."""
-  aval = jax.typeof(x)
-  mat = getattr(aval, "manual_axis_type", None)  # jax 0.11
-  if mat is not None:
-    return frozenset(mat.varying)
-  return frozenset(getattr(aval, "vma", ()))  # older jax
+  mat = getattr(jax.typeof(x), "manual_axis_type", None)  # None: an aval of another kind
+  return frozenset(mat.varying) if mat is not None else frozenset()
 
 
 def vma_checked(axis_name) -> bool:
