@@ -15,7 +15,7 @@ import time
 import numpy as np
 import pytest
 
-from jaxoverlap import launch, runtime
+from jaxoverlap import launch, runtime, tuning
 
 
 class FakeStore:
@@ -633,7 +633,12 @@ def test_a_second_initialize_without_the_first_calls_ranks_per_node(fake_gpu):
     ({"ranks_per_node": 2}, r"ranks_per_node: 4 on ranks \[0, 2, 3\]; 2 on ranks \[1\]"),
     ({"JAXOVERLAP_HIERARCHICAL_LL": "v3"},
      r"JAXOVERLAP_HIERARCHICAL_LL: None on ranks \[0, 2, 3\]; 'v3' on ranks \[1\]"),
-], ids=["heap", "ranks-per-node", "knob"])
+    # A cost-model override steers auto: ranks that chose differently would hang.
+    ({"JAXOVERLAP_NET_ALPHA_US": "9"},
+     r"JAXOVERLAP_NET_ALPHA_US: None on ranks \[0, 2, 3\]; '9' on ranks \[1\]"),
+    ({"JAXOVERLAP_LAMPORT_BLOCK_BYTES": "8192"},
+     r"JAXOVERLAP_LAMPORT_BLOCK_BYTES: None on ranks \[0, 2, 3\]; '8192' on ranks \[1\]"),
+], ids=["heap", "ranks-per-node", "knob", "cost-model", "lamport-grid"])
 def test_settings_that_differ_between_processes_are_refused(fake_gpu, peer, what):
   """Trial 19: another heap size on one process put its payloads into a peer's accumulator."""
   ext, _ = fake_gpu(0, ["a"] * 4, store=_StrictStore(peer_settings={1: peer}))
@@ -647,10 +652,13 @@ def test_settings_compared_are_the_resolved_ones(fake_gpu, monkeypatch):
   monkeypatch.setenv("JAXOVERLAP_EPOCH_AT_START", "1")
   runtime.initialize(heap_bytes=512 << 20)
   mine = json.loads(store.values[f"jaxoverlap/{runtime._generation - 1}/settings/0"])
+  unset = {k: None for k in ("JAXOVERLAP_HIERARCHICAL_LL", "JAXOVERLAP_NORM_CLUSTER",
+                              "JAXOVERLAP_TEST_PAIR_EPOCH", "JAXOVERLAP_LAMPORT_BLOCKS_PER_SM",
+                              "JAXOVERLAP_LAMPORT_BLOCK_BYTES", "JAXOVERLAP_LAMPORT_MAX_BLOCKS",
+                              "JAXOVERLAP_LAMPORT_POLL_NS")}
+  unset.update({f"JAXOVERLAP_{k.upper()}": None for k in tuning.PARAM_KEYS})
   assert mine == {"heap_bytes": 512 << 20, "overlap_heap_bytes": runtime.DEFAULT_OVERLAP_HEAP_BYTES,
-                  "ranks_per_node": 2, "JAXOVERLAP_EPOCH_AT_START": "1",
-                  "JAXOVERLAP_HIERARCHICAL_LL": None, "JAXOVERLAP_NORM_CLUSTER": None,
-                  "JAXOVERLAP_TEST_PAIR_EPOCH": None}
+                  "ranks_per_node": 2, **unset, "JAXOVERLAP_EPOCH_AT_START": "1"}
   assert ext.started
 
 
