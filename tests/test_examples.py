@@ -9,6 +9,7 @@ import importlib.util
 import json
 import math
 import os
+import re
 import shutil
 import sys
 
@@ -122,3 +123,59 @@ def test_train_writes_outputs_and_resumes(tmp_path, capsys):
     assert twice[key] == again[key], key
   assert ("already holds a checkpoint at step 8, and this run asks for 8 steps: nothing to train"
           in capsys.readouterr().out)
+
+
+def test_train_refuses_to_resume_another_config_and_an_unwritable_folder(tmp_path):
+  """Trial 28: a resume with another learning rate, seed or data split went ahead silently
+  (mixing two validation sets in one curve); another model size failed deep in orbax; and a
+  folder that could not be written trained, then hung in orbax for 5 minutes."""
+  workdir = str(tmp_path / "run")
+  tiny = dataclasses.replace(config_lib.get_config("tiny"), steps=2)
+  first = train.train_and_evaluate(tiny, workdir)
+  with open(os.path.join(workdir, train.CONFIG_FILE)) as f:
+    assert json.load(f)["lr"] == tiny.lr
+  for change, says in ((dict(lr=0.03), "lr: 0.001 -> 0.03"), (dict(seed=7), "seed: 0 -> 7"),
+                       (dict(d_model=64), "d_model: 32 -> 64")):
+    with pytest.raises(config_lib.ConfigError, match=re.escape(says)):
+      train.train_and_evaluate(dataclasses.replace(tiny, steps=4, **change), workdir)
+    assert _checkpoint_steps(workdir)[-1] == 2  # nothing trained or written
+  # What may change on resume: steps and the layout.
+  again = train.train_and_evaluate(dataclasses.replace(tiny, steps=4, mesh=(2, 4)), workdir)
+  assert again["start_step"] == 2 and first["steps"] == 2
+  # A folder that cannot be written: refused before anything trains.
+  if os.geteuid() != 0:  # root writes anywhere
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o500)
+    with pytest.raises(config_lib.ConfigError, match="cannot write there"):
+      train.train_and_evaluate(tiny, str(ro / "run"))
+  blocked = tmp_path / "file"
+  blocked.write_text("not a folder")
+  with pytest.raises(config_lib.ConfigError, match="cannot write there"):
+    train.train_and_evaluate(tiny, str(blocked / "run"))
+
+
+@pytest.mark.parametrize("change,says", [
+    (dict(mesh=(8, 1), batch_size=12), "batch_size=12 does not divide over dp=8"),
+    (dict(mesh=(1, 8)), "n_heads=4 does not divide over tp=8"),
+    (dict(mesh=(3, 3)), "mesh (dp, tp)=(3, 3) does not fit the 8 devices"),
+])
+def test_train_refuses_layouts_that_do_not_divide_before_its_folder_exists(tmp_path, change,
+                                                                           says):
+  workdir = tmp_path / "run"
+  with pytest.raises(config_lib.ConfigError, match=re.escape(says)):
+    train.train_and_evaluate(dataclasses.replace(config_lib.get_config("tiny"), **change),
+                             str(workdir))
+  assert not workdir.exists()
+
+
+def test_train_main_prints_a_config_error_in_one_line(tmp_path):
+  import subprocess
+
+  main = os.path.join(_EXAMPLES, "train", "main.py")
+  done = subprocess.run([sys.executable, main, "--workdir", str(tmp_path / "r"), "--config",
+                         "tiny", "--steps", "-5"], capture_output=True, text=True, timeout=300,
+                        env=dict(os.environ, JAX_PLATFORMS="cpu"))
+  assert done.returncode == 2, done.stderr
+  assert done.stderr.strip().splitlines()[-1] == "main.py: error: steps must be >= 1, got -5"
+  assert "Traceback" not in done.stderr

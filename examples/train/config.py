@@ -20,6 +20,11 @@ from __future__ import annotations
 import dataclasses
 
 
+class ConfigError(ValueError):
+  """A run that cannot start as configured (a value, the mesh, the folder, a resume); main.py
+  prints it in one line, before anything trains."""
+
+
 @dataclasses.dataclass(frozen=True)
 class Config:
   """Everything that defines a training run.
@@ -79,14 +84,14 @@ class Config:
 
   def __post_init__(self):
     if self.dtype not in ("float32", "bfloat16"):
-      raise ValueError(f"dtype must be 'float32' or 'bfloat16', got {self.dtype!r}")
+      raise ConfigError(f"dtype must be 'float32' or 'bfloat16', got {self.dtype!r}")
     if self.d_model % self.n_heads:
-      raise ValueError(f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}")
+      raise ConfigError(f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}")
     if len(self.mesh) != 2:
-      raise ValueError(f"mesh must be (dp, tp), got {self.mesh!r}")
+      raise ConfigError(f"mesh must be (dp, tp), got {self.mesh!r}")
     for name in ("steps", "eval_every", "eval_batches", "ckpt_every", "log_every"):
       if getattr(self, name) < 1:
-        raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
 
 
 PRESETS: dict[str, Config] = {
@@ -110,8 +115,8 @@ def get_config(name: str) -> Config:
   """Returns the preset called ``name``.
 
   Raises:
-    ValueError: no such preset.
+    ConfigError: no such preset.
   """
   if name not in PRESETS:
-    raise ValueError(f"unknown config {name!r}; presets are {sorted(PRESETS)}")
+    raise ConfigError(f"unknown config {name!r}; presets are {sorted(PRESETS)}")
   return PRESETS[name]

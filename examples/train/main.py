@@ -9,6 +9,7 @@ Re-running with the same --workdir resumes from its latest checkpoint.
 
 import dataclasses
 import os
+import sys
 
 from absl import app
 from absl import flags
@@ -73,8 +74,13 @@ def main(argv):
     overrides["backend"] = _BACKEND.value
   if _ALGORITHM.value is not None:
     overrides["algorithm"] = _ALGORITHM.value
-  config = dataclasses.replace(config, **overrides)
-  train.train_and_evaluate(config, _WORKDIR.value)
+  try:
+    config = dataclasses.replace(config, **overrides)
+    train.train_and_evaluate(config, _WORKDIR.value)
+  except config_lib.ConfigError as e:
+    # The run cannot start as configured: one line, no traceback, before any training.
+    print(f"main.py: error: {e}", file=sys.stderr, flush=True)
+    return 2
 
 
 if __name__ == "__main__":

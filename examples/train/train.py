@@ -35,7 +35,7 @@ import jaxoverlap
 from jaxoverlap import nnx as jnnx
 
 import data as data_lib
-from config import Config
+from config import Config, ConfigError
 from model import GPT
 
 METRICS_FILE = "metrics.json"
@@ -45,6 +45,50 @@ TRAINING_FIELDS = ("start_step", "tokens_per_s", "step_time_ms", "first_step_s",
 HISTORY_FILE = "history.json"
 PLOT_FILE = "loss.png"
 CHECKPOINT_DIR = "checkpoints"
+CONFIG_FILE = "config.json"  # the run's config, written with its first checkpoint
+# Config fields a resumed run may change: how it runs and how long, not what it trains.
+RESUMABLE_CHANGES = ("steps", "mesh", "sequence_parallel", "backend", "algorithm", "log_every",
+                     "eval_every", "ckpt_every", "eval_batches")
+
+
+def _check_writable(workdir: str) -> None:
+  """Creates ``workdir/checkpoints`` and writes a file there, or raises naming the folder.
+
+  Checked before anything trains: a folder that exists but cannot be written trained first,
+  then failed at its first checkpoint and hung in orbax for 5 minutes.
+  """
+  folder = os.path.join(workdir, CHECKPOINT_DIR)
+  probe = os.path.join(folder, f".write-test-{jax.process_index()}")
+  try:
+    os.makedirs(folder, exist_ok=True)
+    with open(probe, "w") as f:
+      f.write("ok")
+    os.remove(probe)
+  except OSError as e:
+    raise ConfigError(f"--workdir {workdir}: cannot write there ({e.strerror}: {e.filename}); "
+                      "choose a folder this process can write") from None
+
+
+def _check_same_run(workdir: str, config: Config) -> None:
+  """Refuses to resume a checkpoint with a config that trains something else.
+
+  Only ``RESUMABLE_CHANGES`` may differ from the config saved with the checkpoint
+  (``config.json``); a new learning rate, seed, model or data split would continue another
+  run's optimizer state on other terms, or mix two validation sets in one curve.
+  """
+  path = os.path.join(workdir, CONFIG_FILE)
+  if not os.path.exists(path):
+    return  # a checkpoint written before config.json was: nothing to compare
+  with open(path) as f:
+    saved = json.load(f)
+  now = json.loads(json.dumps(dataclasses.asdict(config)))  # tuples as lists, as saved
+  differ = {k: (saved.get(k), now.get(k)) for k in sorted(set(saved) | set(now))
+            if k not in RESUMABLE_CHANGES and saved.get(k) != now.get(k)}
+  if differ:
+    said = ", ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in differ.items())
+    raise ConfigError(f"--workdir {workdir} holds a run with another config ({said}); only "
+                     f"{', '.join(RESUMABLE_CHANGES)} may change on resume. Use a new --workdir "
+                     "for another run.")
 
 
 def make_mesh(shape: tuple[int, int]) -> jax.sharding.Mesh:
@@ -60,7 +104,7 @@ def make_mesh(shape: tuple[int, int]) -> jax.sharding.Mesh:
   elif tp == -1 and dp > 0 and num_devices % dp == 0:
     tp = num_devices // dp
   if dp < 1 or tp < 1 or dp * tp != num_devices:
-    raise ValueError(
+    raise ConfigError(
         f"mesh (dp, tp)={tuple(shape)} does not fit the {num_devices} devices "
         f"({jax.devices()[0].platform}); dp * tp must equal the device count")
   return jax.make_mesh((dp, tp), ("dp", "tp"),
@@ -89,10 +133,13 @@ def cross_entropy(logits_bsv: jax.Array, targets_bs: jax.Array) -> jax.Array:
 def _ran_backends(config: Config) -> dict[str, Any]:
   """Which backend each jaxoverlap op ran on, from the plans made when the step compiled."""
   ran: dict[str, set[str]] = {}
+  algorithms: dict[str, set[str]] = {}
   for plan in jaxoverlap.decisions():
     ran.setdefault(plan.op, set()).add(plan.backend)
+    algorithms.setdefault(plan.op, set()).add(plan.algorithm)
   return {"requested": config.backend, "algorithm": config.algorithm,
           "resolved": {op: "+".join(sorted(b)) for op, b in sorted(ran.items())},
+          "resolved_algorithms": {op: "+".join(sorted(a)) for op, a in sorted(algorithms.items())},
           "runtime": jaxoverlap.runtime_info()}
 
 
@@ -182,9 +229,19 @@ def build(config: Config) -> Setup:
   """Builds the mesh, the model and AdamW state (initialized sharded under jit) and the steps.
 
   Raises:
-    ValueError: the mesh does not fit the devices.
+    ConfigError: the mesh does not fit the devices, or the batch, heads or (SP) sequence
+      do not divide over it.
   """
   mesh = make_mesh(config.mesh)
+  dp, tp = int(mesh.shape["dp"]), int(mesh.shape["tp"])
+  for what, size, by, axis in (("batch_size", config.batch_size, dp, "dp"),
+                               ("n_heads", config.n_heads, tp, "tp"),
+                               ("d_ff", config.d_ff, tp, "tp"),
+                               *((("seq_len", config.seq_len, tp, "tp"),)
+                                 if config.sequence_parallel else ())):
+    if size % by:
+      raise ConfigError(f"{what}={size} does not divide over {axis}={by} (mesh dp={dp} x "
+                        f"tp={tp}); choose another --mesh")
   parallel = jnnx.ParallelConfig(
       mesh=mesh, dp_axis="dp", tp_axis="tp", sequence_parallel=config.sequence_parallel,
       backend=config.backend, algorithm=config.algorithm)
@@ -239,11 +296,12 @@ def train_and_evaluate(config: Config, workdir: str) -> dict[str, Any]:
   wall_start = time.perf_counter()
   workdir = os.path.abspath(workdir)
   is_main = jax.process_index() == 0
-  if is_main:
-    os.makedirs(workdir, exist_ok=True)
 
-  # Mesh, layout, model, optimizer and the jit'd steps.
+  # Mesh, layout, model, optimizer and the jit'd steps (bad layouts fail here, before the
+  # run's folder exists).
   setup = build(config)
+  _check_writable(workdir)  # every process: each writes its checkpoint shards there
+  _check_same_run(workdir, config)
   mesh, graphdef, state = setup.mesh, setup.graphdef, setup.state
   setup.state = None  # the loop donates it
   eval_step, train_step, num_params = setup.eval_step, setup.train_step, setup.num_params
@@ -280,6 +338,8 @@ def train_and_evaluate(config: Config, workdir: str) -> dict[str, Any]:
     manager.save(step, args=ocp.args.StandardSave(state))
     if is_main:
       _write_json(os.path.join(workdir, HISTORY_FILE), history)
+      if not os.path.exists(os.path.join(workdir, CONFIG_FILE)):
+        _write_json(os.path.join(workdir, CONFIG_FILE), dataclasses.asdict(config))
 
   mesh_info = {"dp": int(mesh.shape["dp"]), "tp": int(mesh.shape["tp"]),
                "devices": jax.device_count(), "platform": jax.devices()[0].platform,
