@@ -179,3 +179,8 @@ def test_train_main_prints_a_config_error_in_one_line(tmp_path):
   assert done.returncode == 2, done.stderr
   assert done.stderr.strip().splitlines()[-1] == "main.py: error: steps must be >= 1, got -5"
   assert "Traceback" not in done.stderr
+  stray = subprocess.run([sys.executable, main, "--workdir", str(tmp_path / "r"), "stray"],
+                         capture_output=True, text=True, timeout=300,
+                         env=dict(os.environ, JAX_PLATFORMS="cpu"))
+  assert stray.returncode != 0 and "unexpected arguments ['stray']" in stray.stderr
+  assert not (tmp_path / "r").exists()

@@ -33,11 +33,12 @@ _BACKEND = flags.DEFINE_enum("backend", None, ["auto", "xla", "cuda"],
 _ALGORITHM = flags.DEFINE_string(
     "algorithm", None,
     "the GEMM ops' algorithm (ParallelConfig.algorithm: matmul_all_reduce, or all_gather_matmul "
-    "and matmul_reduce_scatter under sequence parallelism); the all-reduces keep auto. Default: "
-    "the preset's.")
+    "and matmul_reduce_scatter under sequence parallelism); the all-reduces keep auto. One of "
+    "auto, collective, ppermute (backend xla), fused, unfused (backend cuda). Default: the "
+    "preset's.")
 _HOST_DEVICES = flags.DEFINE_integer(
     "host_devices", 8, "Simulated CPU devices (XLA --xla_force_host_platform_device_count); "
-    "only the CPU platform uses them.")
+    "only the CPU platform uses them.", lower_bound=1)
 _DISTRIBUTED = flags.DEFINE_bool(
     "distributed", False, "Multi-process run: require the environment of jaxoverlap.launch or "
     "SLURM (without this flag a process alone also runs; either way "
@@ -46,7 +47,8 @@ _DISTRIBUTED = flags.DEFINE_bool(
 
 
 def main(argv):
-  del argv
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments {argv[1:]}: every setting is a --flag")
   logging.set_verbosity(logging.WARNING)  # orbax logs every checkpoint step at INFO
   # Set before jax is imported: it only affects the CPU platform.
   xla_flags = os.environ.get("XLA_FLAGS", "")
