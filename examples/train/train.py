@@ -87,8 +87,8 @@ def _check_same_run(workdir: str, config: Config) -> None:
   if differ:
     said = ", ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in differ.items())
     raise ConfigError(f"--workdir {workdir} holds a run with another config ({said}); only "
-                     f"{', '.join(RESUMABLE_CHANGES)} may change on resume. Use a new --workdir "
-                     "for another run.")
+                      f"{', '.join(RESUMABLE_CHANGES)} may change on resume. Use a new "
+                      "--workdir for another run.")
 
 
 def make_mesh(shape: tuple[int, int]) -> jax.sharding.Mesh:
@@ -229,8 +229,8 @@ def build(config: Config) -> Setup:
   """Builds the mesh, the model and AdamW state (initialized sharded under jit) and the steps.
 
   Raises:
-    ConfigError: the mesh does not fit the devices, or the batch, heads or (SP) sequence
-      do not divide over it.
+    ConfigError: the mesh does not fit the devices, or the batch, heads, hidden size or
+      (SP) sequence do not divide over it.
   """
   mesh = make_mesh(config.mesh)
   dp, tp = int(mesh.shape["dp"]), int(mesh.shape["tp"])
