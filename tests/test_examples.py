@@ -184,3 +184,63 @@ def test_train_main_prints_a_config_error_in_one_line(tmp_path):
                          env=dict(os.environ, JAX_PLATFORMS="cpu"))
   assert stray.returncode != 0 and "unexpected arguments ['stray']" in stray.stderr
   assert not (tmp_path / "r").exists()
+
+
+def test_train_short_runs_reach_the_peak_learning_rate():
+  """Trial 28: with --steps below the warm-up (50 steps), a run never reached its peak rate."""
+  default = config_lib.get_config("default")  # 800 steps: its own 50 steps of warm-up
+  lr = lambda step: float(train.learning_rate(default)(step))  # float32  # noqa: E731
+  assert lr(25) == pytest.approx(default.lr / 2) and lr(50) == pytest.approx(default.lr)
+  assert lr(800) == pytest.approx(default.lr * default.min_lr_ratio)
+  short = dataclasses.replace(default, steps=30)  # a tenth of the run: 3 steps
+  lr = lambda step: float(train.learning_rate(short)(step))  # noqa: E731
+  assert lr(2) < 0.9 * short.lr and lr(3) == pytest.approx(short.lr)
+  assert lr(30) == pytest.approx(short.lr * short.min_lr_ratio)
+
+
+def _start_training(workdir, *flags):
+  """main.py in a process of its own, from its "first step" line on (compiled, training)."""
+  import subprocess
+
+  main = os.path.join(_EXAMPLES, "train", "main.py")
+  proc = subprocess.Popen(
+      [sys.executable, main, "--workdir", workdir, "--config", "tiny", "--steps", "100000",
+       "--ckpt_every", "100000", *flags], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+      text=True, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+  for line in proc.stdout:
+    if line.startswith("first step"):
+      return proc
+  proc.kill()
+  raise AssertionError(f"main.py ended before its first step: {proc.stderr.read()}")
+
+
+@pytest.mark.parametrize("sig,rc", [("SIGTERM", 143), ("SIGINT", 130)])
+def test_train_saves_the_steps_since_its_last_checkpoint_when_stopped(tmp_path, sig, rc):
+  """Trial 28: Ctrl-C left orbax tracebacks and a temporary folder, and lost every step since
+  the last checkpoint. Stopped by SIGINT or SIGTERM, a run of one process saves its state,
+  says so in one line, exits 128 + the signal, and a run of the same command resumes there."""
+  import signal
+  import time
+
+  workdir = str(tmp_path / "run")
+  proc = _start_training(workdir)
+  time.sleep(3)  # a few steps past the first, none of them checkpointed (--ckpt_every)
+  proc.send_signal(getattr(signal, sig))
+  _, err = proc.communicate(timeout=120)
+  assert proc.returncode == rc, err
+  said = re.search(r"interrupted after step (\d+), saved it: the last checkpoint is step (\d+); "
+                   r"run the same command to train on from it\n$", err)
+  assert said and said[1] == said[2], err
+  assert "Traceback" not in err, err
+  step = int(said[1])
+  assert step >= 2 and _checkpoint_steps(workdir) == [step]
+  assert not [n for n in os.listdir(os.path.join(workdir, train.CHECKPOINT_DIR))
+              if "tmp" in n]
+  # Resumes with one step left, now sequence parallel (a layout: it may change on resume).
+  proc = _start_training(workdir, "--steps", str(step + 1), "--sequence_parallel")
+  out, err = proc.communicate(timeout=300)
+  assert proc.returncode == 0, err
+  assert _checkpoint_steps(workdir) == [step, step + 1]
+  metrics = _read_metrics(workdir)
+  assert metrics["start_step"] == step and metrics["config"]["sequence_parallel"]
+  assert sorted(metrics["backend"]["resolved"]) == ["all_gather_matmul", "matmul_reduce_scatter"]

@@ -38,7 +38,8 @@ class Config:
     batch_size: global batch (``b``); divisible by the dp size.
     steps: total optimizer steps (a resumed run stops at the same step).
     lr: peak learning rate.
-    warmup: linear warm-up steps before cosine decay to ``lr * min_lr_ratio``.
+    warmup: linear warm-up steps (at most a tenth of ``steps``, so that a short run
+      reaches ``lr`` too) before cosine decay to ``lr * min_lr_ratio``.
     min_lr_ratio: final learning rate as a fraction of ``lr``.
     weight_decay: AdamW decoupled weight decay.
     grad_clip: global-norm gradient clipping threshold.

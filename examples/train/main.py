@@ -9,6 +9,7 @@ Re-running with the same --workdir resumes from its latest checkpoint.
 
 import dataclasses
 import os
+import signal
 import sys
 
 from absl import app
@@ -28,6 +29,9 @@ flags.register_validator(
         p.strip().lstrip("-").isdigit() for p in v.split(","))),
     message="--mesh must be two integers 'dp,tp', e.g. '4,2' or '1,-1'")
 _STEPS = flags.DEFINE_integer("steps", None, "Override the preset's total steps.")
+_CKPT_EVERY = flags.DEFINE_integer(
+    "ckpt_every", None, "Steps between checkpoints (one is also written at the end, and at "
+    "Ctrl-C or SIGTERM in a run of one process). Default: the preset's.")
 _BACKEND = flags.DEFINE_enum("backend", None, ["auto", "xla", "cuda"],
                              "jaxoverlap backend. Default: the preset's.")
 _ALGORITHM = flags.DEFINE_string(
@@ -36,6 +40,10 @@ _ALGORITHM = flags.DEFINE_string(
     "and matmul_reduce_scatter under sequence parallelism); the all-reduces keep auto. One of "
     "auto, collective, ppermute (backend xla), fused, unfused (backend cuda). Default: the "
     "preset's.")
+_SEQUENCE_PARALLEL = flags.DEFINE_bool(
+    "sequence_parallel", None, "Shard the activations between blocks over tp along the "
+    "sequence (Megatron-SP: the GEMMs become all_gather_matmul and matmul_reduce_scatter). "
+    "Default: the preset's (--nosequence_parallel turns it off).")
 _HOST_DEVICES = flags.DEFINE_integer(
     "host_devices", 8, "Simulated CPU devices (XLA --xla_force_host_platform_device_count); "
     "only the CPU platform uses them.", lower_bound=1)
@@ -67,15 +75,15 @@ def main(argv):
   import train  # imports jax
 
   config = config_lib.get_config(_CONFIG.value)
-  overrides = {}
+  overrides = {name: flag.value for name, flag in (
+      ("steps", _STEPS), ("ckpt_every", _CKPT_EVERY), ("backend", _BACKEND),
+      ("algorithm", _ALGORITHM), ("sequence_parallel", _SEQUENCE_PARALLEL))
+      if flag.value is not None}
   if _MESH.value is not None:
     overrides["mesh"] = tuple(int(v) for v in _MESH.value.split(","))
-  if _STEPS.value is not None:
-    overrides["steps"] = _STEPS.value
-  if _BACKEND.value is not None:
-    overrides["backend"] = _BACKEND.value
-  if _ALGORITHM.value is not None:
-    overrides["algorithm"] = _ALGORITHM.value
+  # SIGTERM (kill, SLURM's time limit) stops the run as Ctrl-C does: one process saves the
+  # steps since its last checkpoint first (train.py).
+  signal.signal(signal.SIGTERM, _terminate)
   try:
     config = dataclasses.replace(config, **overrides)
     train.train_and_evaluate(config, _WORKDIR.value)
@@ -83,6 +91,17 @@ def main(argv):
     # The run cannot start as configured: one line, no traceback, before any training.
     print(f"main.py: error: {e}", file=sys.stderr, flush=True)
     return 2
+  except KeyboardInterrupt as e:  # once training began, train.py said what it saved
+    return 128 + (signal.SIGTERM if isinstance(e, _Terminated) else signal.SIGINT)
+
+
+class _Terminated(KeyboardInterrupt):
+  """SIGTERM, raised where Python is when it arrives, as Ctrl-C raises KeyboardInterrupt."""
+
+
+def _terminate(signum, frame):
+  del signum, frame
+  raise _Terminated()
 
 
 if __name__ == "__main__":

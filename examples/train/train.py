@@ -21,6 +21,7 @@ import dataclasses
 import json
 import math
 import os
+import sys
 import time
 from typing import Any
 
@@ -111,12 +112,21 @@ def make_mesh(shape: tuple[int, int]) -> jax.sharding.Mesh:
                        axis_types=(jax.sharding.AxisType.Auto,) * 2)
 
 
+def learning_rate(config: Config) -> optax.Schedule:
+  """Linear warm-up from 0 to ``config.lr``, then cosine decay to ``lr * min_lr_ratio``.
+
+  The warm-up is ``config.warmup`` steps, or a tenth of ``config.steps`` where that is fewer,
+  so that a short run reaches the peak rate and decays too.
+  """
+  warmup = min(config.warmup, config.steps // 10)
+  return optax.warmup_cosine_decay_schedule(
+      init_value=0.0, peak_value=config.lr, warmup_steps=warmup,
+      decay_steps=max(config.steps, warmup + 1), end_value=config.lr * config.min_lr_ratio)
+
+
 def make_optimizer(config: Config) -> optax.GradientTransformation:
-  """AdamW with linear warm-up, cosine decay and global-norm clipping."""
-  schedule = optax.warmup_cosine_decay_schedule(
-      init_value=0.0, peak_value=config.lr, warmup_steps=config.warmup,
-      decay_steps=max(config.steps, config.warmup + 1),
-      end_value=config.lr * config.min_lr_ratio)
+  """AdamW on ``learning_rate(config)``, with global-norm clipping."""
+  schedule = learning_rate(config)
   # Decay matrices only, not norm scales, biases or embeddings.
   decay_mask = lambda params: jax.tree.map(lambda p: p.ndim == 2, params)
   return optax.chain(
@@ -277,6 +287,44 @@ def build(config: Config) -> Setup:
                train_step=train_step, eval_step=eval_step, num_params=int(num_params))
 
 
+def _save_interrupted(manager: ocp.CheckpointManager, checkpoint, graphdef, state) -> None:
+  """Saves the steps trained since the last checkpoint when a run is interrupted, and says so.
+
+  One process only: the processes of a multi-process run stop at different steps, and orbax
+  writes (and finishes) a checkpoint with all of them together, so they keep the last one
+  written. A state whose buffers the interrupted step had already taken cannot be saved.
+  """
+  if jax.process_count() > 1:
+    if jax.process_index() == 0:
+      print("\ninterrupted: several processes stop at steps of their own, so none saves; "
+            "run the same command to train on from the last checkpoint", file=sys.stderr,
+            flush=True)
+    return
+  failed = ""
+  try:
+    manager.wait_until_finished()  # a checkpoint in flight completes first
+  except Exception as e:  # noqa: BLE001  (reported below; the interrupt goes on)
+    failed = f"; the checkpoint in flight failed: {e}"
+  saved = manager.latest_step() or 0
+  if any(leaf.is_deleted() for leaf in jax.tree.leaves(state) if isinstance(leaf, jax.Array)):
+    said = "interrupted inside a step, which had taken the state: nothing new to save"
+  else:
+    trained = int(jax.device_get(nnx.merge(graphdef, state)[1].step[...]))  # not the loop's
+    said = f"interrupted after step {trained}"
+    if trained > saved:
+      try:
+        checkpoint(trained, state)
+        manager.wait_until_finished()
+        saved = trained
+        said += ", saved it"
+      except Exception as e:  # noqa: BLE001
+        failed += f"; saving step {trained} failed: {e}"
+  manager.close()
+  resume = (f"the last checkpoint is step {saved}; run the same command to train on from it"
+            if saved else "no checkpoint was written")
+  print(f"\n{said}{failed}: {resume}", file=sys.stderr, flush=True)
+
+
 def train_and_evaluate(config: Config, workdir: str) -> dict[str, Any]:
   """Trains ``config``'s model, resuming from ``workdir`` if it holds a checkpoint.
 
@@ -375,48 +423,54 @@ def train_and_evaluate(config: Config, workdir: str) -> dict[str, Any]:
   tick = time.perf_counter()
   jaxoverlap.clear_decisions()
   backends = _ran_backends(config)
-  for step in range(start_step, config.steps):
-    batch = setup.train_batch(corpus, step)
-    state, loss = train_step(state, batch)
-    pending.append(loss)
-    done = step + 1
-    if first_step_s is None:  # includes compilation: timed apart
-      loss.block_until_ready()
-      first_step_s = time.perf_counter() - tick
+  try:
+    for step in range(start_step, config.steps):
+      batch = setup.train_batch(corpus, step)
+      state, loss = train_step(state, batch)
+      pending.append(loss)
+      done = step + 1
+      if first_step_s is None:  # includes compilation: timed apart
+        loss.block_until_ready()
+        first_step_s = time.perf_counter() - tick
+        tick = time.perf_counter()
+        backends = _ran_backends(config)  # the step's plans, made when it compiled
+        if is_main:
+          print(f"first step (compilation included) {first_step_s:.1f} s; ops ran on: "
+                f"{backends['resolved']} (jaxoverlap.decisions() has each call's plan)",
+                flush=True)
+        bar = tqdm.tqdm(total=config.steps, initial=step, disable=not is_main,
+                        dynamic_ncols=True, desc="train")
+      else:
+        window_steps += 1
+      boundary = (done % config.log_every == 0 or done % config.eval_every == 0
+                  or done % config.ckpt_every == 0 or done == config.steps)
+      bar.update(1)
+      if not boundary:
+        continue
+      losses = [float(x) for x in jax.device_get(pending)]  # waits for the steps
+      train_time += time.perf_counter() - tick
+      timed_steps += window_steps
+      window_steps = 0
+      pending = []
+      train_loss = float(np.mean(losses))
+      history["train"].append((done, train_loss))
+      postfix = {"loss": f"{train_loss:.3f}"}
+      if train_time > 0 and timed_steps > 0:
+        postfix["tok/s"] = f"{timed_steps * tokens_per_step / train_time:,.0f}"
+      if done % config.eval_every == 0 or done == config.steps:
+        val_loss = evaluate(state)
+        history["val"].append((done, val_loss))
+      if not math.isnan(val_loss):
+        postfix["val"] = f"{val_loss:.3f}"
+      bar.set_postfix(postfix)
+      if done % config.ckpt_every == 0 or done == config.steps:
+        checkpoint(done, state)
       tick = time.perf_counter()
-      backends = _ran_backends(config)  # the step's plans, made when it compiled
-      if is_main:
-        print(f"first step (compilation included) {first_step_s:.1f} s; ops ran on: "
-              f"{backends['resolved']} (jaxoverlap.decisions() has each call's plan)",
-              flush=True)
-      bar = tqdm.tqdm(total=config.steps, initial=step, disable=not is_main,
-                      dynamic_ncols=True, desc="train")
-    else:
-      window_steps += 1
-    boundary = (done % config.log_every == 0 or done % config.eval_every == 0
-                or done % config.ckpt_every == 0 or done == config.steps)
-    bar.update(1)
-    if not boundary:
-      continue
-    losses = [float(x) for x in jax.device_get(pending)]  # waits for the steps
-    train_time += time.perf_counter() - tick
-    timed_steps += window_steps
-    window_steps = 0
-    pending = []
-    train_loss = float(np.mean(losses))
-    history["train"].append((done, train_loss))
-    postfix = {"loss": f"{train_loss:.3f}"}
-    if train_time > 0 and timed_steps > 0:
-      postfix["tok/s"] = f"{timed_steps * tokens_per_step / train_time:,.0f}"
-    if done % config.eval_every == 0 or done == config.steps:
-      val_loss = evaluate(state)
-      history["val"].append((done, val_loss))
-    if not math.isnan(val_loss):
-      postfix["val"] = f"{val_loss:.3f}"
-    bar.set_postfix(postfix)
-    if done % config.ckpt_every == 0 or done == config.steps:
-      checkpoint(done, state)
-    tick = time.perf_counter()
+  except KeyboardInterrupt:  # Ctrl-C, or SIGTERM as main.py turns it into one
+    if bar is not None:
+      bar.close()
+    _save_interrupted(manager, checkpoint, graphdef, state)
+    raise
   if bar is not None:
     bar.close()
   manager.wait_until_finished()
