@@ -69,6 +69,8 @@ DeviceError ReadDeviceError(const DeviceError* host) {
   e.op = v->op;
   e.epoch = v->epoch;
   e.seen = v->seen;
+  e.claim = v->claim;
+  e.wait = v->wait;
   return e;
 }
 
@@ -713,14 +715,26 @@ ffi::Error DeviceErrorToFfi(const DeviceError& e, int pe) {
   const double timeout_s = static_cast<double>(State().timeout_ns) * 1e-9;
   char timeout[32];
   std::snprintf(timeout, sizeof(timeout), "%g", timeout_s);
+  std::string what;  // what the wait polled for, in its own terms (WaitKind)
+  switch (static_cast<WaitKind>(e.wait)) {
+    case WaitKind::kLLFlag:
+      what = "block " + std::to_string(e.block) + ", LL flag " + std::to_string(e.epoch) +
+             " (the call count's low 32 bits), flag seen " + std::to_string(e.seen);
+      break;
+    case WaitKind::kLamportData:
+      what = "the range of start ticket " + std::to_string(e.block) + ", call " +
+             std::to_string(e.epoch) + ": the Lamport slot still held no data";
+      break;
+    default:
+      what = "block or chunk " + std::to_string(e.block) + ", epoch " +
+             std::to_string(e.epoch) + ", signal seen " + std::to_string(e.seen);
+  }
   return ffi::Error(
       ffi::ErrorCode::kDeadlineExceeded,
       std::string("jaxoverlap: ") + OpName(e.op) + " timed out on PE " + std::to_string(pe) +
           " (rank " + std::to_string(e.rank) + " of its group): peer PE " + peer +
           " did not arrive at step " + std::to_string(e.step) + " within " + timeout +
-          " s (block or chunk " + std::to_string(e.block) + ", epoch " +
-          std::to_string(e.epoch) + ", signal seen " + std::to_string(e.seen) +
-          "). Likely causes: the ranks called the jaxoverlap ops in different orders, with "
+          " s (" + what + "). Likely causes: the ranks called the jaxoverlap ops in different orders, with "
           "different sizes or dtypes, or over different groups; or the process of PE " + peer +
           " stopped, died or was slower than JAXOVERLAP_TIMEOUT_S. The GPU context is lost "
           "(XLA reports the trapped kernel as CUDA_ERROR_LAUNCH_FAILED, 'unspecified launch "

@@ -100,6 +100,10 @@ constexpr int kLamportBlocksPerSm = 2;
 // the slots with 0xff bytes), and the NaN sent in its place.
 constexpr uint32_t kLamportEmpty = 0xffffffffu;
 constexpr uint32_t kLamportNaN = 0x7fffffffu;
+// Where every sum starts: -0.0 is the identity of IEEE addition (-0 + x == x for every x),
+// +0.0 is not (+0 + -0 == +0), so an element that is -0.0 on every rank sums to -0.0, as
+// lax.psum's does.
+constexpr float kSumIdentity = -0.0f;
 
 // Phases index the receive slots; see runtime.h.
 constexpr int kPhaseReduceScatter = 0;
@@ -216,7 +220,7 @@ __device__ __forceinline__ uint2 LoadLL(const uint4* src, uint32_t flag, const P
                                         int peer_pe, int step) {
   uint32_t a, b, c, d;
   uint64_t start = 0;
-  for (int spins = 0;; ++spins) {
+  for (uint32_t spins = 0;; ++spins) {  // unsigned: wraps, where int would overflow
     asm volatile("ld.volatile.global.v4.u32 {%0, %1, %2, %3}, [%4];"
                  : "=r"(a), "=r"(b), "=r"(c), "=r"(d)
                  : "l"(src)
@@ -228,7 +232,7 @@ __device__ __forceinline__ uint2 LoadLL(const uint4* src, uint32_t flag, const P
         start = now;
       } else if (now - start > p.timeout_ns) {
         ReportTimeoutAndTrap(p.error, p.op, p.topo.rank, peer_pe, step, flag,
-                             b != flag ? b : d);
+                             b != flag ? b : d, /*block=*/-1, WaitKind::kLLFlag);
       }
     }
   }
@@ -246,12 +250,12 @@ __device__ __forceinline__ uint4 LamportPayload(uint4 v) {
 
 // Polls one vector of a Lamport slot until every word has arrived (32-bit
 // stores are single-copy atomic, so a word that is not empty is the payload);
-// traps after the timeout.
+// traps after the timeout, naming the range by its start ticket (LamportPeers).
 __device__ __forceinline__ uint4 LoadLamport(const uint4* src, const Params& p, int peer_pe,
-                                             uint64_t epoch, int step) {
+                                             uint64_t epoch, int step, size_t ticket) {
   uint4 v;
   uint64_t start = 0;
-  for (int spins = 0;; ++spins) {
+  for (uint32_t spins = 0;; ++spins) {  // unsigned: wraps, where int would overflow
     asm volatile("ld.volatile.global.v4.u32 {%0, %1, %2, %3}, [%4];"
                  : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
                  : "l"(src)
@@ -266,9 +270,8 @@ __device__ __forceinline__ uint4 LoadLamport(const uint4* src, const Params& p, 
       if (start == 0) {
         start = now;
       } else if (now - start > p.timeout_ns) {
-        // "seen" is the epoch before: this call's payload never arrived.
-        ReportTimeoutAndTrap(p.error, p.op, p.topo.rank, peer_pe, step, epoch,
-                             epoch - 1);
+        ReportTimeoutAndTrap(p.error, p.op, p.topo.rank, peer_pe, step, epoch, /*seen=*/0,
+                             static_cast<int>(ticket), WaitKind::kLamportData);
       }
     }
   }
@@ -575,7 +578,7 @@ __global__ void __launch_bounds__(kThreads) OneShotLLKernel(Params p) {
     const uint2 mine = LoadPadded<uint2>(in, l * kLineElems, p.n);
     float acc[kLineElems];
 #pragma unroll
-    for (int i = 0; i < kLineElems; ++i) acc[i] = 0.0f;
+    for (int i = 0; i < kLineElems; ++i) acc[i] = kSumIdentity;
 #pragma unroll
     for (int r = 0; r < kMaxGroupSize; ++r) {
       if (r >= t.local_size) break;
@@ -661,7 +664,7 @@ __global__ void __launch_bounds__(kThreads) OneShotSimpleKernel(Params p) {
   for (size_t v = vb + threadIdx.x; v < ve; v += blockDim.x) {
     float acc[kVec];
 #pragma unroll
-    for (int i = 0; i < kVec; ++i) acc[i] = 0.0f;
+    for (int i = 0; i < kVec; ++i) acc[i] = kSumIdentity;
 #pragma unroll
     for (int r = 0; r < kMaxGroupSize; ++r) {
       if (r < t.local_size) Vec16<T>::Add(reinterpret_cast<const uint4*>(src[r])[v], acc);
@@ -669,7 +672,7 @@ __global__ void __launch_bounds__(kThreads) OneShotSimpleKernel(Params p) {
     reinterpret_cast<uint4*>(out)[v] = Vec16<T>::Pack(acc);
   }
   for (size_t i = ve * kVec + threadIdx.x; i < end; i += blockDim.x) {
-    float acc = 0.0f;
+    float acc = kSumIdentity;
     for (int r = 0; r < t.local_size; ++r) acc += ToFloat(src[r][i]);
     out[i] = FromFloat<T>(acc);
   }
@@ -705,13 +708,13 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) OneShotLamportKernel(Par
   for (size_t v = vb + threadIdx.x; v < ve; v += blockDim.x) {
     float acc[kVec];
 #pragma unroll
-    for (int i = 0; i < kVec; ++i) acc[i] = 0.0f;
+    for (int i = 0; i < kVec; ++i) acc[i] = kSumIdentity;
     for (int r = 0; r < G; ++r) {
       if (r == me) {
         Vec16<T>::Add(LoadPadded<uint4>(in, v * kVec, p.n), acc);
       } else {
         uint4* slot = s.from[0][r] + v;
-        Vec16<T>::Add(LoadLamport(slot, p, s.pe[r], s.epoch[r], /*step=*/0), acc);
+        Vec16<T>::Add(LoadLamport(slot, p, s.pe[r], s.epoch[r], /*step=*/0, s.block), acc);
         *slot = empty;
       }
     }
@@ -774,7 +777,7 @@ __global__ void __launch_bounds__(kThreads) TwoShotLLKernel(Params p) {
       const uint2 mine = LoadPadded<uint2>(in + my_off, l * kLineElems, len);
       float acc[kLineElems];
 #pragma unroll
-      for (int i = 0; i < kLineElems; ++i) acc[i] = 0.0f;
+      for (int i = 0; i < kLineElems; ++i) acc[i] = kSumIdentity;
 #pragma unroll
       for (int r = 0; r < kMaxGroupSize; ++r) {
         if (r >= G) break;
@@ -861,13 +864,13 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) TwoShotLamportKernel(Par
     for (size_t v = vb + threadIdx.x; v < ve; v += blockDim.x) {
       float acc[kVec];
 #pragma unroll
-      for (int i = 0; i < kVec; ++i) acc[i] = 0.0f;
+      for (int i = 0; i < kVec; ++i) acc[i] = kSumIdentity;
       for (int r = 0; r < G; ++r) {
         if (r == me) {
           Vec16<T>::Add(LoadPadded<uint4>(in + my_off, v * kVec, len), acc);
         } else {
           uint4* slot = s.from[0][r] + v;
-          Vec16<T>::Add(LoadLamport(slot, p, s.pe[r], s.epoch[r], /*step=*/0), acc);
+          Vec16<T>::Add(LoadLamport(slot, p, s.pe[r], s.epoch[r], /*step=*/0, s.block), acc);
           *slot = empty;
         }
       }
@@ -888,7 +891,8 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) TwoShotLamportKernel(Par
     T* dst = out + static_cast<size_t>(q) * p.shard;
     for (size_t v = vb + threadIdx.x; v < ve; v += blockDim.x) {
       uint4* slot = s.from[1][q] + v;
-      StorePadded(dst, v * kVec, len, LoadLamport(slot, p, s.pe[q], s.epoch[q], /*step=*/1));
+      StorePadded(dst, v * kVec, len,
+                  LoadLamport(slot, p, s.pe[q], s.epoch[q], /*step=*/1, s.block));
       *slot = empty;
     }
   }
@@ -1053,7 +1057,7 @@ __global__ void __launch_bounds__(kThreads) OneShotLLRmsNormKernel(NormParams np
       const uint2 rv = res[g];  // loaded before the poll, so its latency hides behind it
       float acc[kLineElems];
 #pragma unroll
-      for (int i = 0; i < kLineElems; ++i) acc[i] = 0.0f;
+      for (int i = 0; i < kLineElems; ++i) acc[i] = kSumIdentity;
       float f[kLineElems];
 #pragma unroll
       for (int r = 0; r < kMaxGroupSize; ++r) {
@@ -1288,7 +1292,7 @@ __global__ void __launch_bounds__(kThreads) ReduceScatterAllGatherKernel(Params 
     for (size_t v = ob / kVec + threadIdx.x; v < oe / kVec; v += blockDim.x) {
       float a[kVec];
 #pragma unroll
-      for (int i = 0; i < kVec; ++i) a[i] = 0.0f;
+      for (int i = 0; i < kVec; ++i) a[i] = kSumIdentity;
 #pragma unroll
       for (int r = 0; r < kMaxGroupSize; ++r) {
         if (r < G) Vec16<T>::Add(reinterpret_cast<const uint4*>(src[r])[v], a);
@@ -1297,7 +1301,7 @@ __global__ void __launch_bounds__(kThreads) ReduceScatterAllGatherKernel(Params 
       for (int i = 0; i < kVec; ++i) sum[v * kVec + i] = a[i];
     }
     for (size_t i = (oe / kVec) * kVec + threadIdx.x; i < oe; i += blockDim.x) {
-      float a = 0.0f;
+      float a = kSumIdentity;
       for (int r = 0; r < G; ++r) a += ToFloat(src[r][i]);
       sum[i] = a;
     }
@@ -1533,7 +1537,7 @@ __global__ void __launch_bounds__(kThreads) HierarchicalLLKernel(Params p) {
   const bool has = in_block && l < my_end;
   float acc[kLineElems];
 #pragma unroll
-  for (int i = 0; i < kLineElems; ++i) acc[i] = 0.0f;
+  for (int i = 0; i < kLineElems; ++i) acc[i] = kSumIdentity;
   if (has) {
 #pragma unroll
     for (int r = 0; r < kMaxGroupSize; ++r) {

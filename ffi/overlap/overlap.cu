@@ -95,8 +95,7 @@ __global__ void BeginKernel(uint64_t* overlap_epochs, uint64_t* call_epochs, Gro
 // work on the stream (the copy engine's transfer) is complete.
 __global__ void SignalKernel(PeerMap peers, uint64_t* flag, const uint64_t* call_epochs, int j,
                              int pe) {
-  __threadfence_system();
-  SignalSet(peers, flag, call_epochs[j], pe);
+  SignalSet(peers, flag, call_epochs[j], pe);  // fences first: a release
 }
 
 // Tells every peer that this PE is done reading its slot in this call.
@@ -104,8 +103,7 @@ __global__ void AckKernel(PeerMap peers, uint64_t* my_ack_flag, const uint64_t* 
                           Group g) {
   const int j = threadIdx.x;
   if (j >= g.size || j == g.rank) return;
-  __threadfence_system();
-  SignalSet(peers, my_ack_flag, call_epochs[j], g.pes[j]);
+  SignalSet(peers, my_ack_flag, call_epochs[j], g.pes[j]);  // fences first: a release
 }
 
 // Block b waits until flags[b] >= (epoch with rank j) - lag.

@@ -41,8 +41,11 @@ def test_finalize_then_initialize(tmp_path):
   run.check()
 
 
-def test_device_wait_timeout(tmp_path):
-  _run_timing_out(tmp_path, "test_device_wait_timeout_names_the_peer")
+@pytest.mark.parametrize("protocol", ["ll", "simple", "lamport"])
+def test_device_wait_timeout(tmp_path, protocol):
+  """Each protocol's wait names op, peer and step in its own terms (trial 29: a Lamport
+  timeout reported a "signal seen" that the protocol does not have)."""
+  _run_timing_out(tmp_path, f"test_device_wait_timeout_names_the_peer and protocol_{protocol}")
 
 
 def test_norm_wait_timeout(tmp_path):

@@ -43,23 +43,42 @@ __device__ __forceinline__ uint64_t LoadAcquireSys(const uint64_t* addr) {
   return v;
 }
 
-// Records who did not arrive in `error` (the first timeout wins), prints it
-// and traps: a hang becomes an error that names rank, peer and step. `block`
-// (default: the waiting block) names the block or chunk waited for.
-static __device__ __noinline__ void ReportTimeoutAndTrap(DeviceError* error, OpId op, int rank,
-                                                         int peer_pe, int step, uint64_t expected,
-                                                         uint64_t seen, int block = -1) {
-  if (block < 0) block = static_cast<int>(blockIdx.x);
-  if (atomicCAS(&error->code, 0, 1) == 0) {
+// Fills the record unless another report claimed it first, then publishes its code. A
+// thread that lost the claim waits (up to a millisecond) for the winner's code before it
+// traps: its trap would end the kernel, and with it the winner's stores.
+static __device__ __noinline__ void PublishDeviceError(DeviceError* error, int32_t code, OpId op,
+                                                       int rank, int peer_pe, int step,
+                                                       int block, uint64_t epoch, uint64_t seen,
+                                                       WaitKind wait) {
+  if (atomicCAS(&error->claim, 0, 1) == 0) {
     error->op = static_cast<int32_t>(op);
     error->rank = rank;
     error->peer_pe = peer_pe;
     error->step = step;
     error->block = block;
-    error->epoch = expected;
+    error->epoch = epoch;
     error->seen = seen;
+    error->wait = static_cast<int32_t>(wait);
     __threadfence_system();
+    *reinterpret_cast<volatile int32_t*>(&error->code) = code;
+    __threadfence_system();
+    return;
   }
+  const uint64_t start = GlobalTimerNs();
+  while (*reinterpret_cast<volatile int32_t*>(&error->code) == 0 &&
+         GlobalTimerNs() - start < 1000000) {
+  }
+}
+
+// Records who did not arrive in `error` (the first timeout wins), prints it
+// and traps: a hang becomes an error that names rank, peer and step. `block`
+// (default: the waiting block) names the block, range or chunk waited for.
+static __device__ __noinline__ void ReportTimeoutAndTrap(DeviceError* error, OpId op, int rank,
+                                                         int peer_pe, int step, uint64_t expected,
+                                                         uint64_t seen, int block = -1,
+                                                         WaitKind wait = WaitKind::kSignal) {
+  if (block < 0) block = static_cast<int>(blockIdx.x);
+  PublishDeviceError(error, 1, op, rank, peer_pe, step, block, expected, seen, wait);
   printf("jaxoverlap: device wait timed out: rank %d waited for peer PE %d at step %d "
          "(block %d, epoch %llu, seen %llu)\n",
          rank, peer_pe, step, block,
@@ -74,16 +93,8 @@ static __device__ __noinline__ void ReportTimeoutAndTrap(DeviceError* error, OpI
 // the run stops instead of reading a stale line. Code 2 in `error`.
 static __device__ __noinline__ void ReportEpochWrapAndTrap(DeviceError* error, OpId op, int rank,
                                                            int peer_pe, uint64_t epoch) {
-  if (atomicCAS(&error->code, 0, 2) == 0) {
-    error->op = static_cast<int32_t>(op);
-    error->rank = rank;
-    error->peer_pe = peer_pe;
-    error->step = 0;
-    error->block = static_cast<int>(blockIdx.x);
-    error->epoch = epoch;
-    error->seen = 0;
-    __threadfence_system();
-  }
+  PublishDeviceError(error, 2, op, rank, peer_pe, /*step=*/0, static_cast<int>(blockIdx.x),
+                     epoch, /*seen=*/0, WaitKind::kSignal);
   printf("jaxoverlap: rank %d reached call %llu with peer PE %d, the end of a period of the "
          "32-bit LL flags, which JAXOVERLAP_EPOCH_AT_START=1 cannot cross; stopping\n",
          rank, static_cast<unsigned long long>(epoch), peer_pe);

@@ -78,15 +78,27 @@ const char* OpName(int32_t op);
 // What a timed-out device wait leaves behind, in mapped pinned host memory so
 // that the host can read it even after the kernel trapped (the runtime's
 // watchdog thread prints it to stderr at once; DeviceErrorToFfi words it).
+// What a timed-out wait polled, which says how to read DeviceError's epoch and seen.
+enum class WaitKind : int32_t {
+  kSignal = 0,       // a 64-bit flag (simple protocol, fused ops): epoch and seen are call counts
+  kLLFlag = 1,       // an LL line: epoch and seen are 32-bit flags, the call count's low bits
+  kLamportData = 2,  // a Lamport slot: no signal; the data of call `epoch` did not arrive
+};
+
+// The first report claims the record (`claim`), writes its fields, then publishes `code`
+// behind a fence; the other waiting threads wait for `code` before they trap, so a reader
+// that sees a code sees every field of that report.
 struct DeviceError {
   int32_t code;      // 0: none; 1: wait timed out; 2: an LL flag period end under the epoch knob
   int32_t rank;      // rank (in its group) of the PE that waited
   int32_t peer_pe;   // PE whose signal did not arrive
   int32_t step;      // algorithm step (0: one-shot receive)
-  int32_t block;     // block (all-reduce) or chunk (fused ops) that waited
+  int32_t block;     // block (all-reduce; Lamport: the range's start ticket) or chunk (fused)
   int32_t op;        // OpId of the kernel that waited
-  uint64_t epoch;    // epoch waited for
-  uint64_t seen;     // signal value seen at the timeout
+  uint64_t epoch;    // epoch waited for (WaitKind says in what form)
+  uint64_t seen;     // signal value seen at the timeout (none for kLamportData)
+  int32_t claim;     // 0 until a report takes the record
+  int32_t wait;      // WaitKind
 };
 
 enum class Mode : int32_t {

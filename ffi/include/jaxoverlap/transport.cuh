@@ -39,13 +39,16 @@ __host__ __device__ __forceinline__ P* PeerAddress(const PeerMap& m, P* sym, int
 }
 
 // Sets the symmetric flag `flag` on PE `pe` to `value`, after this thread's
-// earlier writes are visible system-wide (release).
+// earlier writes are visible system-wide (release), on either transport.
 __device__ __forceinline__ void SignalSet(const PeerMap& m, uint64_t* flag, uint64_t value,
                                           int pe) {
+  // The fence is the release for both branches: NVSHMEM's SIGNAL_SET to a PE it reaches over
+  // NVLink is a plain volatile store (NVSHMEM 3.4, nvshmemi_signal_op), with no fence of its own.
+  __threadfence_system();
   if (m.in_process) {
-    uint64_t* peer = PeerAddress(m, flag, pe);
-    __threadfence_system();
-    asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(peer), "l"(value) : "memory");
+    asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(PeerAddress(m, flag, pe)),
+                 "l"(value)
+                 : "memory");
     return;
   }
   nvshmemx_signal_op(flag, value, NVSHMEM_SIGNAL_SET, pe);

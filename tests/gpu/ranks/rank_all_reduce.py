@@ -21,6 +21,9 @@ conftest.py for the fixtures and the SPMD rules). What is checked:
   float64 gradient.
 * axes: all-reduces over both axes of a 2-D mesh and over both at once.
 * late: rank 1 starts its call 3 s after the others; the result is right.
+* negative_zero: an element that is -0.0 on every rank sums to -0.0 (as lax.psum's: -0 is
+  IEEE addition's identity), +0.0 on one rank and -0.0 on the others to +0.0, for every
+  kernel, next to ordinary values.
 * lamport_empty_pattern: inputs holding the Lamport protocol's empty word
   (0xffffffff: an fp32 NaN, or two bf16 NaNs) give NaN there and the sum
   elsewhere, and the calls after them are right (the slots were emptied), for
@@ -339,7 +342,7 @@ def test_late_rank(ar, topology, nccl, nproc, rank):
   alg = default_algorithm(topology, nccl)
   compiled = ar.fn(alg).lower(garr).compile()
   if rank == 1:
-    time.sleep(3.0)  # within the 10 s device-wait timeout
+    time.sleep(3.0)  # within the device-wait timeout (100 s by default)
   got = ar.local(compiled(garr))
   want = np.sum(np.asarray(xs, np.float64), axis=0)
   assert np.allclose(got, want, rtol=1e-6, atol=1e-5), (
@@ -381,4 +384,41 @@ def test_lamport_empty_pattern(dtype, algorithm, ar, kv, topology, nproc, rank):
     same, digests = kv.same_on_all_ranks(np.nan_to_num(got, nan=0.0))  # NaN payloads may differ
     if not same:
       failures.append(f"call {call}: results differ across ranks ({digests})")
+  assert not failures, _report(failures)
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_negative_zero(dtype, ar, kv, topology, nproc, rank):
+  """Trial 29: every kernel started its sums at +0.0, so -0.0 on every rank came out +0.0
+  (lax.psum: -0.0; visible through signbit, copysign, 1/x). A third of the elements are -0.0
+  everywhere, a third +0.0 on one rank and -0.0 on the others, a third ordinary values."""
+  dt = DTYPES[dtype]
+  failures = []
+  for a, alg in enumerate(algorithms(topology, nccl=False)):
+    for n in (4099, 3 * 65536 + 6):  # a partial vector; several blocks
+      rng = np.random.default_rng([17, a, n])
+      kind = rng.integers(0, 3, size=n)  # 0: -0 everywhere; 1: +0 on rank plus[i]; 2: values
+      plus = rng.integers(0, nproc, size=n)
+      xs = [_inputs((17, a, n), r, n, dt) for r in range(nproc)]
+      for r, x in enumerate(xs):
+        x[kind == 0] = -0.0
+        x[kind == 1] = np.where(plus[kind == 1] == r, 0.0, -0.0).astype(dt)
+      got = ar.local(ar.fn(alg)(ar.global_array(xs[rank], n))).astype(np.float32)
+      what = f"{dtype} {n} elements {_name(alg)}"
+      for k, negative in ((0, True), (1, False)):
+        wrong = (got[kind == k] != 0) | (np.signbit(got[kind == k]) != negative)
+        if wrong.any():
+          i = int(np.flatnonzero(kind == k)[np.argmax(wrong)])
+          failures.append(f"{what}: {int(wrong.sum())} of {int((kind == k).sum())} "
+                          f"{'-0 + ... + -0' if negative else '+0 + -0 ...'} sums wrong; "
+                          f"e.g. [{i}] = {got[i]!r}")
+      want = np.sum([x.astype(np.float64) for x in xs], axis=0)[kind == 2]
+      err = np.abs(got[kind == 2] - want) / (np.abs(want) + 1.0)
+      if not (err <= TOL.get(np.dtype(dt), TOL_DEFAULT)).all():
+        failures.append(f"{what}: {int((~(err <= TOL.get(np.dtype(dt), TOL_DEFAULT))).sum())} "
+                        "ordinary elements off")
+      same, digests = kv.same_on_all_ranks(got)
+      if not same:
+        failures.append(f"{what}: results differ across ranks ({digests})")
   assert not failures, _report(failures)

@@ -9,7 +9,8 @@ conftest.py):
   start-up keys are taken), so this test runs alone.
 * timeout: rank 1 never joins the all-reduce; rank 0's device wait gives up
   after ``JAXOVERLAP_TIMEOUT_S`` (the outer test sets 2 s) and the recorded
-  error names peer PE 1 and the step. The GPU context is lost after the trap,
+  error names peer PE 1 and the step, in the terms of the protocol's wait (once
+  for each protocol). The GPU context is lost after the trap,
   so the test is marked ``ends_process``: the conftest writes the report and
   ends the process with ``os._exit``.
 * epoch knob at the flags' period end: every pair's call count starts 4 below
@@ -78,19 +79,38 @@ def _timeout_s() -> float:
   return timeout_s
 
 
+# What each protocol's wait reports besides op, peer and step (ffi/runtime.cu, WaitKind).
+_WAIT_SAYS = {"ll": "(the call count's low 32 bits), flag seen",
+              "simple": "signal seen",
+              "lamport": "the Lamport slot still held no data"}
+
+
 @pytest.mark.ends_process
-def test_device_wait_timeout_names_the_peer(runtime, topology, mesh, ops, rank, nproc):
+@pytest.mark.parametrize("protocol", ["ll", "simple", "lamport"],
+                         ids=["protocol_ll", "protocol_simple", "protocol_lamport"])
+def test_device_wait_timeout_names_the_peer(runtime, topology, mesh, ops, rank, nproc, protocol):
+  """Rank 0's all-reduce without rank 1: the wait times out and names op, peer and step.
+
+  1 MiB a rank, so that every block of the grid times out at about the same time: the
+  first report must be the one read, whole (trial 29: the record's code was published before
+  its fields, and another block's trap could leave a report of "a jaxoverlap op", peer 0).
+  """
   ops.require_cuda("the device-wait timeout")
+  from jaxoverlap import names
+
   if nproc != 2:
     pytest.skip("2 processes: rank 1 stays away from rank 0's all-reduce")
   timeout_s = _timeout_s()
   algorithm = "one_shot" if topology.num_nodes == 1 else "hierarchical"
+  if protocol not in names.protocols(algorithm):
+    pytest.skip(f"{algorithm} has no {protocol} protocol")
   f = jax.jit(jax.shard_map(
-      lambda x: jax.lax.pcast(ops.all_reduce(x, "x", algorithm=algorithm, protocol="ll"), "x",
-                              to="varying"),
+      lambda x: jax.lax.pcast(ops.all_reduce(x, "x", algorithm=algorithm, protocol=protocol),
+                              "x", to="varying"),
       mesh=mesh, in_specs=P("x"), out_specs=P("x")))
+  n = 1 << 18  # fp32: 1 MiB a rank
   x = jax.make_array_from_process_local_data(NamedSharding(mesh, P("x")),
-                                             np.ones(1024, np.float32), (1024 * nproc,))
+                                             np.ones(n, np.float32), (n * nproc,))
   raised, err, waited = _rank0_waits_alone(f.lower(x).compile(), (x,), rank, timeout_s)
   if rank != 0:
     return
@@ -99,6 +119,7 @@ def test_device_wait_timeout_names_the_peer(runtime, topology, mesh, ops, rank, 
       f"device_error after {waited:.1f} s does not name peer PE 1 and step 0: {err!r}; "
       f"the call raised {type(raised).__name__}: {str(raised)[:500]}")
   assert "all_reduce timed out on PE 0" in err, f"the error names another op: {err!r}"
+  assert _WAIT_SAYS[protocol] in err, f"a {protocol} wait reported as another kind: {err!r}"
 
 
 @pytest.mark.ends_process

@@ -26,6 +26,8 @@ for the fixtures and the SPMD rules). What is checked:
 * nnx: decode through NNX blocks chained by ``jaxoverlap.nnx.apply_blocks``
   with ``fuse_norm`` (two fused ops a block, forced onto the kernel at one row)
   against the same blocks unsharded in this process.
+* negative_zero: rows whose p is -0.0 on every rank and whose residual is -0.0 give
+  h = -0.0 and y = -0.0 (the pure expression's), beside an ordinary row.
 * grads: jax.grad through the op equals jax.grad through the pure expression
   with lax.psum (NCCL).
 """
@@ -237,6 +239,38 @@ def test_eps_reaches_the_kernel(norm, kv):
     same, digests = kv.same_on_all_ranks(a)
     if not same:
       failures.append(f"eps=1 {name}: differs across ranks ({digests})")
+  assert not failures, _report(failures)
+
+
+@pytest.mark.quick
+def test_negative_zero(norm, kv):
+  """Trial 29: the kernel summed p from +0.0, so h = residual + sum(p) of -0.0 everywhere came
+  out +0.0 (the expression with lax.psum: -0.0), and y with it. Row 0 is -0.0 in p on every
+  rank and in the residual (h and y: -0.0), row 1 the same but for one element of the
+  residual that is +0.0 (there h: +0.0), row 2 ordinary values."""
+  rows, hidden = 3, 1024
+  ps = [_inputs(61, q, (rows, hidden), np.float32) for q in range(norm.nproc)]
+  r = _inputs(61, -1, (rows, hidden), np.float32)
+  w = np.abs(_inputs(61, -2, (hidden,), np.float32, outlier=1.0)) + 0.5
+  for p in ps:
+    p[:2] = -0.0
+  r[:2] = -0.0
+  r[1, 7] = 0.0
+  h, y = norm.fn()(*norm.arrays(ps[norm.rank], r, w))
+  h, y = norm.local(h), norm.local(y)
+  failures = _check(h, y, ps, r, w, np.float32, "signed zeros")
+  want_negative = np.ones((2, hidden), bool)
+  want_negative[1, 7] = False
+  for name, a in (("h", h), ("y", y)):
+    zeros = a[:2]
+    wrong = (zeros != 0) | (np.signbit(zeros) != want_negative)
+    if wrong.any():
+      i = np.unravel_index(int(np.argmax(wrong)), wrong.shape)
+      failures.append(f"{name}: {int(wrong.sum())} of {wrong.size} signed zeros wrong; "
+                      f"e.g. {i} = {zeros[i]!r}")
+    same, digests = kv.same_on_all_ranks(a)
+    if not same:
+      failures.append(f"{name}: differs across ranks ({digests})")
   assert not failures, _report(failures)
 
 
