@@ -82,7 +82,11 @@ DEFAULT_HEAP_BYTES = 1 << 30  # 1 GiB per GPU
 # The fused ops' slots: (ranks per node + 1) slots of this / (ranks + 1) bytes,
 # e.g. 682 MiB per sender with 2 GPUs per node (a bf16 shard of 16384 x 16384).
 DEFAULT_OVERLAP_HEAP_BYTES = 2 << 30
-DEFAULT_TIMEOUT_S = 10.0
+# A device wait that times out traps its kernel, which loses the GPU context: a rank late by
+# more than this ends the job. So it bounds hangs, not lateness: longer than the skew between
+# processes (a slower compilation, host work on one rank), as long as jax.distributed's own
+# heartbeat timeout (100 s), after which JAX declares a silent process dead anyway.
+DEFAULT_TIMEOUT_S = 100.0
 DEFAULT_INIT_TIMEOUT_S = 120.0  # every wait of initialize(): peers, rank 0's table and id, NVSHMEM
 HEAP_ALIGNMENT = 256  # heap_bytes and overlap_heap_bytes are multiples of this (bytes)
 MIN_TIMEOUT_S, MAX_TIMEOUT_S = 1e-3, 1e9  # the range of timeout_s (seconds); init_timeout_s <= max
@@ -93,6 +97,7 @@ MIN_TIMEOUT_S, MAX_TIMEOUT_S = 1e-3, 1e9  # the range of timeout_s (seconds); in
 # and two ranks of a group that chose differently would run different collectives.
 _SHARED_KNOBS = ("JAXOVERLAP_HIERARCHICAL_LL", "JAXOVERLAP_EPOCH_AT_START",
                  "JAXOVERLAP_NORM_CLUSTER", "JAXOVERLAP_TEST_PAIR_EPOCH",
+                 "JAXOVERLAP_TEST_LL_STALE",
                  "JAXOVERLAP_LAMPORT_BLOCKS_PER_SM", "JAXOVERLAP_LAMPORT_BLOCK_BYTES",
                  "JAXOVERLAP_LAMPORT_MAX_BLOCKS", "JAXOVERLAP_LAMPORT_POLL_NS")
 # NVSHMEM's own heap must hold ours plus its internal allocations.
@@ -422,6 +427,12 @@ def _resolve(heap_bytes, overlap_heap_bytes, timeout_s, ranks_per_node,
   if cap is not None and not _valid_alignment_cap(cap):
     raise ValueError(f"JAXOVERLAP_GEMM_ALIGNMENT_CAP={cap!r}: expected a power of two "
                      "from 1 to 256 (bytes)")
+  if env.get("JAXOVERLAP_TEST_LL_STALE") == "1" and not env.get("JAXOVERLAP_TEST_PAIR_EPOCH"):
+    # The stale cells carry the flags of the calls just after the 32-bit wrap; counted from 0,
+    # the first calls take them as this call's data and return NaN with no error.
+    raise ValueError("JAXOVERLAP_TEST_LL_STALE=1 needs JAXOVERLAP_TEST_PAIR_EPOCH (a count "
+                     "just below 2**32, as tests/gpu/test_gpu_flag_wrap.py sets): without it the "
+                     "first calls read the stale cells as data")
   return {"heap_bytes": heap_bytes, "overlap_heap_bytes": overlap_heap_bytes,
           "timeout_s": float(timeout_s), "ranks_per_node": ranks_per_node,
           "init_timeout_s": float(init_timeout_s)}
@@ -565,8 +576,10 @@ def initialize(
       (matmul_reduce_scatter) or twice the reduced block (matmul_all_reduce);
       ``runtime_info()["overlap_slot_bytes"]`` gives its size.
     timeout_s: bound on every device wait, in seconds, from 0.001 to 1e9
-      (default ``JAXOVERLAP_TIMEOUT_S`` or 10 s). A wait that times out records the
-      op, rank, peer and step, prints them to stderr and traps the kernel.
+      (default ``JAXOVERLAP_TIMEOUT_S`` or 100 s). A wait that times out records the
+      op, rank, peer and step, prints them to stderr and traps the kernel, which
+      loses the GPU context: keep it above the skew between processes (a rank
+      that arrives later than this ends the job, where NCCL would wait).
     ranks_per_node: GPUs per node (default ``JAXOVERLAP_RANKS_PER_NODE``, else
       detected from the hosts of the processes, which must then hold as many
       processes each, with consecutive ranks). The kernels take node = rank //

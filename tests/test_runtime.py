@@ -133,10 +133,10 @@ _PARAMETER_VARIABLES = ("JAXOVERLAP_HEAP_BYTES", "JAXOVERLAP_OVERLAP_HEAP_BYTES"
 
 @pytest.fixture
 def started(monkeypatch):
-  """The runtime as after initialize(): 1 GiB heap, 10 s timeout, 2 ranks per node."""
+  """The runtime as after initialize(): 1 GiB heap, 100 s timeout, 2 ranks per node."""
   for name in _PARAMETER_VARIABLES:
     monkeypatch.delenv(name, raising=False)
-  params = runtime._resolve(1 << 30, None, 10.0, None, None)
+  params = runtime._resolve(1 << 30, None, 100.0, None, None)
   monkeypatch.setattr(runtime, "_initialized", True)
   monkeypatch.setattr(runtime, "_info", {"parameters": params, "ranks_per_node": 2, "pe": 0})
   monkeypatch.setattr(runtime, "runtime_info", lambda: {"initialized": True})
@@ -154,9 +154,9 @@ def test_second_initialize_with_other_parameters_raises(started):
 
 def test_second_initialize_with_the_same_or_no_parameters_returns_the_info(started):
   assert runtime.initialize() == {"initialized": True}
-  assert runtime.initialize(heap_bytes=1 << 30, timeout_s=10, ranks_per_node=2) == {
+  assert runtime.DEFAULT_TIMEOUT_S == 100.0  # above the skew between processes (trial 29)
+  assert runtime.initialize(heap_bytes=1 << 30, timeout_s=100, ranks_per_node=2) == {
       "initialized": True}
-
 
 
 @pytest.mark.parametrize("kw,match", [
@@ -604,7 +604,7 @@ def test_a_second_initialize_compares_the_environment_too(fake_gpu, monkeypatch)
      "overlap_heap_bytes=1073741824 (from JAXOVERLAP_OVERLAP_HEAP_BYTES='1G') (active: "
      "2147483648)"),
     ("JAXOVERLAP_TIMEOUT_S", "20",
-     "timeout_s=20.0 (from JAXOVERLAP_TIMEOUT_S='20') (active: 10.0)"),
+     "timeout_s=20.0 (from JAXOVERLAP_TIMEOUT_S='20') (active: 100.0)"),
     ("JAXOVERLAP_RANKS_PER_NODE", "1",
      "ranks_per_node=1 (from JAXOVERLAP_RANKS_PER_NODE='1') (active: 2)"),
 ])
@@ -653,7 +653,8 @@ def test_settings_compared_are_the_resolved_ones(fake_gpu, monkeypatch):
   runtime.initialize(heap_bytes=512 << 20)
   mine = json.loads(store.values[f"jaxoverlap/{runtime._generation - 1}/settings/0"])
   unset = {k: None for k in ("JAXOVERLAP_HIERARCHICAL_LL", "JAXOVERLAP_NORM_CLUSTER",
-                              "JAXOVERLAP_TEST_PAIR_EPOCH", "JAXOVERLAP_LAMPORT_BLOCKS_PER_SM",
+                              "JAXOVERLAP_TEST_PAIR_EPOCH", "JAXOVERLAP_TEST_LL_STALE",
+                              "JAXOVERLAP_LAMPORT_BLOCKS_PER_SM",
                               "JAXOVERLAP_LAMPORT_BLOCK_BYTES", "JAXOVERLAP_LAMPORT_MAX_BLOCKS",
                               "JAXOVERLAP_LAMPORT_POLL_NS")}
   unset.update({f"JAXOVERLAP_{k.upper()}": None for k in tuning.PARAM_KEYS})
@@ -730,3 +731,17 @@ def test_nodes_are_emulated(hosts, num_nodes, emulated):
   """Nodes sharing a host run the inter-node steps over NVLink; the policy keeps their timings
   from real nodes (tuning.Policy.choose)."""
   assert runtime.nodes_are_emulated(hosts, num_nodes) is emulated
+
+
+def test_stale_ll_cells_need_the_pair_epoch_knob(fake_gpu, monkeypatch):
+  """Trial 29 C4: JAXOVERLAP_TEST_LL_STALE=1 alone made the first calls read the stale cells
+  (flags 0 and 1, NaN data) as their data: NaN results, no error."""
+  ext, _ = fake_gpu(0, ["a", "a"])
+  monkeypatch.setenv("JAXOVERLAP_TEST_LL_STALE", "1")
+  with pytest.raises(ValueError, match="JAXOVERLAP_TEST_LL_STALE=1 needs "
+                                       "JAXOVERLAP_TEST_PAIR_EPOCH"):
+    runtime.initialize()
+  assert not ext.started
+  monkeypatch.setenv("JAXOVERLAP_TEST_PAIR_EPOCH", str(2**32 - 3))
+  runtime.initialize()
+  assert ext.started
