@@ -609,6 +609,8 @@ def test_decode_errors_and_new_options():
                    ((2, 4.0), "max_length must be a positive int, got 4.0")]:
     with pytest.raises(ValueError, match=msg):
       layer.init_cache(bad)
+  with pytest.raises(ValueError, match="input_shape must be .*, got 2$"):  # trial 30 F7
+    layer.init_cache(2)
   layer.init_cache((2, 4, D))
   assert layer.cached_key[...].dtype == jnp.float32 and int(layer.cache_index[...]) == 0
   layer(x, decode=True)
@@ -616,6 +618,16 @@ def test_decode_errors_and_new_options():
     layer(x[:, :2], decode=True)
   with pytest.raises(ValueError, match="x has batch size 1, the KV cache 2"):
     layer(x[:1, :1], decode=True)
+  # Trial 30 F3: the checks come before the QKV projection, which ran first (outside jit).
+  projected = []
+  real_qkv = layer.qkv
+  with pytest.MonkeyPatch.context() as mp:
+    mp.setattr(layer, "qkv", lambda x: projected.append(1) or real_qkv(x))
+    with pytest.raises(ValueError, match="x has batch size 4, the KV cache 2"):
+      layer(jnp.zeros((4, 1, D)), decode=True)
+    with pytest.raises(ValueError, match="ParallelAttention expects x: \\[b, s, d\\]"):
+      layer(jnp.zeros((2, D)), decode=True)
+  assert not projected
   with pytest.raises(ValueError, match="attention_implementation must be one of"):
     ParallelConfig(attention_implementation="flash")
   with pytest.raises(ValueError, match="backend must be one of .*got 'gpu'"):
@@ -815,6 +827,48 @@ def test_fuse_norm_refusals():
                                        r"next_norm dtype=bfloat16, or turn fuse_norm off"):
     bf16(jnp.zeros((B, S, D), jnp.bfloat16), next_norm=wide)
   assert bf16(jnp.zeros((B, S, D), jnp.bfloat16)).dtype == jnp.bfloat16
+
+
+@pytest.mark.parametrize("fuse_norm", [False, True], ids=["unfused", "fuse_norm"])
+def test_apply_blocks_without_a_final_norm(fuse_norm):
+  """Trial 30 F1: final_norm=None split the last block's [b, s, d] output along the batch
+  (batch 2: one batch element came back, no error). None now means no final norm."""
+  config = ParallelConfig(mesh=_mesh(1, 2), dp_axis=None, backend="xla", fuse_norm=fuse_norm)
+  blocks = nnx.jit(lambda: _Chain(config, 2, True))().blocks
+  x = jax.random.normal(_key(), (2, S, D), jnp.float32)
+  got = apply_blocks(blocks, x, None)
+  want = blocks[1](blocks[0](x))
+  assert got.shape == (2, S, D)
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), **_tol(jnp.float32))
+  with pytest.raises(TypeError, match="final_norm must be a norm .* or None, got int"):
+    apply_blocks(blocks, x, 3)
+
+
+def test_fuse_norm_checks_the_callers_norm_before_any_work(monkeypatch):
+  """Trial 30 F2: a next_norm or final_norm of another width or a bad epsilon was refused
+  after the attention ran, in the words of all_reduce_rms_norm (eps, weight, p), an op the
+  caller never called. Now before any work, naming the norm."""
+  config = ParallelConfig(mesh=_mesh(1, 2), dp_axis=None, backend="xla", fuse_norm=True)
+  blocks = nnx.jit(lambda: _Chain(config, 2, True))().blocks
+  ran = []
+  monkeypatch.setattr(ParallelAttention, "__call__", lambda *a, **k: ran.append(1))
+  x = jnp.zeros((B, S, D))
+  for norm, says in (
+      (RMSNorm(D // 2, config=config, rngs=nnx.Rngs(0)),
+       rf"final_norm: an RMSNorm of num_features={D // 2} after a block of {D} features"),
+      (RMSNorm(D, config=config, epsilon=0.0, rngs=nnx.Rngs(0)),
+       r"needs apply_blocks: final_norm.epsilon, the fused norm's eps, as a positive finite "
+       r"number \(a Python or NumPy scalar, not an array\), got epsilon=0.0"),
+      (RMSNorm(D, config=config, epsilon=jnp.float32(1e-6), rngs=nnx.Rngs(0)),
+       r"final_norm.epsilon, .* not an array")):
+    with pytest.raises(ValueError, match=says):
+      apply_blocks(blocks, x, norm)
+    with pytest.raises(ValueError, match=says.replace("apply_blocks: final_norm", "next_norm")
+                       .replace("final_norm", "next_norm")):
+      blocks[0](x, next_norm=norm)
+  assert not ran
+  with pytest.raises(ValueError, match=rf"normed has shape \({B}, 2, {D}\), x \({B}, {S}, {D}\)"):
+    blocks[0](x, normed=x[:, :2])
 
 
 @pytest.mark.parametrize("row_reduction,key,algorithm,want", [

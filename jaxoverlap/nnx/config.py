@@ -29,7 +29,9 @@ Algorithm:
   vocab     vocabulary                       ``tp_axis``
   ========  ===============================  ================================
 
-Example:
+Example (8 devices):
+  >>> import jax
+  >>> from jaxoverlap.nnx import ParallelConfig
   >>> mesh = jax.make_mesh((2, 4), ("dp", "tp"),
   ...                      axis_types=(jax.sharding.AxisType.Auto,) * 2)
   >>> config = ParallelConfig(mesh=mesh, sequence_parallel=True)

@@ -38,7 +38,10 @@ Algorithm:
   each row-parallel GEMM: with SwiGLU and RMSNorm, a Llama-style decoder for
   tensor-parallel decode (benchmarks/decode.py builds one).
 
-Example:
+Example (8 devices):
+  >>> import jax, jax.numpy as jnp
+  >>> from flax import nnx
+  >>> from jaxoverlap.nnx import ParallelConfig, TransformerBlock
   >>> mesh = jax.make_mesh((2, 4), ("dp", "tp"),
   ...                      axis_types=(jax.sharding.AxisType.Auto,) * 2)
   >>> config = ParallelConfig(mesh=mesh, sequence_parallel=True)
@@ -233,6 +236,7 @@ def _linear_inputs(layer: ColumnParallelLinear | RowParallelLinear, x: jax.Array
       ``layer.in_features``, or its shape does not fit the mesh
       (``_check_activation_shape``).
   """
+  x = jnp.asarray(x)  # as flax's layers: lists and NumPy arrays too
   _check_rank3(x, name, letters)
   if x.shape[-1] != layer.in_features:
     raise ValueError(
@@ -350,10 +354,10 @@ class ColumnParallelLinear(nnx.Module):
     Raises:
       ValueError: ``x_bsd`` is not rank 3, its last dimension is not ``d``,
         ``b`` is not divisible by the dp size, or (SP) ``s`` not by the tp size.
-      TypeError: without SP, a forward-mode tangent on ``x_bsd`` (the
-        gradient is an ``all_reduce``, which has a reverse-mode rule only);
-        ``jax.hessian`` and Hessian-vector products (forward over reverse)
-        work.
+      TypeError: on a mesh, a forward-mode tangent on ``x_bsd`` (without SP
+        the gradient is an ``all_reduce``, with SP the op is
+        ``all_gather_matmul``: reverse-mode rules only); ``jax.hessian`` and
+        Hessian-vector products (forward over reverse) work.
     """
     x_bsd = jnp.asarray(x_bsd)  # as flax's layers: lists and NumPy arrays too
     x_bsd, w_df, bias = _linear_inputs(self, x_bsd, "ColumnParallelLinear", "bsd")
@@ -476,6 +480,9 @@ class RowParallelLinear(nnx.Module):
     Raises:
       ValueError: ``x_bsf`` is not rank 3, its last dimension is not ``f``,
         ``b`` is not divisible by the dp size, or (SP) ``s`` not by the tp size.
+      TypeError: on a mesh, a forward-mode tangent (``matmul_all_reduce`` and
+        ``matmul_reduce_scatter`` have reverse-mode rules only; forward over
+        reverse works).
     """
     x_bsf = jnp.asarray(x_bsf)  # as flax's layers: lists and NumPy arrays too
     x_bsf, w_fd, bias = _linear_inputs(self, x_bsf, "RowParallelLinear", "bsf")
@@ -526,6 +533,9 @@ class RowParallelLinear(nnx.Module):
       on its first axis over tp) is rank ``t``'s ``x_shard @ w_shard`` in the
       compute dtype (their sum is the layer's output less the bias), and the
       bias ``[d]`` or None.
+
+    Raises:
+      ValueError: as ``__call__``.
     """
     x_bsf, w_fd, bias = _linear_inputs(self, x_bsf, "RowParallelLinear", "bsf")
     cfg = self.config
@@ -775,8 +785,9 @@ class ParallelMLP(nnx.Module):
       ValueError: ``x_bsd`` is not rank 3, its last dimension is not ``d``,
         ``b`` is not divisible by the dp size, or (SP) ``s`` not by the tp
         size (``ColumnParallelLinear``, the up projection, names itself).
-      TypeError: without SP, a forward-mode tangent on ``x_bsd``
-        (``ColumnParallelLinear``; forward over reverse works).
+      TypeError: on a mesh, a forward-mode tangent on ``x_bsd``
+        (``ColumnParallelLinear``, ``RowParallelLinear``; forward over reverse
+        works).
     """
     x_bsd = jnp.asarray(x_bsd)  # as flax's layers: lists and NumPy arrays too
     h_bsf = self.up(x_bsd)
@@ -976,9 +987,9 @@ class ParallelAttention(nnx.Module):
         the dp size.
     """
     cfg = self.config
-    if len(tuple(input_shape)) < 2:
+    if not isinstance(input_shape, (tuple, list)) or len(input_shape) < 2:
       raise ValueError("ParallelAttention.init_cache: input_shape must be (batch, max_length, "
-                       f"...), got {tuple(input_shape)!r}")
+                       f"...), got {input_shape!r}")
     _check_sizes("ParallelAttention.init_cache", batch=input_shape[0],
                  max_length=input_shape[1])
     b, max_length = int(input_shape[0]), int(input_shape[1])
@@ -997,6 +1008,43 @@ class ParallelAttention(nnx.Module):
     self.cached_key = nnx.Cache(zeros(shape, dtype, cfg.spec("batch", None, "heads", "kv")))
     self.cached_value = nnx.Cache(zeros(shape, dtype, cfg.spec("batch", None, "heads", "kv")))
     self.cache_index = nnx.Cache(zeros((), jnp.int32, cfg.spec()))
+
+  def _check_decode(self, x_bsd: jax.Array) -> bool:
+    """``__call__``'s decode checks, from ``x_bsd``'s shape and dtype and the cache alone;
+    whether the step runs cuDNN's attention. Raises as ``__call__`` documents."""
+    if getattr(self, "cache_index", None) is None:
+      raise ValueError("ParallelAttention: decode=True needs a KV cache; call "
+                       "init_cache(input_shape) first")
+    _check_rank3(x_bsd, "ParallelAttention", "bsd")
+    (b, s), (cache_b, max_length) = x_bsd.shape[:2], self.cached_key.shape[:2]
+    if b != cache_b:
+      raise ValueError(f"ParallelAttention: x has batch size {b}, the KV cache {cache_b}")
+    try:
+      start = int(self.cache_index[...])
+    except TypeError:  # traced: not known before the program runs
+      start = 0
+    if start + s > max_length:
+      raise ValueError(f"ParallelAttention: {s} tokens from position {start} do not fit in "
+                       f"the KV cache of max_length {max_length}")
+
+    dtype = jnp.dtype(self.qkv.dtype) if self.qkv.dtype is not None else jnp.result_type(
+        x_bsd.dtype, self.qkv.kernel[...].dtype,
+        *(() if self.qkv.bias is None else (self.qkv.bias[...].dtype,)))  # qkv's output
+    cudnn = self.config.attention_implementation == "cudnn" and s == 1
+    platform = (self.config.mesh.devices.flat[0].platform if self.config.mesh is not None
+                else jax.default_backend())
+    if cudnn and platform != "gpu":
+      raise ValueError("ParallelAttention: attention_implementation='cudnn' runs cuDNN's fused "
+                       f"attention, which needs NVIDIA GPUs; this model runs on {platform!r} "
+                       "(use attention_implementation='xla')")
+    if cudnn and dtype not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+      raise ValueError("ParallelAttention: attention_implementation='cudnn' needs bfloat16 or "
+                       f"float16 activations, got {dtype.name}")
+    if cudnn and self.cached_key.dtype != dtype:
+      raise ValueError("ParallelAttention: attention_implementation='cudnn' reads the KV cache "
+                       f"in the activations' dtype ({dtype.name}); the cache "
+                       f"is {jnp.dtype(self.cached_key.dtype).name} (init_cache's dtype)")
+    return cudnn
 
   def __call__(self, x_bsd: jax.Array, *, decode: bool = False, partial: bool = False):
     """Applies attention to ``x_bsd: [b, s, d]``; returns ``[b, s, d]`` in the same layout.
@@ -1021,6 +1069,8 @@ class ParallelAttention(nnx.Module):
         KV cache of another dtype.
     """
     x_bsd = jnp.asarray(x_bsd)  # as flax's layers: lists and NumPy arrays too
+    if decode:  # before the projection: a refused call runs nothing, also outside jit
+      cudnn = self._check_decode(x_bsd)
     qkv_bsn = self.qkv(x_bsd)  # n = kv heads * (g + 2) * k, sharded over tp
     group, theta = self.num_heads // self.num_kv_heads, self.rope_theta
     head_dim = self.head_features
@@ -1043,36 +1093,6 @@ class ParallelAttention(nnx.Module):
       attn_bsn = _shard_map(core, self.config, (heads,), heads)(qkv_bsn)  # n = h * k
       return self.out.partial(attn_bsn) if partial else self.out(attn_bsn)
 
-    if getattr(self, "cache_index", None) is None:
-      raise ValueError("ParallelAttention: decode=True needs a KV cache; call "
-                       "init_cache(input_shape) first")
-    b, s = x_bsd.shape[:2]
-    cache_b, max_length = self.cached_key.shape[:2]
-    if b != cache_b:
-      raise ValueError(f"ParallelAttention: x has batch size {b}, the KV cache {cache_b}")
-    try:
-      start = int(self.cache_index[...])
-    except TypeError:  # traced: not known before the program runs
-      start = 0
-    if start + s > max_length:
-      raise ValueError(f"ParallelAttention: {s} tokens from position {start} do not fit in "
-                       f"the KV cache of max_length {max_length}")
-
-    cudnn = self.config.attention_implementation == "cudnn" and s == 1
-    platform = (self.config.mesh.devices.flat[0].platform if self.config.mesh is not None
-                else jax.default_backend())
-    if cudnn and platform != "gpu":
-      raise ValueError("ParallelAttention: attention_implementation='cudnn' runs cuDNN's fused "
-                       f"attention, which needs NVIDIA GPUs; this model runs on {platform!r} "
-                       "(use attention_implementation='xla')")
-    if cudnn and jnp.dtype(qkv_bsn.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
-      raise ValueError("ParallelAttention: attention_implementation='cudnn' needs bfloat16 or "
-                       f"float16 activations, got {jnp.dtype(qkv_bsn.dtype).name}")
-    if cudnn and self.cached_key.dtype != qkv_bsn.dtype:
-      raise ValueError("ParallelAttention: attention_implementation='cudnn' reads the KV cache "
-                       f"in the activations' dtype ({jnp.dtype(qkv_bsn.dtype).name}); the cache "
-                       f"is {jnp.dtype(self.cached_key.dtype).name} (init_cache's dtype)")
-
     def cached_core(qkv_bsn, ck_btnk, cv_btnk, index):
       positions = index + jnp.arange(qkv_bsn.shape[1], dtype=index.dtype)
       q, k, v = split(qkv_bsn, positions)
@@ -1087,7 +1107,7 @@ class ParallelAttention(nnx.Module):
     attn_bsn, self.cached_key[...], self.cached_value[...] = _shard_map(
         cached_core, self.config, (heads, cache, cache, self.config.spec()),
         (heads, cache, cache))(qkv_bsn, self.cached_key[...], self.cached_value[...], index)
-    self.cache_index[...] = index + s
+    self.cache_index[...] = index + x_bsd.shape[1]
     return self.out.partial(attn_bsn) if partial else self.out(attn_bsn)
 
 
@@ -1160,8 +1180,7 @@ class TransformerBlock(nnx.Module):
       raise ValueError(f"norm must be one of {_NORMS}, got {norm!r}")
     if config.fuse_norm and norm != "rms":
       raise ValueError(f"config.fuse_norm fuses an RMSNorm; this block's norm is {norm!r}")
-    if config.fuse_norm and not (isinstance(epsilon, numbers.Real)
-                                 and not isinstance(epsilon, bool) and 0 < epsilon < math.inf):
+    if config.fuse_norm and not _fusable_epsilon(epsilon):
       # all_reduce_rms_norm's eps is a positive Python float; say so here, not at the first call.
       raise ValueError(f"TransformerBlock: config.fuse_norm needs epsilon, the fused norm's "
                        f"eps, as a positive finite number (a Python or NumPy scalar, not an "
@@ -1180,7 +1199,17 @@ class TransformerBlock(nnx.Module):
     self.mlp = ParallelMLP(num_features, mlp_features, activation=activation, **common)
 
   def init_cache(self, input_shape: tuple[int, ...], dtype: Dtype | None = None) -> None:
-    """Creates the attention's KV cache (``ParallelAttention.init_cache``)."""
+    """Creates the attention's KV cache for decoding (``ParallelAttention.init_cache``).
+
+    Args:
+      input_shape: ``(b, max_length)`` or ``(b, max_length, ...)``: the batch
+        and the most tokens the cache holds.
+      dtype: the cache's dtype; None: the block's ``dtype``, else its
+        ``param_dtype``.
+
+    Raises:
+      ValueError: as ``ParallelAttention.init_cache``.
+    """
     self.attn.init_cache(input_shape, dtype)
 
   def __call__(self, x_bsd: jax.Array, *, decode: bool = False, normed: jax.Array | None = None,
@@ -1204,23 +1233,28 @@ class TransformerBlock(nnx.Module):
       The output, or ``(output, next_norm(output))`` with ``next_norm``.
 
     Raises:
-      ValueError: ``config.fuse_norm`` (on a mesh) with a ``next_norm`` that is
-        not an ``RMSNorm``, or with a norm that computes in a dtype other than
-        the activations' (``_reduce_residual_norm``).
+      ValueError: the sub-layers' (``x_bsd`` not rank 3, not ``d`` features,
+        ``b`` or (SP) ``s`` not divisible by the dp or tp size) and, with
+        ``decode``, ``ParallelAttention``'s (no cache, another batch, no room);
+        ``config.fuse_norm`` (on a mesh) with a ``next_norm`` that is not an
+        ``RMSNorm``, of another width, with an ``epsilon`` that is not a
+        positive finite scalar (these before any work), or with a norm that
+        computes in a dtype other than the activations'
+        (``_reduce_residual_norm``).
+      TypeError: on a mesh, a forward-mode tangent (the parallel linear
+        layers').
     """
     x_bsd = jnp.asarray(x_bsd)  # as flax's layers: lists and NumPy arrays too
+    if normed is not None and jnp.shape(normed) != x_bsd.shape:
+      raise ValueError(f"TransformerBlock: normed has shape {jnp.shape(normed)}, x "
+                       f"{x_bsd.shape}; normed is attn_norm(x), of x's shape")
     if not (self.config.fuse_norm and self.config.mesh is not None):
       x_bsd = x_bsd + self.attn(self.attn_norm(x_bsd) if normed is None else normed,
                                 decode=decode)
       x_bsd = x_bsd + self.mlp(self.mlp_norm(x_bsd))
       return x_bsd if next_norm is None else (x_bsd, next_norm(x_bsd))
-    if next_norm is not None and not isinstance(next_norm, RMSNorm):
-      kind = type(next_norm)
-      raise ValueError(
-          "config.fuse_norm fuses a jaxoverlap.nnx.RMSNorm into the reduction before it; "
-          f"next_norm is a {kind.__module__}.{kind.__qualname__}. Pass "
-          "jaxoverlap.nnx.RMSNorm(num_features, config=config) (flax's nnx.RMSNorm is not "
-          "fused), or turn fuse_norm off")
+    if next_norm is not None:  # before any work: a refused call runs nothing
+      _check_fused_norm(next_norm, self.attn_norm.num_features, "next_norm")
     if normed is None:
       normed = self.attn_norm(x_bsd)
     x_bsd, normed = self._reduce_residual_norm(
@@ -1280,8 +1314,41 @@ class TransformerBlock(nnx.Module):
         p_tbsd, residual, scale)
 
 
+def _fusable_epsilon(epsilon) -> bool:
+  """Whether ``epsilon`` can be ``all_reduce_rms_norm``'s eps: a positive finite scalar."""
+  return (isinstance(epsilon, numbers.Real) and not isinstance(epsilon, bool)
+          and 0 < epsilon < math.inf)
+
+
+def _check_fused_norm(norm, num_features: int, role: str) -> None:
+  """Refuses a norm that ``config.fuse_norm`` cannot fuse after a block of ``num_features``.
+
+  ``role`` names the norm in the message (``next_norm``, or ``apply_blocks``'s
+  ``final_norm``): the errors would otherwise surface later, after the attention
+  ran, as ``all_reduce_rms_norm``'s own.
+
+  Raises:
+    ValueError: ``norm`` is not a ``jaxoverlap.nnx.RMSNorm``, has another
+      ``num_features``, or an ``epsilon`` that is not a positive finite scalar.
+  """
+  if not isinstance(norm, RMSNorm):
+    kind = type(norm)
+    raise ValueError(
+        "config.fuse_norm fuses a jaxoverlap.nnx.RMSNorm into the reduction before it; "
+        f"{role} is a {kind.__module__}.{kind.__qualname__}. Pass "
+        "jaxoverlap.nnx.RMSNorm(num_features, config=config) (flax's nnx.RMSNorm is not "
+        "fused), or turn fuse_norm off")
+  if norm.num_features != num_features:
+    raise ValueError(f"{role}: an RMSNorm of num_features={norm.num_features} after a block of "
+                     f"{num_features} features")
+  if not _fusable_epsilon(norm.epsilon):
+    raise ValueError(f"config.fuse_norm needs {role}.epsilon, the fused norm's eps, as a "
+                     "positive finite number (a Python or NumPy scalar, not an array), got "
+                     f"epsilon={norm.epsilon!r}")
+
+
 def apply_blocks(blocks: Sequence[TransformerBlock], x_bsd: jax.Array,
-                 final_norm: RMSNorm | LayerNorm, *, decode: bool = False) -> jax.Array:
+                 final_norm: RMSNorm | LayerNorm | None, *, decode: bool = False) -> jax.Array:
   """``final_norm(blocks[-1](... blocks[0](x_bsd)))``, each block handing the next its norm.
 
   Every block gets the next block's ``attn_norm`` (the last one
@@ -1295,17 +1362,21 @@ def apply_blocks(blocks: Sequence[TransformerBlock], x_bsd: jax.Array,
   Args:
     blocks: the blocks, in order (at least one).
     x_bsd: ``[b, s, d]``, the first block's input.
-    final_norm: the norm after the last block (an ``RMSNorm`` with
-      ``fuse_norm``).
+    final_norm: the norm after the last block (an ``RMSNorm`` of the blocks'
+      width with ``fuse_norm``), or None: no norm after the last block (its
+      MLP's reduction then runs alone).
     decode: passed to every block (``TransformerBlock``).
 
   Returns:
-    ``[b, s, d]``: the final norm of the last block's output.
+    ``[b, s, d]``: the final norm of the last block's output (with
+    ``final_norm=None``, the output itself).
 
   Raises:
-    ValueError: no blocks; ``fuse_norm`` (on a mesh) with a ``LayerNorm`` or a
-      norm that computes in a dtype other than the activations'
-      (``TransformerBlock.__call__``).
+    TypeError: ``final_norm`` is neither None nor callable.
+    ValueError: no blocks; ``fuse_norm`` (on a mesh) with a ``final_norm``
+      that is not an ``RMSNorm``, of another width or with an ``epsilon`` that
+      is not a positive finite scalar, or that computes in a dtype other than
+      the activations' (``TransformerBlock.__call__``).
 
   Source: the all-reduce after each row-parallel layer (Megatron-LM, arXiv
   1909.08053, section 3) fused with the residual add and the RMSNorm after it
@@ -1314,8 +1385,17 @@ def apply_blocks(blocks: Sequence[TransformerBlock], x_bsd: jax.Array,
   """
   if len(blocks) == 0:
     raise ValueError("apply_blocks needs at least one block")
+  if final_norm is not None and not callable(final_norm):
+    raise TypeError(f"apply_blocks: final_norm must be a norm (jaxoverlap.nnx.RMSNorm or "
+                    f"LayerNorm) or None, got {type(final_norm).__name__}")
+  last = blocks[-1]
+  if final_norm is not None and last.config.fuse_norm and last.config.mesh is not None:
+    _check_fused_norm(final_norm, last.attn_norm.num_features, "apply_blocks: final_norm")
   normed = None
   for i, block in enumerate(blocks):
     nxt = blocks[i + 1].attn_norm if i + 1 < len(blocks) else final_norm
-    x_bsd, normed = block(x_bsd, decode=decode, normed=normed, next_norm=nxt)
+    out = block(x_bsd, decode=decode, normed=normed, next_norm=nxt)
+    if nxt is None:  # the last block, without a final norm
+      return out
+    x_bsd, normed = out
   return normed
