@@ -11,9 +11,17 @@ Public ops (call inside ``jax.shard_map``; each a ``jax.custom_vjp``):
 * ``all_reduce_rms_norm(p, residual, weight, axis_name)`` == ``(h, rms_norm(h) * weight)``
   with ``h = residual + lax.psum(p, axis_name)``
 
-Runtime: ``initialize()`` (NVSHMEM, for ``backend="cuda"``), ``finalize()``,
-``runtime_info()``. How each call ran: ``decisions()`` (``jaxoverlap.dispatch``).
-The names of backends, algorithms, protocols and transports: ``jaxoverlap.names``.
+Runtime (for ``backend="cuda"``): ``initialize()`` brings up the kernels' runtime (NVSHMEM
+with a process per GPU, CUDA peer access with one process driving its GPUs), ``finalize()``,
+``is_initialized()``, ``runtime_info()``. How each call ran: ``decisions()``, a ``Plan``
+per op and compilation, and ``clear_decisions()`` (``jaxoverlap.dispatch``).
+
+Modules: ``jaxoverlap.nnx`` (Flax NNX tensor- and sequence-parallel layers),
+``jaxoverlap.reference`` (the ops as plain JAX expressions), ``jaxoverlap.launch``
+(processes and SLURM: ``initialize_from_env()``; ``python -m jaxoverlap.launch``),
+``jaxoverlap.tuning`` (how ``algorithm="auto"`` chooses: measured tables and the N-node
+cost model), ``jaxoverlap.names`` (the names of backends, algorithms, protocols and
+transports). The README has the install, the quickstarts and the results.
 Importing the package needs no GPU and loads no extension.
 """
 

@@ -28,12 +28,15 @@ Algorithm:
   The ``Plan`` names every choice and the reason for it. Lowerings only read
   it. Every plan goes into one bounded log, read with ``decisions()``.
 
-Example:
+Example (8 devices, as in ``jaxoverlap.reference``):
+  >>> import jax, jax.numpy as jnp, jaxoverlap
+  >>> from jax.sharding import PartitionSpec as P
+  >>> mesh = jax.make_mesh((8,), ("tp",), axis_types=(jax.sharding.AxisType.Auto,))
   >>> f = jax.jit(jax.shard_map(lambda x: jaxoverlap.all_reduce(x, "tp"), mesh=mesh,
   ...                           in_specs=P("tp"), out_specs=P()))
-  >>> f.lower(x)                      # planning happens here
-  >>> print(jaxoverlap.decisions()[-1].summary())
-  all_reduce [4096] bfloat16 over 'tp' (2 ranks): xla collective (backend: ...)
+  >>> _ = f.lower(jnp.ones(8 * 4096, jnp.bfloat16))   # planning happens here
+  >>> print(jaxoverlap.decisions()[-1].summary())      # doctest: +ELLIPSIS
+  all_reduce [4096] bfloat16 over 'tp' (8 ranks): xla collective [backend: auto: ...]
 """
 
 from __future__ import annotations
@@ -445,8 +448,18 @@ def _xla_plan(r: Request, base: dict, why_backend: str, chunks_ok: bool = False)
     algorithm, why_algorithm = names.COLLECTIVE, "default of backend 'xla'"
   else:
     algorithm, why_algorithm = r.algorithm, "requested"
+  # CUDA choices that a call with nothing to communicate leaves unused: said, not dropped
+  # silently (the other ways to backend 'xla' refuse them, or the caller asked for 'xla').
+  unused = [(key, f"{key}={value!r} requested, not used: the call runs on backend 'xla' "
+                  f"({why_backend})")
+            for key, value in (("algorithm", r.algorithm if names.backend_of_algorithm(
+                r.op, r.algorithm) == names.CUDA else None), ("protocol", r.protocol),
+                               ("transport", r.transport), ("chunks", r.chunks))
+            if value not in (None, names.AUTO)]
+  if unused and unused[0][0] == "algorithm":
+    why_algorithm = f"{unused.pop(0)[1]}; {why_algorithm}"
   return Plan(backend=names.XLA, algorithm=algorithm,
-              why=(("backend", why_backend), ("algorithm", why_algorithm)), **base)
+              why=(("backend", why_backend), ("algorithm", why_algorithm), *unused), **base)
 
 
 def _cuda_only_choice(r: Request) -> str | None:

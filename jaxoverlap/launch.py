@@ -171,6 +171,7 @@ def slurm_local_devices(env=None, visible_gpus: int | None = None) -> list[int] 
   Raises:
     RuntimeError: the task sees several GPUs but fewer than its local id
       needs, so the placement is ambiguous; the message says what it saw.
+    ValueError: ``SLURM_LOCALID`` is not an integer of at least 0.
   """
   env = os.environ if env is None else env
   if visible_gpus is None and "CUDA_VISIBLE_DEVICES" in env:
@@ -181,7 +182,10 @@ def slurm_local_devices(env=None, visible_gpus: int | None = None) -> list[int] 
     return list(range(visible_gpus)) if visible_gpus else None
   if visible_gpus == 0:
     return None
-  local = int(env.get("SLURM_LOCALID", "0") or 0)
+  problems: list[str] = []
+  local = _read_int(env, "SLURM_LOCALID", 0, problems) if env.get("SLURM_LOCALID") else 0
+  if problems:
+    raise ValueError(f"jaxoverlap.launch.slurm_local_devices: {problems[0]}")
   if visible_gpus is None:
     return [local]
   if visible_gpus == 1:
@@ -579,6 +583,19 @@ def _raise_signalled(signum, frame) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+  """``python -m jaxoverlap.launch``: runs a script in N local processes, one GPU each.
+
+  Args:
+    argv: the command line after the program name (None: ``sys.argv[1:]``);
+      ``--help`` lists the options.
+
+  Returns:
+    The exit status: 0 when every rank succeeded, else the first failure's
+    (128 + N for a rank killed by signal N; 124 on ``--timeout_s``).
+
+  Raises:
+    SystemExit: bad arguments (argparse's usage error, status 2) or ``--help``.
+  """
   parser = argparse.ArgumentParser(
       prog="python -m jaxoverlap.launch",
       description="Run a script in N local processes, one GPU each, and give each what\n"

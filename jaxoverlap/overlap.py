@@ -274,8 +274,10 @@ def matmul_reduce_scatter(x, w, axis_name, *, scatter_dimension=0, backend="auto
   """Multiplies ``x @ w`` and reduce-scatters the product over ``axis_name``.
 
   Equals ``reference.matmul_reduce_scatter``, i.e. ``lax.psum_scatter(x @ w,
-  axis_name, scatter_dimension=scatter_dimension, tiled=True)``, up to the
-  order of float32 summation. Call inside ``jax.shard_map``. This is the
+  axis_name, scatter_dimension=scatter_dimension, tiled=True)``, up to
+  rounding: in float32 exactly up to the order of summation; in bfloat16 and
+  float16 also where the cross-rank sum rounds (Returns). Call inside
+  ``jax.shard_map``. This is the
   row-parallel linear layer under sequence parallelism (``x`` sharded over
   its features, ``w`` over its rows, the output over the sequence).
 
@@ -303,8 +305,11 @@ def matmul_reduce_scatter(x, w, axis_name, *, scatter_dimension=0, backend="auto
   Returns:
     ``x @ w`` summed over the ranks, of which this rank keeps block ``rank``
     along ``scatter_dimension``: ``[..., n]`` with that dimension divided by
-    ``num_ranks``, in x's dtype (float32 GEMM accumulation; the cross-rank
-    sum rounds to x's dtype at each step, like ``psum_scatter``).
+    ``num_ranks``, in x's dtype (float32 GEMM accumulation). How the
+    cross-rank sum rounds to x's dtype depends on the algorithm: "collective"
+    sums the rounded products as ``psum_scatter`` does (at each step);
+    "ppermute" carries the sum in float32 and rounds once; backend "cuda"
+    rounds each rank's partial block and adds them in float32 (Algorithm).
 
   Raises:
     ValueError: unsupported or mismatched dtypes, ``w`` not 2-D,
@@ -397,7 +402,9 @@ def matmul_all_reduce(x, w, axis_name, *, backend="auto", algorithm="auto", tran
   """Multiplies ``x @ w`` and sums the product over the ranks of ``axis_name``.
 
   Equals ``reference.matmul_all_reduce``, i.e. ``lax.psum(x @ w,
-  axis_name)``, up to the order of float32 summation; the result has psum's
+  axis_name)``, up to rounding (in float32 the order of summation; in
+  bfloat16 and float16 also where the sum rounds, as in
+  ``matmul_reduce_scatter``); the result has psum's
   type (invariant over ``axis_name``). Call inside ``jax.shard_map``. This is
   Megatron's row-parallel linear layer without sequence parallelism.
 

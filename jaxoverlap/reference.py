@@ -8,15 +8,21 @@ Algorithm:
   One function per public op, with the same name and the same arguments (less
   ``backend`` and ``algorithm``), written with ``lax`` collectives and ``@``.
   Call them inside ``jax.shard_map``, like the ops. jaxoverlap's results equal
-  these up to the order of float32 summation; its matmuls accumulate in
-  float32 and round once to the input dtype.
+  these up to rounding: in float32 the order of summation; in bfloat16 and
+  float16 also where a cross-rank sum rounds to the input dtype (each op's
+  Returns says where). Its matmuls accumulate in float32.
 
-Example:
+Example (8 devices; on a CPU, XLA_FLAGS=--xla_force_host_platform_device_count=8
+before jax is imported):
+  >>> import jax, jax.numpy as jnp
+  >>> from jax.sharding import PartitionSpec as P
   >>> from jaxoverlap import reference
-  >>> @jax.shard_map(mesh=mesh, in_specs=(P("tp"), P(None, "tp")),
-  ...                out_specs=P(None, "tp"))
-  ... def f(x_md, w_df):
-  ...   return reference.all_gather_matmul(x_md, w_df, "tp")
+  >>> mesh = jax.make_mesh((8,), ("tp",), axis_types=(jax.sharding.AxisType.Auto,))
+  >>> f = jax.jit(jax.shard_map(lambda x, w: reference.all_gather_matmul(x, w, "tp"),
+  ...                           mesh=mesh, in_specs=(P("tp"), P(None, "tp")),
+  ...                           out_specs=P(None, "tp")))
+  >>> f(jnp.ones((16, 4)), jnp.ones((4, 8))).shape   # every rank: AG(x) [16, 4] @ w [4, 1]
+  (16, 8)
 """
 
 from __future__ import annotations

@@ -380,6 +380,14 @@ def test_a_group_of_one_rank_plans_the_xla_expression(one_process_per_device, op
   assert (p.backend, p.algorithm, p.num_ranks) == ("xla", "collective", 1), p.summary()
   assert p.reason("backend") == ONE_RANK
   assert (p.groups, p.protocol, p.transport, p.chunks) == (None, None, None, None)
+  # Trial 30 F5: the CUDA choices it does not use are said, each in its own reason.
+  for key, value in cuda_only.items() if ask == "cuda_only_choices" else ():
+    if key != "dim":
+      said = p.reason(key)
+      assert said is not None and said.startswith(f"{key}={value!r} requested, not used: the "
+                                                  f"call runs on backend 'xla' ({ONE_RANK})"), said
+  if ask != "cuda_only_choices":
+    assert p.reason("algorithm") == "default of backend 'xla'"
   # The same call over two ranks still plans the kernels.
   p = plan(Request(op, "tp", **kw), shapes, mesh_shape=(2, 2), axes=("dp", "tp"))
   assert p.backend == "cuda" and p.num_ranks == 2, p.summary()

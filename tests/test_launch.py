@@ -446,6 +446,17 @@ def test_slurm_task_that_sees_no_gpu_names_none(env, visible_gpus):
   assert launch.slurm_local_devices(env, visible_gpus=visible_gpus) is None
 
 
+@pytest.mark.parametrize("local,says", [("x", "SLURM_LOCALID='x' is not an integer"),
+                                        ("-1", "SLURM_LOCALID=-1 is below 0")])
+def test_slurm_local_devices_refuses_a_bad_local_id(local, says):
+  """Trial 30 F11: a bare int() error for "x", and [-1] for "-1" with two GPUs visible."""
+  from jaxoverlap import launch
+
+  env = {"SLURM_LOCALID": local, "SLURM_TASKS_PER_NODE": "2", "CUDA_VISIBLE_DEVICES": "0,1"}
+  with pytest.raises(ValueError, match=f"slurm_local_devices: {re.escape(says)}"):
+    launch.slurm_local_devices(env)
+
+
 # ------------------------------------------------------------------------ the rest
 
 
@@ -503,3 +514,4 @@ def test_a_wrapper_that_cannot_start_is_named_not_a_traceback(tmp_path):
   assert out.returncode == 127, (out.returncode, out.stderr)
   assert "cannot start rank 0" in out.stderr and "no-such-tool" in out.stderr, out.stderr
   assert "Traceback" not in out.stderr and "ran" not in out.stdout
+

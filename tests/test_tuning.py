@@ -244,10 +244,15 @@ def test_policy_prefers_the_records_of_the_callers_transport():
   assert (c.algorithm, c.protocol, c.time_us) == ("one_shot", "ll", 7.0)
   # No transport, or one without records: the median of every record of the topology
   # (Lamport 6.65 against LL 6.7).
-  for transport in (None, "other"):
-    c = policy.choose(262144, 2, 2, 1, transport)
-    assert (c.algorithm, c.protocol, c.time_us) == ("one_shot", "lamport", 6.65)
+  nvshmem_only = tuning.Policy(_records(two, transport="nvshmem"), P, path="t.json")
+  for pol, transport in ((policy, None), (nvshmem_only, "peer")):
+    c = pol.choose(262144, 2, 2, 1, transport)
     assert c.source == "measured (t.json, at 262144 bytes)"
+  c = policy.choose(262144, 2, 2, 1, None)
+  assert (c.algorithm, c.protocol, c.time_us) == ("one_shot", "lamport", 6.65)
+  with pytest.raises(ValueError, match=r"Policy.choose: transport must be None or one of "
+                                       r"\('nvshmem', 'peer'\) \(the runtime's\), got 'other'"):
+    policy.choose(262144, 2, 2, 1, "other")  # trial 30 F11: it was taken as "no records"
   # Where the transport's records stop, every record decides: above their largest size, ...
   wide = {"xla:psum": {262144: 14.0, 1 << 20: 20.0}, "jaxoverlap:one_shot_ll": {262144: 7.0,
                                                                              1 << 20: 30.0}}
@@ -818,3 +823,12 @@ def test_link_params_store_numbers():
 def test_choose_over_xla_gives_psums_time():
   c = tuning.Policy((), P).choose_over_xla(8192, 2, 4, 2)
   assert c.psum_us == pytest.approx(tuning.predict_us("psum", None, 8192, 2, 4, 2, P))
+
+
+def test_helpers_refuse_what_they_cannot_answer():
+  """Trial 30 F11: protocol_for("bogus") answered "simple"; from_result without a path named
+  the default tuning file, which the caller never read."""
+  with pytest.raises(ValueError, match="protocol_for: algorithm must be one of"):
+    tuning.protocol_for("bogus", 8192, 2)
+  with pytest.raises(ValueError, match="^the table given to Policy.from_result: "):
+    tuning.Policy.from_result({"x": 1})

@@ -93,7 +93,12 @@ def protocol_for(algorithm: str, nbytes: int, ranks_per_node: int) -> str:
 
   Returns:
     "ll" or "simple" (two_shot: "simple" until a table measures its "ll").
+
+  Raises:
+    ValueError: ``algorithm`` is not a CUDA all-reduce kernel's.
   """
+  if algorithm not in ALGORITHMS:
+    raise ValueError(f"protocol_for: algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
   if algorithm == names.ONE_SHOT:
     return names.LL if nbytes <= ONE_SHOT_LL_MAX_BYTES else names.SIMPLE
   if algorithm == names.HIERARCHICAL:
@@ -103,6 +108,12 @@ def protocol_for(algorithm: str, nbytes: int, ranks_per_node: int) -> str:
 
 
 # --------------------------------------------------------------------------- all-reduce policy
+
+
+def _check_transport(where: str, transport: str | None) -> None:
+  if transport is not None and transport not in names.RUNTIME_TRANSPORTS:
+    raise ValueError(f"{where}: transport must be None or one of {names.RUNTIME_TRANSPORTS} "
+                     f"(the runtime's), got {transport!r}")
 
 
 class Choice(NamedTuple):
@@ -251,10 +262,11 @@ class Policy:
         (``results.validate_tuning_table``: e.g. records of another op, or no
         kernel timed).
     """
-    path = path or results.default_tuning_path()
     if result is None:
-      return cls((), cost_model.params_from_env(), path=path, missing=True, **kwargs)
-    results.validate_tuning_table(result, path)
+      return cls((), cost_model.params_from_env(), path=path or results.default_tuning_path(),
+                 missing=True, **kwargs)
+    results.validate_tuning_table(result, path or "the table given to Policy.from_result")
+    path = path or "a table given to Policy.from_result"
     params = cost_model.params_from_env(cost_model.DEFAULT_PARAMS.replace(**result.get("params", {})))
     return cls(result["records"], params, path=path, **kwargs)
 
@@ -401,12 +413,13 @@ class Policy:
 
     Raises:
       ValueError: a size, item size or topology that is not a whole number
-        (a negative size, fewer than one rank or node).
+        (a negative size, fewer than one rank or node); an unknown transport.
     """
     nbytes, itemsize, ranks_per_node, num_nodes = _whole("Policy.choose", nbytes=nbytes,
                                                          itemsize=itemsize,
                                                          ranks_per_node=ranks_per_node,
                                                          num_nodes=num_nodes)
+    _check_transport("Policy.choose", transport)
     got = self._from_measurements(nbytes, itemsize, ranks_per_node, num_nodes, transport,
                                   emulated_nodes)
     if isinstance(got, Choice):
@@ -458,6 +471,7 @@ class Policy:
     nbytes, itemsize, ranks_per_node, num_nodes = _whole(
         "Policy.choose_protocol", nbytes=nbytes, itemsize=itemsize,
         ranks_per_node=ranks_per_node, num_nodes=num_nodes)
+    _check_transport("Policy.choose_protocol", transport)
     if num_nodes > 1 and emulated_nodes is not True:
       got = self._from_measurements(nbytes, itemsize, ranks_per_node, num_nodes, transport,
                                     False, only=algorithm)
