@@ -295,7 +295,10 @@ def _slurm_setup(env, find_coordinator: bool = True) -> dict[str, Any] | None:
     problems.append(f"SLURM_PROCID={pid} is not below SLURM_NTASKS={ntasks}")
   if "SLURM_LOCALID" in env:
     _read_int(env, "SLURM_LOCALID", 0, problems)
-  if find_coordinator and not env.get("JAX_COORDINATOR_ADDRESS", "").strip():
+  given = env.get("JAX_COORDINATOR_ADDRESS", "").strip()
+  if given and not _is_host_port(given):
+    problems.append(f"JAX_COORDINATOR_ADDRESS={given!r} is not host:port (e.g. node0:12345)")
+  if find_coordinator and not given:
     missing = [n for n in ("SLURM_JOB_ID", "SLURM_STEP_NODELIST") if not env.get(n, "").strip()]
     if "SLURM_JOB_ID" not in missing:
       _read_int(env, "SLURM_JOB_ID", 0, problems)
@@ -355,8 +358,14 @@ def initialize_from_env(
   coordinator, the tasks per node and ``CUDA_VISIBLE_DEVICES``: see
   ``slurm_local_devices``). With neither, the process runs alone and
   jax.distributed is left untouched. Before ``jax.distributed.initialize``
-  waits for the other processes it prints to stderr which coordinator and how
-  many processes it waits for.
+  waits for the other processes (up to 300 s, JAX's bound) it prints to stderr
+  which coordinator and how many processes it waits for. Once the job is up, an
+  uncaught exception ends the process at once after its traceback (exit
+  status 1, without exit handlers): JAX's exit would otherwise hold it for up
+  to 300 s in jax.distributed's shutdown barrier while its peers wait for it in
+  their next collective, and neither the launcher nor srun could tell which
+  process failed. Where jax.distributed was started elsewhere and drives fewer
+  of the GPUs that the placement names (one SLURM task per node), it warns.
 
   Calling it again, or after your own ``jax.distributed.initialize``, joins
   nothing new: it returns the active setup (the same dict as the first call)
@@ -379,12 +388,16 @@ def initialize_from_env(
 
   Raises:
     RuntimeError: ``nvshmem=True`` but the CUDA backend cannot start; a
-      SLURM placement that names no GPU this task sees; or jax.distributed is
-      already up as another process id or count than the environment says.
+      SLURM placement that names no GPU this task sees; jax.distributed is
+      already up as another process id or count than the environment says; JAX
+      already ran a computation (jax.distributed must start first); or the job
+      joined has another number of processes than this process's variables
+      say (its processes were started with different counts).
     ValueError: the launcher's variables are partial or malformed (all four
-      are needed together), SLURM's are empty or not integers, or JAX could
-      not find the coordinator from them; raised before jax.distributed is
-      called, naming each variable. Also where ``jaxoverlap.initialize``
+      are needed together), SLURM's are empty or not integers,
+      ``JAX_COORDINATOR_ADDRESS`` is not ``host:port``, or JAX could not find
+      the coordinator from them; raised before jax.distributed is called,
+      naming each variable. Also where ``jaxoverlap.initialize``
       refuses a setting of the environment, e.g. a ``JAXOVERLAP_TIMEOUT_S``
       or ``JAXOVERLAP_INIT_TIMEOUT_S`` that is not a positive, finite number.
   """
@@ -397,9 +410,17 @@ def initialize_from_env(
   if setup is not None:
     job = (setup["process_id"], setup["num_processes"])
     if active is None:
+      if _backends_started():
+        raise RuntimeError(
+            "jaxoverlap.launch.initialize_from_env: JAX has already run a computation in this "
+            "process, and jax.distributed can only start before the first one; call "
+            "initialize_from_env() first, before any jax.numpy or jax.jit call")
+      alone = (" (a process meant to run alone: unset SLURM_PROCID and SLURM_NTASKS)"
+               if setup["by"] == "SLURM" else "")
       sys.stderr.write(
           f"jaxoverlap.launch: process {job[0]} of {job[1]} (from {setup['by']}) joins "
-          f"jax.distributed at {setup['where']}, waiting for all {job[1]} processes\n")
+          f"jax.distributed at {setup['where']}, waiting for all {job[1]} processes (JAX "
+          f"waits up to {_JAX_INIT_TIMEOUT_S} s){alone}\n")
       sys.stderr.flush()
       jax.distributed.initialize(
           coordinator_address=setup["coordinator"],
@@ -407,6 +428,13 @@ def initialize_from_env(
           process_id=setup["process_id"],
           local_device_ids=setup["local_device_ids"],
       )
+      if jax.process_count() != job[1]:
+        raise RuntimeError(
+            f"jaxoverlap.launch.initialize_from_env: {setup['by']}'s variables give "
+            f"{job[1]} processes, but the job that process {job[0]} joined has "
+            f"{jax.process_count()}: its processes were started with different counts "
+            "(e.g. SLURM_NTASKS); start them all with one")
+      _exit_at_once_on_error(job[0])
     elif active != job:
       raise RuntimeError(
           f"jaxoverlap.launch.initialize_from_env: jax.distributed is already initialised as "
@@ -415,6 +443,7 @@ def initialize_from_env(
           "drop the other jax.distributed.initialize call, or give it the same process id and "
           "count")
     out.update(process_id=job[0], num_processes=job[1], local_device=setup["local_device"])
+    _check_devices_taken(setup)
   elif active is not None:
     out.update(process_id=active[0], num_processes=active[1])
 
@@ -427,6 +456,73 @@ def initialize_from_env(
 
     out["runtime"] = runtime.initialize(heap_bytes)
   return out
+
+
+# jax.distributed.initialize's own bound on the wait for every process (its
+# initialization_timeout, left at JAX's default).
+_JAX_INIT_TIMEOUT_S = 300
+
+
+def _is_host_port(text: str) -> bool:
+  host, _, port = text.rpartition(":")
+  return bool(host) and port.isdigit() and 0 < int(port) < 65536
+
+
+def _backends_started() -> bool:
+  """Whether JAX has brought up its backends (a computation ran), where JAX says so."""
+  try:
+    from jax._src import xla_bridge
+
+    return bool(xla_bridge.backends_are_initialized())
+  except (ImportError, AttributeError):  # not in this JAX: jax.distributed says it instead
+    return False
+
+
+def _check_devices_taken(setup: dict[str, Any]) -> None:
+  """Says so where this process drives fewer of the GPUs it sees than its placement names.
+
+  One SLURM task per node names every GPU it sees; a jax.distributed started
+  elsewhere without them (JAX's own SLURM detection takes only the GPU at
+  SLURM_LOCALID) leaves the others idle.
+  """
+  import jax
+
+  want = setup["local_device_ids"]
+  if want is None or len(want) < 2 or jax.default_backend() != "gpu":
+    return
+  have = len(jax.local_devices())
+  if have < len(want):
+    sys.stderr.write(
+        f"jaxoverlap.launch: WARNING: this process drives {have} of the {len(want)} GPUs its "
+        f"placement gives it ({setup['by']}: local devices {want}); jax.distributed was "
+        "initialised without them. Let initialize_from_env() initialise it, or pass "
+        f"local_device_ids={want} to jax.distributed.initialize\n")
+    sys.stderr.flush()
+
+
+def _exit_at_once_on_error(process_id: int) -> None:
+  """Makes an uncaught exception end this process at once, after its traceback.
+
+  Otherwise JAX's exit holds the failing process in jax.distributed's shutdown
+  barrier (up to 300 s) while its peers wait in their next collective for it:
+  nothing ends, and the launcher (or srun) cannot see which process failed.
+  """
+  previous = sys.excepthook
+
+  def hook(kind, value, tb):
+    previous(kind, value, tb)
+    if issubclass(kind, KeyboardInterrupt):  # every process got it: they exit together
+      return
+    sys.stderr.write(
+        f"jaxoverlap.launch: process {process_id} ends at once (exit status 1) after the "
+        "uncaught exception above, without its exit handlers: its peers would wait for it in "
+        "their next collective, and JAX's exit would hold it in jax.distributed's shutdown "
+        "barrier for up to 300 s\n")
+    sys.stderr.flush()
+    sys.stdout.flush()
+    os._exit(1)
+
+  sys.excepthook = hook
 
 
 def _timeout_seconds(text: str) -> float:
@@ -639,6 +735,13 @@ def main(argv: list[str] | None = None) -> int:
   if a.num_gpus is not None and a.num_gpus < 1:
     parser.error(f"--num_gpus must be >= 1, got {a.num_gpus}")
 
+  tasks = os.environ.get("SLURM_NTASKS", "").strip()
+  if tasks.isdigit() and int(tasks) > 1:
+    # The ranks take the launcher's variables over SLURM's: each task of the step would run
+    # its own job of --nproc processes on the same GPUs.
+    _say(f"WARNING: SLURM_NTASKS={tasks}: under srun every task runs this launcher, and each "
+         f"starts a job of its own ({a.nproc} processes); under SLURM start the script itself, "
+         "one task per GPU (srun --ntasks-per-node=<gpus> python script.py)")
   port = a.port or free_port()
   cmd = shlex.split(a.wrapper) + [sys.executable] + target
   procs: list[subprocess.Popen] = []

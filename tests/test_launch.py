@@ -315,10 +315,15 @@ def no_distributed(monkeypatch):
   """A clean launch environment, and a jax.distributed.initialize that records its calls."""
   import jax
 
+  from jaxoverlap import launch
+
   for name in _LAUNCH_ENV:
     monkeypatch.delenv(name, raising=False)
   calls = []
   monkeypatch.setattr(jax.distributed, "initialize", lambda **kw: calls.append(kw))
+  # The job joined has the processes asked for; no exit hook in the test process.
+  monkeypatch.setattr(jax, "process_count", lambda: calls[-1]["num_processes"] if calls else 1)
+  monkeypatch.setattr(launch, "_exit_at_once_on_error", lambda process_id: None)
   return calls
 
 
@@ -384,7 +389,9 @@ def test_slurm_passes_the_job_it_checked_and_says_so(monkeypatch, no_distributed
   assert no_distributed == [dict(coordinator_address="node1:4321", num_processes=2, process_id=1,
                                  local_device_ids=None)]
   assert ("jaxoverlap.launch: process 1 of 2 (from SLURM) joins jax.distributed at node1:4321 "
-          "(JAX_COORDINATOR_ADDRESS), waiting for all 2 processes") in capsys.readouterr().err
+          "(JAX_COORDINATOR_ADDRESS), waiting for all 2 processes (JAX waits up to 300 s) (a "
+          "process meant to run alone: unset SLURM_PROCID and SLURM_NTASKS)\n"
+          ) in capsys.readouterr().err
 
 
 def test_slurm_with_jax_distributed_up_needs_no_coordinator(monkeypatch, no_distributed, capsys):
@@ -426,7 +433,8 @@ def test_a_slurm_task_says_where_it_waits_before_blocking(tmp_path):
   port = job % 4096 + 65536 - 4096  # JAX's SLURM port
   assert line == (f"jaxoverlap.launch: process 1 of 2 (from SLURM) joins jax.distributed at "
                   f"localhost:{port} (from SLURM_STEP_NODELIST='localhost' and "
-                  f"SLURM_JOB_ID={job}), waiting for all 2 processes\n"), line
+                  f"SLURM_JOB_ID={job}), waiting for all 2 processes (JAX waits up to 300 s) "
+                  "(a process meant to run alone: unset SLURM_PROCID and SLURM_NTASKS)\n"), line
 
 
 @pytest.mark.parametrize("env,visible_gpus", [
@@ -515,3 +523,114 @@ def test_a_wrapper_that_cannot_start_is_named_not_a_traceback(tmp_path):
   assert "cannot start rank 0" in out.stderr and "no-such-tool" in out.stderr, out.stderr
   assert "Traceback" not in out.stderr and "ran" not in out.stdout
 
+
+
+# ------------------------------------------------------------------------ trial 31
+
+
+def test_an_uncaught_exception_ends_its_process_at_once(tmp_path):
+  """Trial 31: rank 1 raised between two collectives; JAX's exit held it 300 s in the
+  shutdown barrier while rank 0 waited in the next all-reduce, and then rank 0 was blamed."""
+  import time
+
+  start = time.monotonic()
+  out = _run_launcher(tmp_path, """
+      import jax, jax.numpy as jnp, numpy as np
+      from jax.sharding import NamedSharding, PartitionSpec as P
+      from jaxoverlap import launch
+      import jaxoverlap
+      info = launch.initialize_from_env(nvshmem=False)
+      mesh = jax.make_mesh((2,), ("x",), axis_types=(jax.sharding.AxisType.Auto,))
+      f = jax.jit(jax.shard_map(lambda x: jaxoverlap.all_reduce(x, "x"), mesh=mesh,
+                                in_specs=P("x"), out_specs=P()))
+      x = jax.make_array_from_process_local_data(NamedSharding(mesh, P("x")),
+                                                 np.ones(4, np.float32), (8,))
+      assert float(np.asarray(f(x).addressable_data(0))[0]) == 2.0
+      if info["process_id"] == 1:
+        raise ValueError("a bug in rank 1")
+      f(x).block_until_ready()  # waits for rank 1, which never comes
+      """, "--nproc", "2", "--timeout_s", "100", timeout=150)
+  waited = time.monotonic() - start
+  assert out.returncode == 1, (out.returncode, out.stderr[-3000:])
+  assert "jaxoverlap.launch: rank 1 exited with 1; stopping rank 0" in out.stderr, out.stderr
+  assert "ValueError: a bug in rank 1" in out.stdout + out.stderr
+  assert "process 1 ends at once (exit status 1) after the uncaught exception" in out.stdout
+  assert waited < 90, waited  # the launcher's own bound (100 s) never came
+
+
+def test_a_job_of_another_size_than_the_variables_say_is_refused(monkeypatch, no_distributed):
+  """Trial 31: tasks started with different SLURM_NTASKS joined one job silently, and the
+  returned num_processes (3) contradicted jax.process_count() (2)."""
+  import jax
+  from jaxoverlap import launch
+
+  for name, value in dict(SLURM_PROCID="1", SLURM_NTASKS="3", SLURM_LOCALID="0",
+                          SLURM_NTASKS_PER_NODE="1",
+                          JAX_COORDINATOR_ADDRESS="node0:4321").items():
+    monkeypatch.setenv(name, value)
+  monkeypatch.setattr(launch, "_driver_gpu_count", lambda: None)
+  monkeypatch.setattr(jax, "process_count", lambda: 2)  # the coordinator's count won
+  with pytest.raises(RuntimeError, match=r"SLURM's variables give 3 processes, but the job that "
+                                         r"process 1 joined has 2"):
+    launch.initialize_from_env(nvshmem=False)
+
+
+@pytest.mark.parametrize("address", ["node0", "node0:", "node0:http", ":1234"])
+def test_a_coordinator_address_without_a_port_is_refused(monkeypatch, no_distributed, address):
+  """Trial 31: JAX_COORDINATOR_ADDRESS=localhost ended in an IndexError inside JAX."""
+  from jaxoverlap import launch
+
+  for name, value in dict(SLURM_PROCID="0", SLURM_NTASKS="2", SLURM_LOCALID="0",
+                          JAX_COORDINATOR_ADDRESS=address).items():
+    monkeypatch.setenv(name, value)
+  with pytest.raises(ValueError, match=f"JAX_COORDINATOR_ADDRESS={re.escape(repr(address))} is "
+                                       r"not host:port"):
+    launch.initialize_from_env(nvshmem=False)
+  assert not no_distributed
+
+
+def test_initialize_from_env_after_a_computation_says_so(monkeypatch, no_distributed, capsys):
+  """Trial 31: it printed "waiting for all 2 processes", then JAX refused."""
+  from jaxoverlap import launch
+
+  for name, value in dict(SLURM_PROCID="0", SLURM_NTASKS="2", SLURM_LOCALID="0",
+                          JAX_COORDINATOR_ADDRESS="node0:4321").items():
+    monkeypatch.setenv(name, value)
+  monkeypatch.setattr(launch, "_driver_gpu_count", lambda: None)
+  monkeypatch.setattr(launch, "_backends_started", lambda: True)
+  with pytest.raises(RuntimeError, match="JAX has already run a computation in this process"):
+    launch.initialize_from_env(nvshmem=False)
+  assert not no_distributed and "waiting" not in capsys.readouterr().err
+
+
+def test_a_task_that_drives_fewer_gpus_than_it_sees_is_warned(monkeypatch, no_distributed,
+                                                              capsys):
+  """Trial 31: after the user's own jax.distributed.initialize under one task per node, JAX
+  drove only the GPU at SLURM_LOCALID, and initialize_from_env said nothing."""
+  import jax
+  from jaxoverlap import launch
+
+  for name, value in dict(SLURM_PROCID="1", SLURM_NTASKS="2", SLURM_LOCALID="0",
+                          SLURM_NTASKS_PER_NODE="1", CUDA_VISIBLE_DEVICES="0,1,2,3").items():
+    monkeypatch.setenv(name, value)
+  monkeypatch.setattr(launch, "_active_distributed", lambda: (1, 2))
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+  monkeypatch.setattr(jax, "local_devices", lambda: ["gpu:0"])
+  launch.initialize_from_env(nvshmem=False)
+  assert ("WARNING: this process drives 1 of the 4 GPUs its placement gives it (SLURM: local "
+          "devices [0, 1, 2, 3])") in capsys.readouterr().err
+  monkeypatch.setattr(jax, "local_devices", lambda: ["gpu:0", "gpu:1", "gpu:2", "gpu:3"])
+  launch.initialize_from_env(nvshmem=False)
+  assert "WARNING" not in capsys.readouterr().err
+
+
+def test_the_launcher_under_srun_warns(tmp_path):
+  """Trial 31: srun -n 2 python -m jaxoverlap.launch ran two unrelated jobs without a word."""
+  script = tmp_path / "child.py"
+  script.write_text("print('ran')\n")
+  out = subprocess.run([sys.executable, "-m", "jaxoverlap.launch", "--nproc", "1", str(script)],
+                       env=_env(SLURM_NTASKS="2", SLURM_PROCID="0"), capture_output=True,
+                       text=True, timeout=60)
+  assert out.returncode == 0, out.stderr
+  assert ("jaxoverlap.launch: WARNING: SLURM_NTASKS=2: under srun every task runs this launcher"
+          in out.stderr), out.stderr
