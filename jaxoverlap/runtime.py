@@ -324,8 +324,11 @@ def _ranks_per_node_of_hosts(hosts: list[str], rank: int) -> tuple[int | None, s
   for r, h in enumerate(hosts):
     if hosts[(r // per_node) * per_node] != h:
       return None, (f"jaxoverlap.initialize: process ranks are not grouped by node (hosts by "
-                    f"rank: {hosts}); launch ranks node by node, or set "
-                    "JAXOVERLAP_RANKS_PER_NODE")
+                    f"rank: {hosts}); launch ranks node by node (srun's default block "
+                    "distribution), or set JAXOVERLAP_RANKS_PER_NODE=1 for ranks placed round "
+                    "robin (each GPU its own node: correct, without the intra-node steps); a "
+                    "larger value asserts that each block of that many consecutive ranks is one "
+                    "node")
   return per_node, None
 
 

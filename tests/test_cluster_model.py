@@ -319,7 +319,12 @@ def test_planner_command_prints_the_models_table():
     line = next(x for x in done.stdout.splitlines() if x.startswith(f"| {size} |"))
     assert f"| {got['psum'].time_us:.1f} ({got['psum'].detail}) |" in line
     assert f"| {got[cluster.NVRAR].time_us:.1f} ({got[cluster.NVRAR].detail}) |" in line
-    assert line.endswith(f"| {auto.algorithm}{f' ({auto.protocol})' if auto.protocol else ''} |")
+    per_node = r["auto_per_node"]  # trial 31: the process-per-node choice, with the margin
+    assert per_node == tuning.Policy((), params, path="no table: the model").choose_over_xla(
+        r["bytes"], 2, 4, 4)
+    assert line.endswith(f"| {auto.algorithm}{f' ({auto.protocol})' if auto.protocol else ''} | "
+                         f"{per_node.algorithm}"
+                         f"{f' ({per_node.protocol})' if per_node.protocol else ''} |")
   bad = subprocess.run(cmd[:5] + ["--set", "net_beta_gbps=0"], capture_output=True, text=True,
                        env=env, timeout=120)
   assert bad.returncode == 2 and bad.stdout == ""

@@ -439,7 +439,8 @@ def test_ranks_per_node_as_argument_replaces_the_host_check(fake_gpu):
 
 
 @pytest.mark.parametrize("hosts,match", [
-    ("a,b,a,b", r"process ranks are not grouped by node .*or set JAXOVERLAP_RANKS_PER_NODE"),
+    ("a,b,a,b", r"process ranks are not grouped by node .*or set JAXOVERLAP_RANKS_PER_NODE=1 "
+                r"for ranks placed round robin"),
     ("a,a,a,b", r"nodes hold different numbers of processes \{'a': 3, 'b': 1\}; set "
                 r"JAXOVERLAP_RANKS_PER_NODE"),
 ])

@@ -825,6 +825,29 @@ def test_choose_over_xla_gives_psums_time():
   assert c.psum_us == pytest.approx(tuning.predict_us("psum", None, 8192, 2, 4, 2, P))
 
 
+@pytest.mark.parametrize("lead,want", [(1.09, "psum"), (1.11, "hierarchical")])
+def test_choose_over_xla_takes_the_models_margin(monkeypatch, lead, want):
+  """Trial 31: the path over XLA took hierarchical where the model predicted it 4.8% ahead;
+  where the model alone decides, a kernel must be predicted MODEL_MARGIN (10%) ahead."""
+  assert tuning.policy.MODEL_MARGIN == 0.10
+  # The hierarchical path: a two-shot (50 us), a launch, a psum of the shard (50 us); one
+  # psum over the group `lead` times that.
+  hierarchical = 100.0 + P.launch_us
+  psum_us = lead * hierarchical
+  times = {"two_shot": 50.0, "psum_shard": 50.0, "psum_all": psum_us}
+
+  def predict(alg, proto, nbytes, itemsize, g, n, params):
+    return times["two_shot"] if alg == "two_shot" else (
+        times["psum_shard"] if g == 1 else times["psum_all"])
+
+  monkeypatch.setattr(tuning.policy.cost_model, "predict_us", predict)
+  p = tuning.Policy((), P)
+  c = p.choose_over_xla(8192, 2, 4, 2)
+  assert c.algorithm == want and c.psum_us == psum_us, c
+  assert (f"processes {hierarchical:.1f} us, one psum {psum_us:.1f} us" in c.source
+          and ("(not 10% faster)" in c.source) == (want == "psum")), c.source
+
+
 def test_helpers_refuse_what_they_cannot_answer():
   """Trial 30 F11: protocol_for("bogus") answered "simple"; from_result without a path named
   the default tuning file, which the caller never read."""

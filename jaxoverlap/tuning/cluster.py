@@ -352,7 +352,10 @@ def planner_rows(preset: str, num_nodes: int, gpus_per_node: int | None = None,
   Returns:
     ``(params, rows)``: the parameters used, and per size a dict of
     ``bytes``, every ``predict`` entry (``Prediction``), ``speedup`` (psum over
-    our best kernel) and ``auto`` (``Policy.choose`` without a table).
+    our best kernel), ``auto`` (``Policy.choose`` without a table: one process
+    per GPU, the NVSHMEM runtime) and ``auto_per_node`` (across nodes,
+    ``Policy.choose_over_xla``: one process per node driving its GPUs, which
+    joins the nodes through XLA's collective; None on one node).
 
   Raises:
     ValueError: an unknown preset or parameter, a bad value, or a topology
@@ -370,7 +373,9 @@ def planner_rows(preset: str, num_nodes: int, gpus_per_node: int | None = None,
     got = predict(b, itemsize, g, num_nodes, p)
     ours = got[NVRAR] if NVRAR in got else min(got[names.ONE_SHOT], got[names.TWO_SHOT])
     rows.append({"bytes": b, **got, "speedup": got[PSUM].time_us / ours.time_us,
-                 "auto": chooser.choose(b, itemsize, g, num_nodes)})
+                 "auto": chooser.choose(b, itemsize, g, num_nodes),
+                 "auto_per_node": (chooser.choose_over_xla(b, itemsize, g, num_nodes)
+                                   if num_nodes > 1 else None)})
   return p, rows
 
 
@@ -416,19 +421,26 @@ def _main(argv) -> int:
     source = "--set" if key in overrides else preset.sources.get(key, "")
     print(f"  {key:<17} {value:>9g}  {textwrap.shorten(source, 100)}")
   ours = "NVRAR" if f.nodes > 1 else "ours (best of one/two-shot)"
-  print(f"\n| size | psum (NCCL's best) | NCCL ring | NCCL tree | {ours} | speed-up | auto |")
-  print("|---|---|---|---|---|---|---|")
+  per_node = " auto, a process per node |" if f.nodes > 1 else ""
+  print(f"\n| size | psum (NCCL's best) | NCCL ring | NCCL tree | {ours} | speed-up | auto |"
+        + per_node)
+  print("|---|---|---|---|---|---|---|" + "---|" * bool(per_node))
   for r in rows:
     mine = r.get(NVRAR) or min(r[names.ONE_SHOT], r[names.TWO_SHOT])
     tree = f"{r[NCCL_TREE].time_us:.1f}" if NCCL_TREE in r else "-"
-    auto = r["auto"]
-    pick = auto.algorithm if auto.protocol is None else f"{auto.algorithm} ({auto.protocol})"
+    pick = [c.algorithm if c.protocol is None else f"{c.algorithm} ({c.protocol})"
+            for c in (r["auto"], r["auto_per_node"]) if c is not None]
     print(f"| {_size(r['bytes'])} | {r[PSUM].time_us:.1f} ({r[PSUM].detail}) | "
           f"{r[NCCL_RING].time_us:.1f} | {tree} | {mine.time_us:.1f} ({mine.detail}) | "
-          f"{r['speedup']:.2f}x | {pick} |")
-  print("\nauto: what Policy.choose picks with no measured table (a kernel must be predicted "
-        f"{_policy.MODEL_MARGIN:.0%} faster than psum). Every network value of the presets is "
-        "an assumption; docs/cluster_model.md says which and why.")
+          f"{r['speedup']:.2f}x | {' | '.join(pick)} |")
+  print("\nauto: what Policy.choose picks with no measured table, for one process per GPU (a "
+        f"kernel must be predicted {_policy.MODEL_MARGIN:.0%} faster than psum)."
+        + (" auto, a process per node: one process driving each node's GPUs (SLURM one task "
+           "per node), where XLA's collective joins the nodes (Policy.choose_over_xla: "
+           "hierarchical is the kernels' intra-node steps around a psum of the fp32 shard; "
+           "same margin)." if per_node else "")
+        + " Every network value of the presets is an assumption; docs/cluster_model.md says "
+        "which and why.")
   return 0
 
 

@@ -498,7 +498,8 @@ class Policy:
     between the intra-node reduce-scatter, a psum of the fp32 shard over the
     same-local-rank GPUs and the intra-node all-gather (NVRAR's structure,
     arXiv 2511.09557 sec. 4, with NCCL between the nodes), and one psum over
-    the whole group. No table measures this; the cost model decides.
+    the whole group. No table measures this; the cost model decides, and the
+    hierarchical path must be predicted ``MODEL_MARGIN`` faster than psum.
 
     Args:
       nbytes: message size per rank, bytes.
@@ -525,8 +526,10 @@ class Policy:
     psum = cost_model.predict_us(PSUM, None, nbytes, itemsize, g, num_nodes, prm)
     why = (f"cost model: intra-node steps + psum of the fp32 shard over {num_nodes} "
            f"processes {hierarchical:.1f} us, one psum {psum:.1f} us")
-    if hierarchical < psum:
+    if hierarchical * (1 + MODEL_MARGIN) < psum:  # the model alone decides: as in choose
       return Choice(names.HIERARCHICAL, names.SIMPLE, why, hierarchical, psum)
+    if hierarchical < psum:
+      why += f" (not {MODEL_MARGIN:.0%} faster)"
     return Choice(PSUM, None, why, psum, psum)
 
   def table(self, ranks_per_node: int, num_nodes: int,
