@@ -324,6 +324,7 @@ def no_distributed(monkeypatch):
   # The job joined has the processes asked for; no exit hook in the test process.
   monkeypatch.setattr(jax, "process_count", lambda: calls[-1]["num_processes"] if calls else 1)
   monkeypatch.setattr(launch, "_exit_at_once_on_error", lambda process_id: None)
+  monkeypatch.setattr(launch, "_backends_started", lambda: False)  # earlier tests computed
   return calls
 
 
