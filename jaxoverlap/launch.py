@@ -359,12 +359,13 @@ def initialize_from_env(
   ``slurm_local_devices``). With neither, the process runs alone and
   jax.distributed is left untouched. Before ``jax.distributed.initialize``
   waits for the other processes (up to 300 s, JAX's bound) it prints to stderr
-  which coordinator and how many processes it waits for. Once the job is up, an
-  uncaught exception ends the process at once after its traceback (exit
-  status 1, without exit handlers): JAX's exit would otherwise hold it for up
-  to 300 s in jax.distributed's shutdown barrier while its peers wait for it in
-  their next collective, and neither the launcher nor srun could tell which
-  process failed. Where jax.distributed was started elsewhere and drives fewer
+  which coordinator and how many processes it waits for. Once a job of several
+  processes is up (outside an interactive session), an uncaught exception ends
+  the process at once after its traceback (exit status 1, without exit
+  handlers: open files are not flushed): JAX's exit would otherwise hold it for
+  up to 300 s in jax.distributed's shutdown barrier while its peers wait for it
+  in their next collective, and neither the launcher nor srun could tell which
+  process failed. ``sys.exit`` with an error status is not covered. Where jax.distributed was started elsewhere and drives fewer
   of the GPUs that the placement names (one SLURM task per node), it warns.
 
   Calling it again, or after your own ``jax.distributed.initialize``, joins
@@ -415,7 +416,7 @@ def initialize_from_env(
             "jaxoverlap.launch.initialize_from_env: JAX has already run a computation in this "
             "process, and jax.distributed can only start before the first one; call "
             "initialize_from_env() first, before any jax.numpy or jax.jit call")
-      alone = (" (a process meant to run alone: unset SLURM_PROCID and SLURM_NTASKS)"
+      alone = (" (to run this process alone, unset SLURM_PROCID and SLURM_NTASKS)"
                if setup["by"] == "SLURM" else "")
       sys.stderr.write(
           f"jaxoverlap.launch: process {job[0]} of {job[1]} (from {setup['by']}) joins "
@@ -428,13 +429,14 @@ def initialize_from_env(
           process_id=setup["process_id"],
           local_device_ids=setup["local_device_ids"],
       )
+      if job[1] > 1:  # from here on, before the checks that may raise
+        _exit_at_once_on_error(job[0])
       if jax.process_count() != job[1]:
         raise RuntimeError(
             f"jaxoverlap.launch.initialize_from_env: {setup['by']}'s variables give "
             f"{job[1]} processes, but the job that process {job[0]} joined has "
             f"{jax.process_count()}: its processes were started with different counts "
             "(e.g. SLURM_NTASKS); start them all with one")
-      _exit_at_once_on_error(job[0])
     elif active != job:
       raise RuntimeError(
           f"jaxoverlap.launch.initialize_from_env: jax.distributed is already initialised as "
@@ -457,6 +459,12 @@ def initialize_from_env(
     out["runtime"] = runtime.initialize(heap_bytes)
   return out
 
+
+# What the exception hook of initialize_from_env prints: the launcher names the first rank
+# that printed it as the cause of a failure (_watch).
+_ENDS_AT_ONCE = "ends at once (exit status 1) after the uncaught exception above"
+# How long _watch lets the rank outputs arrive after a failure, before it names the cause.
+_SETTLE_S = 0.3
 
 # jax.distributed.initialize's own bound on the wait for every process (its
 # initialization_timeout, left at JAX's default).
@@ -507,6 +515,8 @@ def _exit_at_once_on_error(process_id: int) -> None:
   barrier (up to 300 s) while its peers wait in their next collective for it:
   nothing ends, and the launcher (or srun) cannot see which process failed.
   """
+  if hasattr(sys, "ps1") or sys.flags.interactive:
+    return  # an interactive session: an error there ends nothing
   previous = sys.excepthook
 
   def hook(kind, value, tb):
@@ -514,10 +524,9 @@ def _exit_at_once_on_error(process_id: int) -> None:
     if issubclass(kind, KeyboardInterrupt):  # every process got it: they exit together
       return
     sys.stderr.write(
-        f"jaxoverlap.launch: process {process_id} ends at once (exit status 1) after the "
-        "uncaught exception above, without its exit handlers: its peers would wait for it in "
-        "their next collective, and JAX's exit would hold it in jax.distributed's shutdown "
-        "barrier for up to 300 s\n")
+        f"jaxoverlap.launch: process {process_id} {_ENDS_AT_ONCE}, without its exit handlers "
+        "(open files are not flushed): its peers would wait for it in their next collective, "
+        "and JAX's exit would hold it in jax.distributed's shutdown barrier for up to 300 s\n")
     sys.stderr.flush()
     sys.stdout.flush()
     os._exit(1)
@@ -537,9 +546,13 @@ def _timeout_seconds(text: str) -> float:
   return value
 
 
-def _pump(stream, rank: int, sink) -> None:
+def _pump(stream, rank: int, sink, marks: dict[int, float]) -> None:
+  """Copies a rank's output with its prefix; notes when it said it ends after an exception."""
   for raw in iter(stream.readline, b""):
-    sink.write(f"[rank {rank}] {raw.decode(errors='replace')}")
+    line = raw.decode(errors="replace")
+    if _ENDS_AT_ONCE in line:
+      marks.setdefault(rank, time.monotonic())
+    sink.write(f"[rank {rank}] {line}")
     sink.flush()
 
 
@@ -625,15 +638,20 @@ def _say(text: str) -> None:
   sys.stderr.flush()
 
 
-def _watch(procs: list[subprocess.Popen], ended: queue.SimpleQueue, timeout_s: float) -> int:
+def _watch(procs: list[subprocess.Popen], ended: queue.SimpleQueue, timeout_s: float,
+           marks: dict[int, float] | None = None) -> int:
   """Waits until every rank ends, one fails or the time is up; returns the exit status.
 
   Each rank's reaper puts (rank, return code) on ``ended`` when the rank
   ends, so the first failure taken is the first that happened. The message
   names it and the ranks still running, which the caller then stops;
-  failures that had already arrived are named too. On a timeout (status
+  failures that had already arrived are named too. Where ranks said they end
+  after an uncaught exception (``marks``: when each said so, from its
+  output), the first to say so is named as the cause: its peers' collectives
+  fail when it ends, and one of them may end first. On a timeout (status
   124) the message lists the ranks still running.
   """
+  marks = {} if marks is None else marks
   deadline = time.monotonic() + timeout_s if timeout_s else math.inf
   running = set(range(len(procs)))
   while running:
@@ -648,6 +666,7 @@ def _watch(procs: list[subprocess.Popen], ended: queue.SimpleQueue, timeout_s: f
     running.discard(rank)
     if returncode == 0:
       continue
+    time.sleep(_SETTLE_S)  # the output before a failed rank's exit reaches the pumps
     also = []  # ranks that had failed as well before the caller's stop: not by it
     while True:
       try:
@@ -657,8 +676,11 @@ def _watch(procs: list[subprocess.Popen], ended: queue.SimpleQueue, timeout_s: f
       running.discard(other)
       if other_code != 0:
         also.append(f"rank {other} {_how(other_code)}")
-    _say(f"rank {rank} {_how(returncode)}"
-         + (f"; stopping {_ranks(running)}" if running else ""))
+    first = min(marks, key=marks.get) if marks else rank
+    cause = (f"rank {rank} {_how(returncode)}" if first == rank else
+             f"rank {first} failed first, with an uncaught exception (its traceback is above); "
+             f"rank {rank} {_how(returncode)}")
+    _say(cause + (f"; stopping {_ranks(running)}" if running else ""))
     if also:
       _say(f"after rank {rank}: {'; '.join(also)}")
     return _exit_status(returncode)
@@ -735,7 +757,11 @@ def main(argv: list[str] | None = None) -> int:
   if a.num_gpus is not None and a.num_gpus < 1:
     parser.error(f"--num_gpus must be >= 1, got {a.num_gpus}")
 
-  tasks = os.environ.get("SLURM_NTASKS", "").strip()
+  # A job step's tasks (srun), not a batch script's one process (sbatch --ntasks=N sets
+  # SLURM_NTASKS there too, but no step).
+  tasks = os.environ.get("SLURM_STEP_NUM_TASKS", "").strip()
+  if not tasks and os.environ.get("SLURM_STEP_ID", "batch") != "batch":
+    tasks = os.environ.get("SLURM_NTASKS", "").strip()
   if tasks.isdigit() and int(tasks) > 1:
     # The ranks take the launcher's variables over SLURM's: each task of the step would run
     # its own job of --nproc processes on the same GPUs.
@@ -747,6 +773,7 @@ def main(argv: list[str] | None = None) -> int:
   procs: list[subprocess.Popen] = []
   pumps = []
   ended: queue.SimpleQueue = queue.SimpleQueue()
+  marks: dict[int, float] = {}  # rank -> when it said it ends after an uncaught exception
   # SIGTERM (kill, timeout, CI, scancel) and SIGHUP stop the ranks as Ctrl-C does:
   # each rank runs in its own session, so nothing else would reach it.
   saved = {}  # the handlers to put back (only the main thread can set them)
@@ -779,10 +806,11 @@ def main(argv: list[str] | None = None) -> int:
                              f"{e.strerror or e}") from None
         procs.append(p)
         threading.Thread(target=_reap, args=(p, rank, ended), daemon=True).start()
-        t = threading.Thread(target=_pump, args=(p.stdout, rank, sys.stdout), daemon=True)
+        t = threading.Thread(target=_pump, args=(p.stdout, rank, sys.stdout, marks),
+                             daemon=True)
         t.start()
         pumps.append(t)
-      code = _watch(procs, ended, a.timeout_s)
+      code = _watch(procs, ended, a.timeout_s, marks)
     except _StartFailed as e:
       _say(str(e) + (f"; stopping {_ranks(range(len(procs)))}" if procs else ""))
       code = 127  # the shell's "command not found"

@@ -430,12 +430,18 @@ def _resolve(heap_bytes, overlap_heap_bytes, timeout_s, ranks_per_node,
   if cap is not None and not _valid_alignment_cap(cap):
     raise ValueError(f"JAXOVERLAP_GEMM_ALIGNMENT_CAP={cap!r}: expected a power of two "
                      "from 1 to 256 (bytes)")
-  if env.get("JAXOVERLAP_TEST_LL_STALE") == "1" and not env.get("JAXOVERLAP_TEST_PAIR_EPOCH"):
-    # The stale cells carry the flags of the calls just after the 32-bit wrap; counted from 0,
-    # the first calls take them as this call's data and return NaN with no error.
-    raise ValueError("JAXOVERLAP_TEST_LL_STALE=1 needs JAXOVERLAP_TEST_PAIR_EPOCH (a count "
-                     "just below 2**32, as tests/gpu/test_gpu_flag_wrap.py sets): without it the "
-                     "first calls read the stale cells as data")
+  if env.get("JAXOVERLAP_TEST_LL_STALE") == "1":
+    # The stale cells carry flags 0 (even slots) and 1 (odd): the flags of the calls just after
+    # the 32-bit wrap. A count that reaches such a call before both period-end calls have
+    # re-stamped the cells (starting at 2**32 - 2, 2**32 - 1 or 0 modulo 2**32, or unset: 0)
+    # takes them as its data and returns NaN with no error.
+    start = env.get("JAXOVERLAP_TEST_PAIR_EPOCH", "").strip()
+    if not start.isdigit() or int(start) % 2**32 in (0, 2**32 - 2, 2**32 - 1):
+      raise ValueError(
+          "JAXOVERLAP_TEST_LL_STALE=1 needs JAXOVERLAP_TEST_PAIR_EPOCH, a count from which both "
+          "period-end calls come before the wrap (e.g. 2**32 - 3, as "
+          f"tests/gpu/test_gpu_flag_wrap.py sets), got {start or None!r}: otherwise the first "
+          "calls read the stale cells as data")
   return {"heap_bytes": heap_bytes, "overlap_heap_bytes": overlap_heap_bytes,
           "timeout_s": float(timeout_s), "ranks_per_node": ranks_per_node,
           "init_timeout_s": float(init_timeout_s)}

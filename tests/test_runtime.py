@@ -740,8 +740,13 @@ def test_stale_ll_cells_need_the_pair_epoch_knob(fake_gpu, monkeypatch):
   ext, _ = fake_gpu(0, ["a", "a"])
   monkeypatch.setenv("JAXOVERLAP_TEST_LL_STALE", "1")
   with pytest.raises(ValueError, match="JAXOVERLAP_TEST_LL_STALE=1 needs "
-                                       "JAXOVERLAP_TEST_PAIR_EPOCH"):
+                                       "JAXOVERLAP_TEST_PAIR_EPOCH.*got None"):
     runtime.initialize()
+  # Trial 32: a count of 0 (or 2**32 - 2, 2**32 - 1) reaches flag 1 (or 0) before a re-stamp.
+  for start in (0, 2**32 - 2, 2**32 - 1, 2**33):
+    monkeypatch.setenv("JAXOVERLAP_TEST_PAIR_EPOCH", str(start))
+    with pytest.raises(ValueError, match=f"got '{start}'"):
+      runtime.initialize()
   assert not ext.started
   monkeypatch.setenv("JAXOVERLAP_TEST_PAIR_EPOCH", str(2**32 - 3))
   runtime.initialize()
