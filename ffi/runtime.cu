@@ -734,9 +734,10 @@ ffi::Error DeviceErrorToFfi(const DeviceError& e, int pe) {
       std::string("jaxoverlap: ") + OpName(e.op) + " timed out on PE " + std::to_string(pe) +
           " (rank " + std::to_string(e.rank) + " of its group): peer PE " + peer +
           " did not arrive at step " + std::to_string(e.step) + " within " + timeout +
-          " s (" + what + "). Likely causes: the ranks called the jaxoverlap ops in different orders, with "
-          "different sizes or dtypes, or over different groups; or the process of PE " + peer +
-          " stopped, died or was slower than JAXOVERLAP_TIMEOUT_S. The GPU context is lost "
+          " s (" + what + "). Likely causes: the ranks called the jaxoverlap ops in different "
+          "orders, with different sizes or dtypes, or over different groups; or the process of "
+          "PE " + peer + " stopped, died or was slower than JAXOVERLAP_TIMEOUT_S. The GPU "
+          "context is lost "
           "(XLA reports the trapped kernel as CUDA_ERROR_LAUNCH_FAILED, 'unspecified launch "
           "failure'); restart the processes.");
 }

@@ -365,8 +365,9 @@ def initialize_from_env(
   handlers: open files are not flushed): JAX's exit would otherwise hold it for
   up to 300 s in jax.distributed's shutdown barrier while its peers wait for it
   in their next collective, and neither the launcher nor srun could tell which
-  process failed. ``sys.exit`` with an error status is not covered. Where jax.distributed was started elsewhere and drives fewer
-  of the GPUs that the placement names (one SLURM task per node), it warns.
+  process failed. ``sys.exit`` with an error status is not covered. Where
+  jax.distributed was started elsewhere and drives fewer of the GPUs that the
+  placement names (one SLURM task per node), it warns.
 
   Calling it again, or after your own ``jax.distributed.initialize``, joins
   nothing new: it returns the active setup (the same dict as the first call)
@@ -765,9 +766,10 @@ def main(argv: list[str] | None = None) -> int:
   if tasks.isdigit() and int(tasks) > 1:
     # The ranks take the launcher's variables over SLURM's: each task of the step would run
     # its own job of --nproc processes on the same GPUs.
-    _say(f"WARNING: SLURM_NTASKS={tasks}: under srun every task runs this launcher, and each "
-         f"starts a job of its own ({a.nproc} processes); under SLURM start the script itself, "
-         "one task per GPU (srun --ntasks-per-node=<gpus> python script.py)")
+    _say(f"WARNING: this is one of {tasks} tasks of a SLURM job step: under srun every task "
+         f"runs this launcher, and each starts a job of its own ({a.nproc} processes); under "
+         "SLURM start the script itself, one task per GPU (srun --ntasks-per-node=<gpus> python "
+         "script.py)")
   port = a.port or free_port()
   cmd = shlex.split(a.wrapper) + [sys.executable] + target
   procs: list[subprocess.Popen] = []

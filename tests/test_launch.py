@@ -660,8 +660,8 @@ def test_the_launcher_under_srun_warns(tmp_path):
                        env=_env(SLURM_NTASKS="2", SLURM_PROCID="0", SLURM_STEP_ID="0"),
                        capture_output=True, text=True, timeout=60)
   assert out.returncode == 0, out.stderr
-  assert ("jaxoverlap.launch: WARNING: SLURM_NTASKS=2: under srun every task runs this launcher"
-          in out.stderr), out.stderr
+  assert ("jaxoverlap.launch: WARNING: this is one of 2 tasks of a SLURM job step: under srun "
+          "every task runs this launcher" in out.stderr), out.stderr
   # Trial 32: a batch script (sbatch --ntasks=2) runs the launcher once: no step, no warning.
   out = subprocess.run([sys.executable, "-m", "jaxoverlap.launch", "--nproc", "1", str(script)],
                        env=_env(SLURM_NTASKS="2", SLURM_JOB_ID="7"), capture_output=True,
