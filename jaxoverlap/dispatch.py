@@ -450,28 +450,31 @@ def _xla_plan(r: Request, base: dict, why_backend: str, chunks_ok: bool = False)
     algorithm, why_algorithm = r.algorithm, "requested"
   # CUDA choices that a call with nothing to communicate leaves unused: said, not dropped
   # silently (the other ways to backend 'xla' refuse them, or the caller asked for 'xla').
-  unused = [(key, f"{key}={value!r} requested, not used: the call runs on backend 'xla' "
-                  f"({why_backend})")
-            for key, value in (("algorithm", r.algorithm if names.backend_of_algorithm(
-                r.op, r.algorithm) == names.CUDA else None), ("protocol", r.protocol),
-                               ("transport", r.transport), ("chunks", r.chunks))
-            if value not in (None, names.AUTO)]
+  unused = [(key, f"{spelled} requested, not used: the call runs on backend 'xla' "
+                  f"({why_backend})") for key, spelled in _cuda_only_choices(r)]
   if unused and unused[0][0] == "algorithm":
     why_algorithm = f"{unused.pop(0)[1]}; {why_algorithm}"
   return Plan(backend=names.XLA, algorithm=algorithm,
               why=(("backend", why_backend), ("algorithm", why_algorithm), *unused), **base)
 
 
-def _cuda_only_choice(r: Request) -> str | None:
-  """The first choice of the request that only backend "cuda" has, as spelled, or None."""
+def _cuda_only_choices(r: Request) -> list[tuple[str, str]]:
+  """The request's choices that only backend "cuda" has: ``(key, "key=value")``, in order."""
+  out = []
   if names.backend_of_algorithm(r.op, r.algorithm) == names.CUDA:
-    return f"algorithm={r.algorithm!r}"
+    out.append(("algorithm", f"algorithm={r.algorithm!r}"))
   for key in ("protocol", "transport"):
     if getattr(r, key) != names.AUTO:
-      return f"{key}={getattr(r, key)!r}"
+      out.append((key, f"{key}={getattr(r, key)!r}"))
   if r.chunks is not None:
-    return f"chunks={r.chunks}"
-  return None
+    out.append(("chunks", f"chunks={r.chunks}"))
+  return out
+
+
+def _cuda_only_choice(r: Request) -> str | None:
+  """The first choice of the request that only backend "cuda" has, as spelled, or None."""
+  choices = _cuda_only_choices(r)
+  return choices[0][1] if choices else None
 
 
 def _cuda_plan(r, shapes, dtype, mesh, facts, num_ranks, base) -> Plan:
