@@ -214,6 +214,28 @@ def _start_training(workdir, *flags):
   raise AssertionError(f"main.py ended before its first step: {proc.stderr.read()}")
 
 
+def test_train_stopped_before_its_first_step_says_so(tmp_path):
+  """Trial 28: a run stopped before its training loop (setup, first evaluation) exited 143
+  without a word. It now says that nothing new was saved, with no traceback."""
+  import signal
+  import subprocess
+
+  main = os.path.join(_EXAMPLES, "train", "main.py")
+  proc = subprocess.Popen(
+      [sys.executable, main, "--workdir", str(tmp_path / "run"), "--config", "tiny"],
+      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+      env=dict(os.environ, JAX_PLATFORMS="cpu"))
+  for line in proc.stdout:  # printed after setup, before the first evaluation compiles
+    if line.startswith("corpus:"):
+      proc.send_signal(signal.SIGTERM)
+      break
+  _, err = proc.communicate(timeout=120)
+  assert proc.returncode == 143, err
+  assert err.endswith("interrupted before training began: nothing new to save; run the same "
+                      "command to start again\n"), err
+  assert "Traceback" not in err, err
+
+
 @pytest.mark.parametrize("sig,rc", [("SIGTERM", 143), ("SIGINT", 130)])
 def test_train_saves_the_steps_since_its_last_checkpoint_when_stopped(tmp_path, sig, rc):
   """Trial 28: Ctrl-C left orbax tracebacks and a temporary folder, and lost every step since

@@ -92,6 +92,9 @@ def main(argv):
     print(f"main.py: error: {e}", file=sys.stderr, flush=True)
     return 2
   except KeyboardInterrupt as e:  # once training began, train.py said what it saved
+    if not getattr(e, "reported", False):
+      print("\ninterrupted before training began: nothing new to save; run the same command "
+            "to start again", file=sys.stderr, flush=True)
     return 128 + (signal.SIGTERM if isinstance(e, _Terminated) else signal.SIGINT)
 
 

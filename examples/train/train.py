@@ -466,10 +466,11 @@ def train_and_evaluate(config: Config, workdir: str) -> dict[str, Any]:
       if done % config.ckpt_every == 0 or done == config.steps:
         checkpoint(done, state)
       tick = time.perf_counter()
-  except KeyboardInterrupt:  # Ctrl-C, or SIGTERM as main.py turns it into one
+  except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM as main.py turns it into one
     if bar is not None:
       bar.close()
     _save_interrupted(manager, checkpoint, graphdef, state)
+    e.reported = True  # main.py: said what was saved
     raise
   if bar is not None:
     bar.close()
