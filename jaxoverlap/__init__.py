@@ -1,4 +1,4 @@
-"""jaxoverlap: latency-optimal all-reduce and fused compute-communication for JAX on NVIDIA GPUs.
+"""jaxoverlap: low-latency all-reduce and fused compute-communication for JAX on NVIDIA GPUs.
 
 Public ops (call inside ``jax.shard_map``; each a ``jax.custom_vjp``):
 

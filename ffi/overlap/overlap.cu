@@ -5,12 +5,17 @@
 // high-priority stream, and the GEMM into shard GEMMs (cuBLASLt) on XLA's
 // stream, in the rank-adaptive order.
 //
-// Source: CommFuse ("FlashOverlap"), arXiv 2604.24013, sec. 3: AllGather+GEMM
-// multiplies the local shard first and the others' shards as they arrive;
+// Source: R. Karim, A. Wen, W. Zongzuo, W. Zhang, Y. Liu, W. Ahmed, "CommFuse:
+// Hiding Tail Latency via Communication Decomposition and Fusion for
+// Distributed LLM Training", arXiv 2604.24013 (2026; its v1 was titled
+// "FlashOverlap: Minimizing Tail Latency in Communication Overlap for
+// Distributed LLM Training", not the FlashOverlap of arXiv 2504.19519),
+// sec. 3: AllGather+GEMM multiplies the local shard first and the others'
+// shards as they arrive;
 // GEMM+ReduceScatter computes the blocks other ranks own first and sends each
 // while it goes on, and its own block last, so the last transfer is hidden;
 // GEMM+AllReduce is GEMM+ReduceScatter followed by an all-gather. The code is
-// written here from the paper's description.
+// written here from the paper's description (docs/design.md, "References").
 //
 // Schedule at ring step i (1..size-1): rank r sends to r+i and receives from
 // r-i, so every link carries one transfer per step (rank rotation).
