@@ -16,9 +16,14 @@ jaxoverlap:xla:ppermute) run anywhere, which is the CPU smoke path:
 Method: the chain method of jaxoverlap.tuning.timing: for each size, a chain of
 --chain dependent ops in one jit (10 above 8 MiB), minus the same chain
 without them, divided by the chain length. The implementations of a size are
-timed interleaved (``time_chains_us``: per round, the empty chain, then each
-implementation's chain once); each figure is the median over --reps rounds
-after warm-up. Every implementation is first checked against a float32
+timed interleaved (``time_chains_stats_us``: per round, the empty chain, then
+each implementation's chain once, each after a small psum that lines the
+processes up; a round's time is the slowest process's); each figure is the
+median over --reps rounds after warm-up, with the 10th and 90th percentiles.
+psum is timed twice: ``xla:psum`` with XLA's default command-buffer types,
+under which every psum splits XLA's CUDA graphs, and ``xla:psum_graphs`` with
+``COLLECTIVES`` added, so that it runs inside the graphs as our custom calls
+do. Every implementation is first checked against a float32
 lax.psum of the same input, three calls with different inputs in a row, on
 every element of every rank
 (``harness.close``); one that fails is listed under "rejected" and not timed
@@ -50,11 +55,12 @@ def define_flags():
 
 
 def default_impls(num_nodes: int) -> list[str]:
-  """Every CUDA algorithm of the topology, then auto, psum and the launch floor."""
+  """Every CUDA algorithm of the topology, then auto, psum (both ways) and the launch floor."""
   ours = (["one_shot_ll", "one_shot_simple", "one_shot_lamport", "two_shot_ll", "two_shot_simple",
            "two_shot_lamport"] if num_nodes == 1
           else ["hierarchical_ll", "hierarchical_simple"])
-  return [f"jaxoverlap:{a}" for a in ours] + [harness.AUTO, harness.PSUM, harness.LAUNCH_FLOOR]
+  return [f"jaxoverlap:{a}" for a in ours] + [harness.AUTO, harness.PSUM, harness.PSUM_GRAPHS,
+                                               harness.LAUNCH_FLOOR]
 
 
 def needs_cuda(impl: str) -> bool:
@@ -65,7 +71,7 @@ def needs_cuda(impl: str) -> bool:
   """
   if impl == harness.LAUNCH_FLOOR:
     return True
-  if impl == harness.PSUM:
+  if impl in (harness.PSUM, harness.PSUM_GRAPHS):
     return False
   return harness.impl_kwargs("all_reduce", impl)["backend"] != "xla"
 
@@ -124,9 +130,11 @@ def main(argv):
     return dict(mesh=run.mesh, axis_name=AXIS, length=fl.chain if nbytes <= (8 << 20) else 10,
                 reps=fl.reps)
 
-  def measure_row(impls: list[str], nbytes: int) -> dict[str, float]:
+  def measure_row(impls: list[str], nbytes: int) -> dict[str, dict[str, float]]:
     ops = {impl: harness.all_reduce_fn(impl, AXIS) for impl in impls}
-    return tuning.time_chains_us(ops, inputs(nbytes)["x"], **chain(nbytes))
+    options = {impl: harness.compile_options(impl) for impl in impls}
+    return tuning.time_chains_stats_us(ops, inputs(nbytes)["x"], **chain(nbytes),
+                                       compiler_options={k: v for k, v in options.items() if v})
 
   def check(impl: str, nbytes: int) -> str | None:
     if impl == harness.LAUNCH_FLOOR:
@@ -152,6 +160,8 @@ def main(argv):
       None, check, impls, sizes, dtype=dtype.name,
       ranks_per_node=run.ranks_per_node, world=run.world, log=run.log, measure_row=measure_row)
   for r in records:
+    if harness.compile_options(r["impl"]):
+      r["xla_options"] = harness.compile_options(r["impl"])
     r.update(num_nodes=run.num_nodes, inter_node_transport=run.runtime.get("inter_node_transport"),
              processes=run.processes, transport=run.runtime.get("transport"),
              lamport_blocks_per_sm=run.runtime.get("lamport_blocks_per_sm"))
@@ -166,10 +176,14 @@ def main(argv):
     harness.write_result(
         path, records, benchmark="all_reduce", machine=machine,
         script="benchmarks/all_reduce.py", rejected=rejected,
-        method=(f"median of {fl.reps} rounds, each timing the empty chain and then every impl's "
-                f"chain of ops in one jit ({fl.chain} ops up to 8 MiB, 10 above) once, "
-                "interleaved: (chain - the round's empty chain) / chain length; every impl "
-                "first checked against a float32 lax.psum"),
+        method=(f"median (time_us) and 10th/90th percentiles (time_us_p10/p90) of {fl.reps} "
+                "rounds, each timing the empty chain and then every impl's chain of ops in one "
+                f"jit ({fl.chain} ops up to 8 MiB, 10 above) once, interleaved, each run after "
+                "a small psum that lines the processes up: (chain - the round's empty chain) / "
+                "chain length, the slowest process's time per round; xla:psum with XLA's "
+                "default command-buffer types (each psum splits the CUDA graphs), "
+                "xla:psum_graphs with COLLECTIVES added (xla_options); every impl first "
+                "checked against a float32 lax.psum"),
         extra={"params": {}, "auto_choices": harness.auto_choices()})  # params: as tuning tables
     run.log(f"wrote {path}")
   return 1 if rejected else 0

@@ -85,26 +85,9 @@ import profile_step
 
 BENCHMARK = "decode_floor"
 AXIS = decode.AXIS
-CMDBUF = "xla_gpu_enable_command_buffer"
+CMDBUF = harness.CMDBUF
 SHORT_US = 5.0  # the profile counts kernels shorter than this apart (launch-sized work)
-# XLA's default command-buffer types (jaxlib 0.11/0.12); the run records the list it found.
-_DEFAULT_TYPES = ("FUSION", "CUBLAS", "CUBLASLT", "CUSTOM_CALL", "CUDNN", "DYNAMIC_SLICE_FUSION",
-                  "CONDITIONAL")
-
-
-def default_command_buffer_types() -> list[str]:
-  """The command-buffer types this jaxlib enables by default (its DebugOptions' defaults)."""
-  try:  # the defaults are only printed by the options proto
-    from jax._src.lib import xla_client
-
-    options = xla_client._xla.CompileOptions()  # noqa: SLF001 (held: the views below borrow it)
-    build = options.executable_build_options
-    text = str(build.debug_options)
-    found = [line.split(":", 1)[1].strip() for line in text.splitlines()
-             if line.strip().startswith(CMDBUF + ":")]
-    return found or list(_DEFAULT_TYPES)
-  except Exception:  # noqa: BLE001 (a private API: fall back to the known list)
-    return list(_DEFAULT_TYPES)
+default_command_buffer_types = harness.default_command_buffer_types
 
 
 # XLA options that change how the step's small kernels are fused, each off by

@@ -66,6 +66,7 @@ from jaxoverlap.tuning.timing import time_interleaved  # noqa: E402,F401  (bench
 # ------------------------------------------------------------------ impl names
 
 PSUM = "xla:psum"                  # lax.psum (all_reduce, decode)
+PSUM_GRAPHS = "xla:psum_graphs"    # lax.psum with COLLECTIVES in XLA's command buffers
 NAIVE = "xla:naive"                # the fused ops' xla collective next to one GEMM
 PPERMUTE = "xla:ppermute"          # the fused ops' xla ppermute ring
 LOCAL_GEMM = "xla:local_gemm"      # the per-rank GEMM alone: the floor of the fused ops
@@ -147,7 +148,8 @@ def impl_kwargs(op: str, impl: str) -> dict[str, Any]:
 def all_reduce_fn(impl: str, axis: str) -> Callable:
   """The per-rank function (inside ``shard_map``) of an all-reduce impl.
 
-  ``xla:psum`` is ``lax.psum``; ``floor:launch`` one kernel launch that
+  ``xla:psum`` and ``xla:psum_graphs`` are ``lax.psum`` (the second is
+  compiled with ``compile_options``); ``floor:launch`` one kernel launch that
   copies ``x`` (not an all-reduce); every other name ``jaxoverlap.all_reduce``
   with ``impl_kwargs``.
   """
@@ -155,7 +157,7 @@ def all_reduce_fn(impl: str, axis: str) -> Callable:
 
   import jaxoverlap
 
-  if impl == PSUM:
+  if impl in (PSUM, PSUM_GRAPHS):
     return lambda y: jax.lax.psum(y, axis)
   if impl == LAUNCH_FLOOR:
     from jaxoverlap import _cuda
@@ -163,6 +165,42 @@ def all_reduce_fn(impl: str, axis: str) -> Callable:
     return _cuda.launch_floor
   kw = impl_kwargs(names.ALL_REDUCE, impl)
   return lambda y: jaxoverlap.all_reduce(y, axis, **kw)
+
+
+CMDBUF = "xla_gpu_enable_command_buffer"
+# XLA's default command-buffer types (jaxlib 0.11/0.12), where the options proto cannot be read.
+_DEFAULT_TYPES = ("FUSION", "CUBLAS", "CUBLASLT", "CUSTOM_CALL", "CUDNN", "DYNAMIC_SLICE_FUSION",
+                  "CONDITIONAL")
+
+
+def default_command_buffer_types() -> list[str]:
+  """The command-buffer types this jaxlib enables by default (its DebugOptions' defaults)."""
+  try:  # the defaults are only printed by the options proto
+    from jax._src.lib import xla_client
+
+    options = xla_client._xla.CompileOptions()  # noqa: SLF001 (held: the views below borrow it)
+    build = options.executable_build_options
+    text = str(build.debug_options)
+    found = [line.split(":", 1)[1].strip() for line in text.splitlines()
+             if line.strip().startswith(CMDBUF + ":")]
+    return found or list(_DEFAULT_TYPES)
+  except Exception:  # noqa: BLE001 (a private API: fall back to the known list)
+    return list(_DEFAULT_TYPES)
+
+
+def compile_options(impl: str) -> dict[str, Any] | None:
+  """The XLA options an impl's program is compiled with, where not XLA's defaults.
+
+  ``xla:psum_graphs`` and any impl ending in ``/graphs`` (e.g.
+  ``xla:psum+norm/graphs``): XLA's default command-buffer types plus
+  ``COLLECTIVES``, so that psum runs inside XLA's CUDA graphs as our
+  command-buffer-compatible custom calls do (by default each psum splits the
+  graphs). The option replaces XLA's list, so the defaults are named with it.
+  """
+  if impl == PSUM_GRAPHS or impl.endswith("/graphs"):
+    types = [t for t in default_command_buffer_types() if t]
+    return {CMDBUF: ",".join(sorted(set(types) | {"COLLECTIVES"}))}
+  return None
 
 
 def parse_bytes(text: str) -> int:
@@ -274,11 +312,74 @@ def one_gpu_machine(machine: str | None) -> tuple[str, str]:
   return kind, machine or f"1x {kind.removeprefix('NVIDIA ')}"
 
 
-# Machine names with the interconnect that the devices do not tell, by the detected name
-# "<count>x <kind>". Only the project's test machine (2 H200s joined by NVLink, NV18 in
-# nvidia-smi topo -m), so that its runs keep the file names of the committed results
-# (benchmarks/results/*-2x_H200_NV18*.json) and of scripts/gpu_check.sh.
-KNOWN_MACHINES = {"2x H200": "2x H200 NV18"}
+def _nvidia_smi(*args: str) -> str | None:
+  """``nvidia-smi <args>``'s output, or None where it is missing or fails (10 s at most)."""
+  import subprocess
+
+  try:
+    out = subprocess.run(["nvidia-smi", *args], capture_output=True, text=True, timeout=10)
+  except (OSError, subprocess.SubprocessError):
+    return None
+  return out.stdout if out.returncode == 0 else None
+
+
+def host_gpus() -> list[dict[str, str]]:
+  """The GPUs of this host as nvidia-smi lists them (all of them, whatever is visible).
+
+  Returns:
+    One ``{"index", "name", "uuid", "pci_bus_id", "driver", "memory_total",
+    "max_sm_clock", "sm_clock", "power_limit"}`` per GPU (nvidia-smi's
+    strings, units included); [] without nvidia-smi.
+  """
+  fields = ("index", "name", "uuid", "pci.bus_id", "driver_version", "memory.total",
+            "clocks.max.sm", "clocks.sm", "power.limit")
+  keys = ("index", "name", "uuid", "pci_bus_id", "driver", "memory_total", "max_sm_clock",
+          "sm_clock", "power_limit")
+  out = _nvidia_smi(f"--query-gpu={','.join(fields)}", "--format=csv,noheader")
+  rows = [[v.strip() for v in line.split(",")] for line in (out or "").splitlines() if line]
+  return [dict(zip(keys, row)) for row in rows if len(row) == len(keys)]
+
+
+def parse_topology(text: str) -> dict[tuple[int, int], str]:
+  """The GPU-to-GPU links of ``nvidia-smi topo -m``: {(i, j): "NV18", "SYS", ...}, i != j."""
+  import re
+
+  lines = [re.sub(r"\x1b\[[0-9;]*m", "", line) for line in text.splitlines()]
+  header = next((line.split() for line in lines if re.match(r"\s*GPU\d+\b", line)
+                 and line.startswith((" ", "\t"))), [])
+  columns = [int(t[3:]) for t in header if re.fullmatch(r"GPU\d+", t)]
+  links = {}
+  for line in lines:
+    tokens = line.split()
+    if not tokens or not re.fullmatch(r"GPU\d+", tokens[0]) or line.startswith((" ", "\t")):
+      continue
+    i = int(tokens[0][3:])
+    for j, link in zip(columns, tokens[1:1 + len(columns)]):
+      if i != j:
+        links[(i, j)] = link
+  return links
+
+
+def _one_host() -> bool:
+  """Whether every process of this run is on this host (launcher, one SLURM node, one process)."""
+  import jax
+
+  env = os.environ
+  coordinator = env.get("JAXOVERLAP_COORDINATOR", "")
+  return (jax.process_count() == 1 or coordinator.startswith(("127.0.0.1:", "localhost:"))
+          or env.get("SLURM_JOB_NUM_NODES") == "1")
+
+
+def _used_gpu_indices(count: int) -> list[int]:
+  """nvidia-smi indices of the first ``count`` GPUs this process is allowed to see."""
+  visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+  if visible is None:
+    return list(range(count))
+  ids = [v.strip() for v in visible.split(",") if v.strip()][:count]
+  if all(v.isdigit() for v in ids):
+    return [int(v) for v in ids]
+  by_uuid = {g["uuid"]: int(g["index"]) for g in host_gpus() if g["index"].isdigit()}
+  return [by_uuid[v] for v in ids if v in by_uuid]
 
 
 def machine_name(given: str | None) -> str:
@@ -289,8 +390,12 @@ def machine_name(given: str | None) -> str:
 
   Returns:
     ``given``, or ``f"{count}x {kind}"`` over every process's devices, kind
-    the device kind without its "NVIDIA " prefix ("2x cpu", "4x H200"),
-    mapped through ``KNOWN_MACHINES`` ("2x H200" -> "2x H200 NV18").
+    the device kind without its "NVIDIA " prefix ("2x cpu", "4x H200"). When
+    every process is on this host, nvidia-smi adds what the devices do not
+    tell: processes sharing GPUs (more devices than the host has GPUs: "2x
+    H200 on 1 GPU", a correctness run, never a timing) and otherwise the
+    link between the GPUs used (the first ``count`` visible ones) where
+    every pair has the same one in ``nvidia-smi topo -m`` ("2x H200 NV18").
   """
   if given:
     return given
@@ -298,7 +403,85 @@ def machine_name(given: str | None) -> str:
 
   devices = jax.devices()
   name = f"{len(devices)}x {devices[0].device_kind.removeprefix('NVIDIA ')}"
-  return KNOWN_MACHINES.get(name, name)
+  if devices[0].platform != "gpu" or not _one_host():
+    return name
+  gpus = len(host_gpus())
+  if 0 < gpus < len(devices):
+    return f"{name} on {gpus} GPU{'s' if gpus > 1 else ''}"
+  used = _used_gpu_indices(len(devices))
+  links = parse_topology(_nvidia_smi("topo", "-m") or "")
+  kinds = {links.get((i, j)) for i in used for j in used if i != j}
+  if len(used) > 1 and len(kinds) == 1 and None not in kinds:
+    name += f" {kinds.pop()}"
+  return name
+
+
+# The environment variables a results file records (what changes how the ops or the
+# baselines run): XLA's flags, NCCL's, NVSHMEM's, CUDA's, JAX's and jaxoverlap's.
+_RECORDED_ENV = ("XLA_FLAGS", "NCCL_", "NVSHMEM_", "CUDA_", "JAX_", "JAXOVERLAP_")
+
+
+def _git_commit() -> dict[str, Any] | None:
+  """{"commit", "dirty"} of this checkout (dirty: tracked files changed), or None."""
+  import subprocess
+
+  try:
+    head = subprocess.run(["git", "-C", _ROOT, "rev-parse", "HEAD"], capture_output=True,
+                          text=True, timeout=10)
+    status = subprocess.run(["git", "-C", _ROOT, "status", "--porcelain", "--untracked-files=no"],
+                            capture_output=True, text=True, timeout=10)
+  except (OSError, subprocess.SubprocessError):
+    return None
+  if head.returncode != 0:
+    return None
+  return {"commit": head.stdout.strip(), "dirty": bool(status.stdout.strip())}
+
+
+def _loaded_versions() -> dict[str, Any]:
+  """Versions reported by the libraries this process loaded (jax's CUDA plugin), where it can."""
+  out: dict[str, Any] = {}
+  try:
+    from jax._src.lib import cuda_versions  # None without the CUDA plugin
+  except ImportError:
+    return out
+  if cuda_versions is None:
+    return out
+  for name in ("cuda_runtime_get_version", "cuda_runtime_build_version",
+               "cuda_driver_get_version", "cudnn_get_version", "cublas_get_version",
+               "nccl_get_version"):
+    fn = getattr(cuda_versions, name, None)
+    if fn is not None:
+      try:
+        out[name.removesuffix("_get_version")] = fn()
+      except Exception as e:  # noqa: BLE001 (recorded, not fatal: it is a record)
+        out[name.removesuffix("_get_version")] = f"{type(e).__name__}: {e}"
+  return out
+
+
+def provenance() -> dict[str, Any]:
+  """What a results file records beyond its command: commit, environment, GPUs, libraries.
+
+  Returns:
+    ``{"git", "environment", "host_gpus", "topology", "loaded_versions",
+    "processes", "runtime"}``: the checkout's commit and whether tracked files
+    were changed; every variable of ``_RECORDED_ENV`` that is set; this host's
+    GPUs with their clocks and power limit (``host_gpus``) and ``nvidia-smi
+    topo -m``; the CUDA runtime, driver, cuDNN, cuBLAS and NCCL versions the
+    CUDA plugin reports; the process count; ``jaxoverlap.runtime_info()``'s
+    transport and heap where the CUDA runtime is up.
+  """
+  import jax
+
+  import jaxoverlap
+
+  env = {k: v for k, v in sorted(os.environ.items())
+         if k == "XLA_FLAGS" or k.startswith(_RECORDED_ENV[1:])}
+  info = jaxoverlap.runtime_info()
+  runtime = {k: info.get(k) for k in ("transport", "num_pes", "ranks_per_node", "heap_bytes",
+                                       "timeout_s") if k in info}
+  return {"git": _git_commit(), "environment": env, "host_gpus": host_gpus(),
+          "topology": _nvidia_smi("topo", "-m"), "loaded_versions": _loaded_versions(),
+          "processes": jax.process_count(), "runtime": runtime}
 
 
 def check_merge(old: Mapping[str, Any] | None, file: str, **now: Any) -> None:
@@ -696,6 +879,7 @@ def write_result(file: str, records: Sequence[Mapping[str, Any]] | None, *, benc
       records or [], machine=machine, command=command or launch.reproduce_command(script),
       method=method, versions=results.package_versions(), rejected=rejected)
   result["benchmark"] = benchmark
+  result["provenance"] = provenance()
   del result["params"]  # the cost model's; tuning tables only
   if records is None:
     del result["records"], result["rejected"]

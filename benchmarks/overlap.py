@@ -53,18 +53,23 @@ maps each to the public op's keywords):
 
 Method: for each (op, shape), every impl is one jit of a chain of --chain
 dependent ops. Link i+1's input carries element [0, 0] of link i's output
-times a runtime zero, so XLA can neither drop, merge nor overlap the links;
-every link's output is an output of the jit, so no GEMM can be cut down to
-the element the next link reads. The chained input is donated and written in
-place. Every impl is first checked against xla:naive on the same inputs
-(``harness.close``: |a - b| <= 1e-2 * max|ref| + 2e-2 * |ref| everywhere,
-computed on the devices); a mismatch is reported as WRONG and not timed, an
-impl that raises (e.g. the CUDA path refusing a shape) as ERROR; both are
-listed under "rejected" in the JSON. Then --warmup untimed runs per impl, and
---reps timed runs with the impls interleaved run by run
-(``harness.time_interleaved``: drift hits all alike). time_us = (median run -
-median of the same chain without the ops) / chain, on rank 0's clock (at
-least 0.01). exposed_us = time_us - xla:local_gemm, hidden_fraction = 1 -
+times a runtime zero, so XLA can neither drop, merge nor overlap the links,
+plus a runtime step of 64, so that every link (and every run) multiplies
+other data: a kernel that skipped a transfer, or read a slot left by the link
+before, gives a wrong row. Every link's output is an output of the jit, so no
+GEMM can be cut down to the element the next link reads. The chained input is
+donated and written in place. Every impl is first checked against xla:naive,
+both from the same fresh input, on two runs of the chain: every link's
+output, every element of every rank (``harness.close``: |a - b| <= 1e-2 *
+max|ref| + 2e-2 * |ref|, computed on the devices); a mismatch is reported as
+WRONG and not timed, an impl that raises (e.g. the CUDA path refusing a
+shape) as ERROR; both are listed under "rejected" in the JSON. Then --warmup
+untimed runs per impl, and --reps timed runs with the impls interleaved run
+by run, each after a small psum that lines the processes up
+(``harness.time_interleaved``: drift hits all alike). time_us = the median
+over runs of (the run - the same round's run of the chain without the ops) /
+chain, on rank 0's clock (at least 0.01); time_us_p10 and time_us_p90 are
+the 10th and 90th percentiles of the same. exposed_us = time_us - xla:local_gemm, hidden_fraction = 1 -
 exposed_us / xla:collective (raw, not clipped: negative when slower than GEMM
 + collective in series). bytes = what the collective moves per rank: x's
 shard (ag) or the [M, N] partial product (rs, ar).
@@ -97,6 +102,11 @@ OPS = {"ag": "all_gather_matmul", "rs": "matmul_reduce_scatter", "ar": "matmul_a
 AXIS = "x"
 TRANSPORTS = ("copy_engine", "nvshmem")
 BASELINES = (FLOOR, COMM)  # not the op: no correctness check, no exposed/hidden fields
+# What each link of a chain adds to element [0, 0] of its input (_depend). 64 moves a row of
+# the product by 64 x a row of W (about 1 at K = 4096), far above harness.close's tolerance, so
+# a link computed from the link before's data fails the check; multiples of 64 stay exact in
+# bf16 over a run's few hundred links.
+STEP = 64.0
 
 # JAX's Pallas collective matmul, with tile configurations from the kernel's own tuning space
 # (collective_matmul_mgpu._run_example); each is timed as an impl of its own. tile_m=256 with
@@ -338,25 +348,29 @@ def merge_results(old: dict | None, new_records: list[dict], new_rejected: list[
 
 def method_text(chain: int, reps: int, warmup: int) -> str:
   return (f"per (op, shape) and impl: one jit of a chain of {chain} dependent ops (link i+1's "
-          "input carries element [0,0] of link i's output times a runtime zero; every link's "
+          "input carries element [0,0] of link i's output times a runtime zero, plus a "
+          "runtime step of 64, so every link multiplies other data; every link's "
           "output is a jit output; the chained input donated); every impl first checked "
-          "against xla:naive (|a-b| <= 1e-2*max|ref| + 2e-2*|ref|); then "
-          f"{warmup} warm-up runs each and {reps} timed runs, impls interleaved run by run; "
-          "time_us = (median run - median of the same chain without the ops) / chain length, "
-          "rank 0's clock; exposed_us = time_us - xla:local_gemm; hidden_fraction = 1 - "
+          "against xla:naive from the same fresh input, every link of two runs "
+          "(|a-b| <= 1e-2*max|ref| + 2e-2*|ref|); then "
+          f"{warmup} warm-up runs each and {reps} timed runs, impls interleaved run by run, "
+          "each after a small psum that lines the processes up; time_us = median over runs of "
+          "(run - the round's run of the chain without the ops) / chain length (p10/p90: "
+          "time_us_p10, time_us_p90), rank 0's clock; exposed_us = time_us - xla:local_gemm; hidden_fraction = 1 - "
           "exposed_us / xla:collective (not clipped)")
 
 
 # --------------------------------------------------------------------------- JAX part
 
 
-def _depend(carrier, y, zero):
-  """``carrier`` with element [0, 0] replaced by itself + y[0, 0] * zero (per rank).
+def _depend(carrier, y, zero, step):
+  """``carrier`` with element [0, 0] replaced by itself + y[0, 0] * zero + step (per rank).
 
   This is the link between two ops of a chain. ``zero`` is a jit argument
   (0.0 at run time), so XLA cannot fold the product away: the next op's input
   really depends on this op's output, whatever XLA knows about float
-  arithmetic. A non-finite y[0, 0] is replaced by 0 first, so the carried
+  arithmetic. ``step`` (a jit argument, ``STEP``) makes each link's input
+  differ from the one before, so that stale data shows in the check. A non-finite y[0, 0] is replaced by 0 first, so the carried
   value stays exactly the input (the check then compares like with like). The
   update is one element, in place (dynamic-update-slice).
   """
@@ -366,7 +380,7 @@ def _depend(carrier, y, zero):
   from jaxoverlap import _xla
 
   v = y[:1, :1].astype(jnp.float32)
-  v = jnp.where(jnp.isfinite(v), v, 0.0) * zero
+  v = jnp.where(jnp.isfinite(v), v, 0.0) * zero + step
   corner = (carrier[:1, :1].astype(jnp.float32) + v).astype(carrier.dtype)
   return lax.dynamic_update_slice(carrier, _xla.to_varying(corner, AXIS), (0, 0))
 
@@ -386,7 +400,7 @@ class _Case:
     # local-GEMM input, [M, K] per rank), yc (rs/ar's collective input, [M, N]
     # per rank).
     self.specs = {"x": row if op == "ag" else col, "w": col if op == "ag" else row,
-                  "xl": row, "yc": row, "zero": P()}
+                  "xl": row, "yc": row, "zero": P(), "step": P()}
     self.out_spec = {"ag": col, "rs": row, "ar": P()}[op]
     self.arrays: dict = {}
     self._jax = jax
@@ -449,6 +463,8 @@ class _Case:
       self.arrays["yc"] = fn(self.arrays["x"], self.arrays["w"])
     if "zero" in wanted:
       self.arrays["zero"] = self._global("zero", np.zeros((), np.float32), ())
+    if "step" in wanted:
+      self.arrays["step"] = self._global("step", np.full((), STEP, np.float32), ())
 
   # ----------------------------------------------------------------- kernels
 
@@ -507,16 +523,16 @@ class _Case:
       out_specs = (out_spec,) * length
 
     def body(c, *args):
-      *others, zero = args
+      *others, zero, step = args
       ys = []
       for _ in range(length):
         y = c if kernel is None else kernel(c, *others)
         if kernel is not None:
           ys.append(y)
-        c = _depend(c, y, zero)
+        c = _depend(c, y, zero, step)
       return tuple(ys), c
 
-    in_specs = tuple(self.specs[a] for a in (carrier,) + rest) + (P(),)
+    in_specs = tuple(self.specs[a] for a in (carrier,) + rest) + (P(), P())
     # The Pallas kernel's output carries no varying-axes type (its own example
     # runs it under check_vma=False).
     sm = jax.shard_map(body, mesh=self.mesh, in_specs=in_specs,
@@ -533,28 +549,40 @@ class _Case:
 
     sh = lambda spec: NamedSharding(self.mesh, spec)  # noqa: E731
     xs, ws, ys = self.specs["x"], self.specs["w"], self.out_spec
-    dep = jax.shard_map(_depend, mesh=self.mesh, in_specs=(xs, ys, P()), out_specs=xs)
+    dep = jax.shard_map(_depend, mesh=self.mesh, in_specs=(xs, ys, P(), P()), out_specs=xs)
     length, dtype = self.chain, self.dtype
 
-    def body(x, w, zero):
+    def body(x, w, zero, step):
       outs = []
       for _ in range(length):
         y = jnp.dot(x, w, preferred_element_type=jnp.float32).astype(dtype)
         y = jax.lax.with_sharding_constraint(y, sh(ys))
         outs.append(y)
-        x = dep(x, y, zero)
+        x = dep(x, y, zero, step)
       return tuple(outs), x
 
-    return jax.jit(body, in_shardings=(sh(xs), sh(ws), sh(P())),
+    return jax.jit(body, in_shardings=(sh(xs), sh(ws), sh(P()), sh(P())),
                    out_shardings=(tuple(sh(ys) for _ in range(length)), sh(xs)),
                    donate_argnums=0)
 
   def call(self, fn, carrier, rest):
     """Runs a chain once (blocking); updates the donated carrier; returns the link outputs."""
-    args = [self.arrays[carrier]] + [self.arrays[r] for r in rest] + [self.arrays["zero"]]
+    args = [self.arrays[carrier]] + [self.arrays[r] for r in rest] + [
+        self.arrays["zero"], self.arrays["step"]]
     ys, c = self._jax.block_until_ready(fn(*args))
     self.arrays[carrier] = c
     return ys
+
+
+def _first_difference(runs, ref) -> str | None:
+  """Where an impl's chain outputs first differ from xla:naive's, or None (every link, run)."""
+  for r, (got, want) in enumerate(zip(runs, ref)):
+    for i, (g, w) in enumerate(zip(got, want)):
+      ok, err, atol = harness.close(g, w)
+      if not ok:
+        return (f"differs from xla:naive at run {r + 1}, link {i + 1}: max |diff| {err:.4g} "
+                f"(atol {atol:.4g}, rtol {harness.RTOL})")
+  return None
 
 
 def run_case(op, mkn, impls, *, mesh, dtype, chain, reps, warmup, ranks_per_node=None,
@@ -571,6 +599,7 @@ def run_case(op, mkn, impls, *, mesh, dtype, chain, reps, warmup, ranks_per_node
   import jax.numpy as jnp
 
   import jaxoverlap
+  from jaxoverlap import tuning
 
   dtype = jnp.dtype(dtype)
   case = _Case(op, mkn, mesh, dtype, chain)
@@ -593,25 +622,26 @@ def run_case(op, mkn, impls, *, mesh, dtype, chain, reps, warmup, ranks_per_node
     jaxoverlap.clear_decisions()
     try:
       fn, carrier, rest = case.chain_fn(impl)
-      case.build((carrier, "zero") + rest)
-      ys = case.call(fn, carrier, rest)  # compiles: the plans are made here
+      case.arrays.pop(carrier, None)  # the same fresh input for every impl's check
+      case.build((carrier, "zero", "step") + rest)
+      # Two runs (the first compiles: the plans are made there); every link's input differs.
+      runs = [case.call(fn, carrier, rest) for _ in range(2 if impl not in BASELINES else 1)]
     except Exception as e:  # noqa: BLE001: lowering or runtime refusal, reported per impl
       reject(impl, "ERROR", f"{type(e).__name__}: {e}"[:500])
       continue
     choice = harness.plan_fields(harness.last_plan(OPS[op])) if impl.startswith(
         "jaxoverlap:") else {}
     if impl == NAIVE:
-      ref = ys[-1]
+      ref = runs
     elif impl not in BASELINES:
       if ref is None:
         reject(impl, "ERROR", "no xla:naive reference to check against")
         continue
-      ok, err, atol = harness.close(ys[-1], ref)
-      if not ok:
-        reject(impl, "WRONG", f"differs from xla:naive: max |diff| {err:.4g} (atol {atol:.4g}, "
-               f"rtol {harness.RTOL})")
+      wrong = _first_difference(runs, ref)
+      if wrong:
+        reject(impl, "WRONG", wrong)
         continue
-    del ys
+    del runs
     if impl in impls:
       fns[impl] = (fn, carrier, rest, choice)
   del ref
@@ -637,12 +667,14 @@ def run_case(op, mkn, impls, *, mesh, dtype, chain, reps, warmup, ranks_per_node
                                    before=lambda: barrier(ones).block_until_ready())
   comm_bytes = int(np.prod(local_shapes(op, mkn, world)["comm"])) * dtype.itemsize
   for impl, (_, carrier, _, choice) in fns.items():
-    us = (harness.median(times[(impl, None)]) - harness.median(times[("empty", carrier)])
-          ) / chain * 1e6
+    spread = tuning.spread_us([(t - e) / chain * 1e6 for t, e in zip(
+        times[(impl, None)], times[("empty", carrier)])])  # paired by round
     records.append({"op": OPS[op], "impl": impl, "dtype": dtype.name, "shape": list(mkn),
                     "bytes": comm_bytes, "world": world,
                     "ranks_per_node": ranks_per_node or world,
-                    "time_us": round(max(us, 0.01), 2), **choice})
+                    "time_us": round(max(spread["time_us"], 0.01), 2),
+                    "time_us_p10": round(spread["p10_us"], 2),
+                    "time_us_p90": round(spread["p90_us"], 2), **choice})
   add_overlap_metrics(records)
   return records, rejected, failed
 

@@ -138,13 +138,13 @@ class _Bench:
     return self.jax.make_array_from_process_local_data(
         NamedSharding(self.mesh, P(_AXIS)), local, (n * self.num_ranks,))
 
-  def measure_row(self, impls, nbytes: int) -> dict[str, float]:
-    """Every impl of one size, timed interleaved (``tuning.time_chains_us``)."""
+  def measure_row(self, impls, nbytes: int) -> dict[str, dict[str, float]]:
+    """Every impl of one size, timed interleaved (``tuning.time_chains_stats_us``)."""
     x = self._array(nbytes, [self.rank, nbytes], outliers=False)
     length = FLAGS.chain if nbytes <= (8 << 20) else FLAGS.chain_large
-    return tuning.time_chains_us({impl: _op(impl) for impl in impls}, x, mesh=self.mesh,
-                                 axis_name=_AXIS, length=length, reps=FLAGS.reps,
-                                 warmup=FLAGS.warmup)
+    return tuning.time_chains_stats_us({impl: _op(impl) for impl in impls}, x, mesh=self.mesh,
+                                       axis_name=_AXIS, length=length, reps=FLAGS.reps,
+                                       warmup=FLAGS.warmup)
 
   def check(self, impl: str, nbytes: int) -> str | None:
     """None when ``impl`` equals a float32 psum on every element of every rank."""

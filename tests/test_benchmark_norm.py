@@ -47,9 +47,10 @@ def test_unknown_impl_is_refused():
 
 def test_table_names_the_speedups(capsys):
   recs = [{"shape": [1, 4096], "impl": bench.PSUM_NORM, "time_us": 20.0},
+          {"shape": [1, 4096], "impl": bench.PSUM_NORM_GRAPHS, "time_us": 16.0},
           {"shape": [1, 4096], "impl": bench.OURS_NORM, "time_us": 12.0},
           {"shape": [1, 4096], "impl": bench.FUSED, "time_us": 8.0},
           {"shape": [1, 4096], "impl": bench.AUTO, "time_us": 11.0}]
   bench._print_table(recs)
   out = capsys.readouterr().out
-  assert "| 1 x 4096 | 20.0 | 12.0 | 8.0 | 11.0 | 2.50x | 1.50x |" in out
+  assert "| 1 x 4096 | 20.0 | 16.0 | 12.0 | 8.0 | 11.0 | 2.50x | 2.00x | 1.50x |" in out

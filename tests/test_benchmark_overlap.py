@@ -349,22 +349,59 @@ def test_run_case_cpu(op):
   for r in recs:
     assert r["op"] == ovl.OPS[op] and r["shape"] == [16, 8, 12] and r["world"] == 2
     assert r["dtype"] == "bfloat16" and r["time_us"] >= 0.01 and r["bytes"] == comm
+    assert r["time_us_p10"] <= r["time_us_p90"]  # the spread over the runs
     assert ("exposed_us" in r) == (r["impl"] not in ovl.BASELINES)
     assert ("hidden_fraction" in r) == (r["impl"] not in ovl.BASELINES)
 
 
 @needs2
 def test_chain_output_matches_reference():
-  """A chain's last output is the op on the original inputs: the links add exact zeros."""
+  """Link i's output is the op on the original inputs with STEP x i added to element [0, 0]
+  of each rank's shard: the links add exact zeros times the output, and a step of their own."""
   mesh = make_mesh((2,), ("x",))
   case = ovl._Case("rs", (8, 4, 6), mesh, jnp.dtype(jnp.float32), 4)
   fn, carrier, rest = case.chain_fn("xla:ppermute")
-  case.build((carrier, "zero") + rest)
+  case.build((carrier, "zero", "step") + rest)
   x, w = np.asarray(case.arrays["x"]), np.asarray(case.arrays["w"])
   ys = case.call(fn, carrier, rest)
   assert len(ys) == 4
-  np.testing.assert_allclose(np.asarray(ys[-1]), x @ w, rtol=1e-5, atol=1e-5)
-  np.testing.assert_array_equal(np.asarray(case.arrays["x"]), x)  # carried back unchanged
+
+  def shifted(links):  # x is column-sharded (rs): each rank's corner is x[0, 2 * rank]
+    xi = x.copy()
+    xi[0, [0, 2]] += ovl.STEP * links
+    return xi
+
+  for i, y in enumerate(ys):
+    np.testing.assert_allclose(np.asarray(y), shifted(i) @ w, rtol=1e-5, atol=1e-4)
+  np.testing.assert_array_equal(np.asarray(case.arrays["x"]), shifted(4))  # carried on
+
+
+@needs2
+def test_run_case_flags_a_kernel_that_repeats_stale_results(monkeypatch):
+  """Trial 36: the check compared only the last link, and every link had the same input, so a
+  kernel that skipped its transfers after the first link passed. Now each link's input
+  differs and every link of two runs is checked."""
+  mesh = make_mesh((2,), ("x",))
+  real = ovl._Case.kernel
+
+  def kernel(self, impl):  # ppermute computed once per chain, then its result repeated
+    fn, carrier, rest, spec = real(self, impl)
+    if impl != "xla:ppermute":
+      return fn, carrier, rest, spec
+    first = []
+
+    def stale(x, w):
+      if not first:
+        first.append(fn(x, w))
+      return first[0]
+    return stale, carrier, rest, spec
+
+  monkeypatch.setattr(ovl._Case, "kernel", kernel)
+  recs, rejected, failed = ovl.run_case("ag", (16, 8, 12), ["xla:ppermute"], mesh=mesh,
+                                        dtype="bfloat16", chain=3, reps=1, warmup=0,
+                                        log=lambda s: None)
+  assert recs == [] and failed == {"xla:ppermute": "WRONG"}
+  assert "at run 1, link 2" in rejected[0]["reason"], rejected
 
 
 @needs2
@@ -433,20 +470,82 @@ def test_script_cpu_machine_from_devices_and_merge_refusal(tmp_path):
   assert json.load(open(path)) == gpu  # untouched
 
 
+_TOPO_2 = ("\x1b[4m\tGPU0\tGPU1\tCPU Affinity\tNUMA Affinity\tGPU NUMA ID\x1b[0m\n"
+           "GPU0\t X \tNV18\t0-47\t0\t\tN/A\n"
+           "GPU1\tNV18\t X \t48-95\t1\t\tN/A\n\nLegend:\n\n  X    = Self\n")
+
+
+def test_parse_topology():
+  assert harness.parse_topology(_TOPO_2) == {(0, 1): "NV18", (1, 0): "NV18"}
+  four = ("\tGPU0\tGPU1\tGPU2\tGPU3\tNIC0\tCPU Affinity\n"
+          "GPU0\t X \tNV12\tSYS\tSYS\tPIX\t0-7\n"
+          "GPU1\tNV12\t X \tSYS\tSYS\tSYS\t0-7\n"
+          "GPU2\tSYS\tSYS\t X \tNV12\tSYS\t8-15\n"
+          "GPU3\tSYS\tSYS\tNV12\t X \tSYS\t8-15\n"
+          "NIC0\tPIX\tSYS\tSYS\tSYS\t X \n")
+  links = harness.parse_topology(four)
+  assert links[(0, 1)] == "NV12" and links[(0, 2)] == "SYS" and links[(3, 2)] == "NV12"
+  assert len(links) == 12 and harness.parse_topology("") == {}
+
+
 def test_machine_name(monkeypatch):
-  """--machine, else "<count>x <kind>" of every device; the test machine keeps its NV18."""
+  """--machine, else "<count>x <kind>" of every device, with the link nvidia-smi reports
+  between the GPUs used; processes sharing GPUs are named so (trial 36: every 2x H200 run was
+  labelled NV18, one GPU shared by two processes included)."""
   assert harness.machine_name("my box") == "my box"
   assert harness.machine_name(None) == f"{jax.device_count()}x cpu"
 
   class Dev:
+    platform = "gpu"
+
     def __init__(self, kind):
       self.device_kind = kind
 
-  for n, kind, want in ((2, "NVIDIA H200", "2x H200 NV18"), (4, "NVIDIA H200", "4x H200"),
-                        (2, "NVIDIA H100 80GB HBM3", "2x H100 80GB HBM3")):
+  smi = {"topo": _TOPO_2, "gpus": 2}
+  monkeypatch.setattr(harness, "_nvidia_smi", lambda *a: smi["topo"] if a[0] == "topo" else None)
+  monkeypatch.setattr(harness, "host_gpus", lambda: [{"index": str(i)} for i in range(smi["gpus"])])
+  monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+  for n, kind, gpus, want in ((2, "NVIDIA H200", 2, "2x H200 NV18"),
+                              (2, "NVIDIA H200", 1, "2x H200 on 1 GPU"),
+                              (4, "NVIDIA H200", 2, "4x H200 on 2 GPUs"),
+                              (2, "NVIDIA H100 80GB HBM3", 2, "2x H100 80GB HBM3 NV18"),
+                              (2, "NVIDIA H200", 0, "2x H200 NV18")):  # no query: the link
+    smi["gpus"] = gpus
     monkeypatch.setattr(jax, "devices", lambda n=n, kind=kind: [Dev(kind)] * n)
     assert harness.machine_name(None) == want
     assert harness.machine_name("") == want
+  smi["gpus"], smi["topo"] = 2, None  # no nvidia-smi: the devices alone
+  assert harness.machine_name(None) == "2x H200"
+  smi["topo"] = _TOPO_2
+  monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")
+  monkeypatch.setattr(jax, "devices", lambda: [Dev("NVIDIA H200")])
+  assert harness.machine_name(None) == "1x H200"  # one GPU: no link to name
+
+
+def test_results_record_their_provenance(tmp_path, monkeypatch):
+  """Trial 36: most files had no commit, no environment (XLA_FLAGS, NCCL_NVLS_ENABLE) and
+  nothing on the GPUs, clocks or the libraries loaded."""
+  import subprocess
+
+  monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+  monkeypatch.setenv("NCCL_NVLS_ENABLE", "0")
+  monkeypatch.setenv("SOME_SECRET_TOKEN", "x")
+  result = harness.write_result(str(tmp_path / "r.json"), None, benchmark="probe",
+                                machine="2x cpu", method="m", command="c", latency=False)
+  prov = json.load(open(tmp_path / "r.json"))["provenance"]
+  assert prov == result["provenance"]
+  assert set(prov) == {"git", "environment", "host_gpus", "topology", "loaded_versions",
+                       "processes", "runtime"}
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  head = subprocess.run(["git", "-C", root, "rev-parse", "HEAD"], capture_output=True,
+                        text=True)
+  if head.returncode == 0:  # a git checkout (CI's clean clone is one)
+    assert prov["git"]["commit"] == head.stdout.strip()
+    assert isinstance(prov["git"]["dirty"], bool)
+  assert prov["environment"]["XLA_FLAGS"] == "--xla_force_host_platform_device_count=8"
+  assert prov["environment"]["NCCL_NVLS_ENABLE"] == "0"
+  assert "SOME_SECRET_TOKEN" not in prov["environment"]
+  assert prov["processes"] == 1 and isinstance(prov["host_gpus"], list)
 
 
 def test_check_merge():

@@ -593,6 +593,66 @@ def test_time_chains_us_times_every_op_against_the_empty_chain():
   assert all(math.isfinite(v) for v in got.values())
 
 
+def test_run_tuning_records_the_spread_it_is_given():
+  """Trial 36: no record said how much a figure moved over its rounds."""
+  spread = {"time_us": 10.0, "p10_us": 9.123, "p90_us": 14.5}
+  records, _ = tuning.run_tuning(
+      None, lambda i, b: None, ["xla:psum", "jaxoverlap:one_shot_ll"], [4096], dtype="float32",
+      ranks_per_node=2, world=2,
+      measure_row=lambda impls, b: {"xla:psum": spread, "jaxoverlap:one_shot_ll": 5.0})
+  assert records[0]["time_us"] == 10.0
+  assert (records[0]["time_us_p10"], records[0]["time_us_p90"]) == (9.12, 14.5)
+  assert "time_us_p10" not in records[1] and records[1]["time_us"] == 5.0
+
+
+def test_spread_us():
+  got = tuning.spread_us([float(v) for v in range(1, 12)])  # 1..11
+  assert got == {"time_us": 6.0, "p10_us": 2.0, "p90_us": 10.0}
+  assert tuning.spread_us([3.5]) == {"time_us": 3.5, "p10_us": 3.5, "p90_us": 3.5}
+  with pytest.raises(ValueError, match="no values"):
+    tuning.spread_us([])
+
+
+def test_time_chains_stats_us_compiles_an_op_with_its_own_options():
+  """One op's chain can be compiled with XLA options of its own (psum in command buffers
+  beside the default psum, in one run): a bad option fails, so the options reach XLA."""
+  import jax
+  import jax.numpy as jnp
+  from jax.sharding import NamedSharding, PartitionSpec
+
+  mesh = jax.make_mesh((2,), ("x",), devices=jax.devices()[:2])
+  x = jax.device_put(jnp.ones(4096, jnp.float32), NamedSharding(mesh, PartitionSpec("x")))
+  psum = lambda y: jax.lax.psum(y, "x")  # noqa: E731
+  got = tuning.time_chains_stats_us(
+      {"psum": psum, "psum_graphs": psum}, x, mesh=mesh, axis_name="x", length=4, reps=3,
+      warmup=1, compiler_options={"psum_graphs": {"xla_gpu_enable_command_buffer": "FUSION"}})
+  assert list(got) == ["psum", "psum_graphs"]
+  for s in got.values():
+    assert set(s) == {"time_us", "p10_us", "p90_us"}
+    assert s["p10_us"] <= s["time_us"] <= s["p90_us"]
+  with pytest.raises(Exception, match="xla_no_such_option"):
+    tuning.time_chains_stats_us({"psum": psum}, x, mesh=mesh, axis_name="x", length=2, reps=1,
+                                warmup=0, compiler_options={"psum": {"xla_no_such_option": 1}})
+
+
+def test_a_round_is_timed_by_its_slowest_process(monkeypatch):
+  """With several processes every round's time is the largest over them (trial 36: only
+  process 0's clock counted)."""
+  import jax
+  import numpy as np
+  from jax.experimental import multihost_utils
+
+  from jaxoverlap.tuning import timing
+
+  times = {"a": [1.0, 5.0], "b": [2.0, 2.0]}
+  assert timing._slowest_process(times) is times  # one process: as measured
+  other = np.asarray([[3.0, 1.0], [1.0, 4.0]])  # the other process's rounds
+  monkeypatch.setattr(jax, "process_count", lambda: 2)
+  monkeypatch.setattr(multihost_utils, "process_allgather",
+                      lambda t: np.stack([np.asarray(t), other]))
+  assert timing._slowest_process(times) == {"a": [3.0, 5.0], "b": [2.0, 4.0]}
+
+
 def test_shipped_table_is_rebuilt_from_the_results_files(tmp_path):
   import os
 

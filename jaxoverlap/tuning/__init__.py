@@ -46,7 +46,9 @@ from jaxoverlap.tuning.results import (
 from jaxoverlap.tuning.timing import (
     chain_time_s,
     run_tuning,
+    spread_us,
     time_chain_us,
+    time_chains_stats_us,
     time_chains_us,
     time_interleaved,
 )
@@ -57,5 +59,5 @@ __all__ = [
     "impl_name", "parse_impl", "package_versions", "make_result", "validate_result",
     "validate_tuning_table", "check_all_reduce_records", "check_kernel_measured", "load_result",
     "save_result", "run_tuning", "chain_time_s", "time_chain_us", "time_chains_us",
-    "time_interleaved",
+    "time_chains_stats_us", "time_interleaved", "spread_us",
 ]

@@ -14,9 +14,14 @@ Algorithm:
   untimed ones. ``time_chains_us`` times several ops' chains interleaved
   (one run of each, the empty chain included, per round), so that a slow
   spell of the host or the GPUs falls on all of them alike rather than on
-  whichever was being timed then. ``run_tuning`` checks every configuration
-  against a reference before it times it, and records the ones that fail as
-  rejected.
+  whichever was being timed then. With several processes, a barrier (a small
+  psum) lines the processes up before each timed run, and a round's time is
+  the slowest process's: a process that starts late would otherwise hide
+  its lateness in its peer's first collective, and one clock would speak for
+  all. ``time_chains_stats_us`` also gives the 10th and 90th percentiles
+  over rounds, the spread a figure must be read against. ``run_tuning``
+  checks every configuration against a reference before it times it, and
+  records the ones that fail as rejected.
 
 Example:
   >>> from jaxoverlap.tuning import timing
@@ -31,7 +36,8 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-__all__ = ["run_tuning", "chain_time_s", "time_chain_us", "time_chains_us", "time_interleaved"]
+__all__ = ["run_tuning", "chain_time_s", "time_chain_us", "time_chains_us",
+           "time_chains_stats_us", "time_interleaved", "spread_us"]
 
 
 def _itemsize(dtype: str) -> int:
@@ -68,7 +74,9 @@ def run_tuning(
     log: receives one line per size.
     measure_row: ``measure_row(impls, nbytes) -> {impl: us}``, the impls that
       passed their check at one size timed together (``time_chains_us``);
-      used instead of ``measure`` when given.
+      used instead of ``measure`` when given. A value may also be a
+      ``spread_us`` dict (``time_chains_stats_us``): its percentiles go into
+      the record as ``time_us_p10`` and ``time_us_p90``.
 
   Returns:
     ``(records, rejected)``: records of the results format
@@ -96,21 +104,31 @@ def run_tuning(
         rejected.append({"impl": impl, "bytes": nbytes, "reason": reasons[impl]})
         row.append(f"{impl}=rejected")
         continue
-      us = float(times[impl])
+      timed = times[impl]
+      spread = timed if isinstance(timed, Mapping) else {"time_us": timed}
+      us = float(spread["time_us"])
       if not math.isfinite(us):  # a broken timer: not a time a policy may compare
         rejected.append({"impl": impl, "bytes": nbytes, "reason": f"timed {us} us"})
         row.append(f"{impl}=rejected")
         continue
       records.append({"op": "all_reduce", "impl": impl, "dtype": dtype, "bytes": nbytes,
                       "shape": [nbytes // itemsize], "world": world,
-                      "ranks_per_node": ranks_per_node, "time_us": round(max(us, 0.01), 2)})
+                      "ranks_per_node": ranks_per_node, "time_us": round(max(us, 0.01), 2),
+                      **{f"time_us_{q}": round(float(spread[f"{q}_us"]), 2)
+                         for q in ("p10", "p90") if f"{q}_us" in spread}})
       row.append(f"{impl}={us:.1f}us")
     log(f"{nbytes:>10} B  " + "  ".join(row))
   return records, rejected
 
 
-def _chain_fn(op: Callable | None, *, mesh, axis_name: str, length: int):
-  """The jit'd chain of ``length`` links of ``op`` (None: the links without the op)."""
+def _chain_fn(op: Callable | None, *, mesh, axis_name: str, length: int,
+              compiler_options: Mapping[str, Any] | None = None, x=None):
+  """The jit'd chain of ``length`` links of ``op`` (None: the links without the op).
+
+  With ``compiler_options`` (XLA options for this program alone, e.g.
+  ``{"xla_gpu_enable_command_buffer": ...}``) the chain is compiled for ``x``
+  at once with them.
+  """
   import jax
   from jax.sharding import PartitionSpec as P
 
@@ -122,7 +140,62 @@ def _chain_fn(op: Callable | None, *, mesh, axis_name: str, length: int):
         y = _xla.to_varying(op(y), axis_name)
     return y
 
-  return jax.jit(jax.shard_map(f, mesh=mesh, in_specs=P(axis_name), out_specs=P(axis_name)))
+  fn = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=P(axis_name), out_specs=P(axis_name)))
+  if compiler_options:
+    return fn.lower(x).compile(compiler_options=dict(compiler_options))
+  return fn
+
+
+def spread_us(values: Sequence[float]) -> dict[str, float]:
+  """The median and the 10th and 90th percentiles of ``values``, us.
+
+  Returns:
+    ``{"time_us", "p10_us", "p90_us"}`` (inclusive percentiles; one value
+    gives itself for all three).
+
+  Raises:
+    ValueError: no values.
+  """
+  values = [float(v) for v in values]
+  if not values:
+    raise ValueError("spread_us: no values")
+  if len(values) == 1:
+    return {"time_us": values[0], "p10_us": values[0], "p90_us": values[0]}
+  deciles = statistics.quantiles(values, n=10, method="inclusive")
+  return {"time_us": statistics.median(values), "p10_us": deciles[0], "p90_us": deciles[-1]}
+
+
+def _process_barrier(mesh, axis_name: str) -> Callable[[], None] | None:
+  """A small psum over ``mesh`` that lines the processes up; None with one process."""
+  import jax
+  import numpy as np
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
+
+  if jax.process_count() == 1:
+    return None
+  spec = P(axis_name)
+  ones = jax.make_array_from_process_local_data(
+      NamedSharding(mesh, spec), np.ones(len(mesh.local_devices), np.float32),
+      (mesh.devices.size,))
+  psum = jax.jit(jax.shard_map(lambda v: jax.lax.psum(v, axis_name), mesh=mesh,
+                               in_specs=spec, out_specs=spec))
+  return lambda: psum(ones).block_until_ready()
+
+
+def _slowest_process(times: dict[Any, list[float]]) -> dict[Any, list[float]]:
+  """Each round's time of every key, the largest over the processes (all must call it)."""
+  import jax
+  import numpy as np
+
+  if jax.process_count() == 1:
+    return times
+  from jax.experimental import multihost_utils
+
+  keys = list(times)
+  table = np.asarray([times[k] for k in keys], np.float64)
+  every = np.asarray(multihost_utils.process_allgather(table))  # [processes, keys, rounds]
+  return {k: [float(v) for v in row] for k, row in zip(keys, every.max(axis=0))}
 
 
 def _run_s(fn, x) -> float:
@@ -198,30 +271,53 @@ def time_interleaved(calls: Mapping[Any, Callable[[], Any]], *, reps: int, warmu
   return times
 
 
-def time_chains_us(ops: Mapping[str, Callable], x, *, mesh, axis_name: str, length: int = 50,
-                   reps: int = 30, warmup: int = 3) -> dict[str, float]:
-  """Latency of each of ``ops``, us, timed interleaved.
+def time_chains_stats_us(ops: Mapping[str, Callable], x, *, mesh, axis_name: str,
+                         length: int = 50, reps: int = 30, warmup: int = 3,
+                         compiler_options: Mapping[str, Mapping[str, Any]] | None = None,
+                         ) -> dict[str, dict[str, float]]:
+  """Latency of each of ``ops``, us, timed interleaved, with its spread over rounds.
 
   Each round runs the empty chain and then every op's chain once, in turn
-  (``time_interleaved``); an op's figure is the median over rounds of (its
-  chain - that round's empty chain) / length. Where ``time_chain_us`` times
-  one op after the other, a slow spell of the host (launch jitter) or of the
-  GPUs lands on one op; here it lands on every op of the round, and the
-  median drops it.
+  (``time_interleaved``); an op's round gives (its chain - that round's
+  empty chain) / length. Where ``time_chain_us`` times one op after the
+  other, a slow spell of the host (launch jitter) or of the GPUs lands on one
+  op; here it lands on every op of the round, and the median drops it. With
+  several processes, a small psum lines them up before every timed run, and
+  a round's time of a chain is the largest over the processes.
 
   Args:
     ops: name -> per-shard function, as ``op`` of ``chain_time_s``.
     x, mesh, axis_name, length: as ``chain_time_s``.
-    reps: rounds (median). warmup: untimed runs of each chain first.
+    reps: rounds. warmup: untimed runs of each chain first.
+    compiler_options: name -> XLA options for that op's chain alone (e.g.
+      psum with ``COLLECTIVES`` in XLA's command buffers beside the default
+      psum, in one run); the empty chain keeps XLA's defaults.
+
+  Returns:
+    name -> ``spread_us`` of its rounds (``time_us``: the median; ``p10_us``,
+    ``p90_us``), in the order of ``ops``.
+  """
+  kw = dict(mesh=mesh, axis_name=axis_name, length=length)
+  options = compiler_options or {}
+  empty = object()  # a key no op name can equal
+  fns = {empty: _chain_fn(None, **kw),
+         **{name: _chain_fn(op, **kw, compiler_options=options.get(name), x=x)
+            for name, op in ops.items()}}
+  times = time_interleaved({key: (lambda fn=fn: fn(x)) for key, fn in fns.items()}, reps=reps,
+                           warmup=warmup, before=_process_barrier(mesh, axis_name))
+  times = _slowest_process(times)
+  base = times.pop(empty)
+  return {name: spread_us([(t - b) / length * 1e6 for t, b in zip(ts, base)])
+          for name, ts in times.items()}
+
+
+def time_chains_us(ops: Mapping[str, Callable], x, *, mesh, axis_name: str, length: int = 50,
+                   reps: int = 30, warmup: int = 3) -> dict[str, float]:
+  """Latency of each of ``ops``, us: the medians of ``time_chains_stats_us``.
 
   Returns:
     name -> us, in the order of ``ops``.
   """
-  kw = dict(mesh=mesh, axis_name=axis_name, length=length)
-  empty = object()  # a key no op name can equal
-  fns = {empty: _chain_fn(None, **kw), **{name: _chain_fn(op, **kw) for name, op in ops.items()}}
-  times = time_interleaved({key: (lambda fn=fn: fn(x)) for key, fn in fns.items()}, reps=reps,
-                           warmup=warmup)
-  base = times.pop(empty)
-  return {name: statistics.median(t - b for t, b in zip(ts, base)) / length * 1e6
-          for name, ts in times.items()}
+  stats = time_chains_stats_us(ops, x, mesh=mesh, axis_name=axis_name, length=length, reps=reps,
+                               warmup=warmup)
+  return {name: s["time_us"] for name, s in stats.items()}
