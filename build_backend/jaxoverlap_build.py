@@ -12,8 +12,11 @@ Algorithm:
   (``CUDACXX``, ``PATH``, ``/usr/local/cuda/bin``). Only then are the CUDA build requirements
   asked for; otherwise the build is told ``JAXOVERLAP_CUDA=OFF`` too, so that this choice and
   CMake's agree, and ``JAXOVERLAP_CUDA_OFF_REASON`` (requested, or no nvcc), which CMake's
-  warning names (CMakeLists.txt). Everything else is scikit-build-core's (PEP 517 hooks
-  passed through, ``pyproject.toml``'s ``backend-path``).
+  warning names (CMakeLists.txt). An nvcc found only in ``/usr/local/cuda/bin`` is handed to
+  CMake as ``CMAKE_CUDA_COMPILER``, which does not look there itself. ``JAXOVERLAP_CUDA=ON``
+  asked for explicitly where no nvcc is found is an error before anything is downloaded, not
+  a pure-Python install. Everything else is scikit-build-core's (PEP 517 hooks passed
+  through, ``pyproject.toml``'s ``backend-path``).
 """
 
 from __future__ import annotations
@@ -30,6 +33,9 @@ CUDA_BUILD_REQUIRES = ("jax>=0.11.2", "jaxlib>=0.11.2", "nvidia-nvshmem-cu13>=3.
 _SETTING = "cmake.define.JAXOVERLAP_CUDA"
 _REASON = "cmake.define.JAXOVERLAP_CUDA_OFF_REASON"
 _OFF = {"off", "0", "false", "no", "n"}
+_ON = {"on", "1", "true", "yes", "y"}
+_COMPILER = "cmake.define.CMAKE_CUDA_COMPILER"
+DEFAULT_NVCC = "/usr/local/cuda/bin/nvcc"
 
 
 def _values(config_settings: Mapping | None, key: str) -> list[str]:
@@ -44,14 +50,31 @@ def off_reason(config_settings: Mapping | None = None, env: Mapping[str, str] | 
   """Why this build skips the CUDA backend: "requested" (``JAXOVERLAP_CUDA`` off), "no-nvcc",
   or None where it compiles it (module docstring)."""
   env = os.environ if env is None else env
+  choices = _choices(config_settings, env)
+  if any(c in _OFF for c in choices):
+    return "requested"
+  if nvcc(env, which, exists) is not None:
+    return None
+  if any(c in _ON for c in choices):
+    raise RuntimeError(
+        f"jaxoverlap: JAXOVERLAP_CUDA=ON was asked for, but nvcc was not found (CUDACXX, PATH, "
+        f"{DEFAULT_NVCC}): put nvcc on PATH, or build without it (JAXOVERLAP_CUDA=OFF)")
+  return "no-nvcc"
+
+
+def _choices(config_settings: Mapping | None, env: Mapping[str, str]) -> list[str]:
+  """The JAXOVERLAP_CUDA values asked for (config settings, SKBUILD_CMAKE_DEFINE), lowercase."""
   settings = _values(config_settings, _SETTING)
   defines = [d.split("=", 1) for d in env.get("SKBUILD_CMAKE_DEFINE", "").split(";") if "=" in d]
-  choices = settings + [v for k, v in defines if k.strip() == "JAXOVERLAP_CUDA"]
-  if any(c.strip().lower() in _OFF for c in choices):
-    return "requested"
-  if env.get("CUDACXX") or which("nvcc") or exists("/usr/local/cuda/bin/nvcc"):
-    return None
-  return "no-nvcc"
+  return [c.strip().lower()
+          for c in settings + [v for k, v in defines if k.strip() == "JAXOVERLAP_CUDA"]]
+
+
+def nvcc(env: Mapping[str, str] | None = None, which=shutil.which,
+         exists=os.path.exists) -> str | None:
+  """The nvcc a build would use: ``CUDACXX``, else ``nvcc`` on PATH, else ``DEFAULT_NVCC``."""
+  env = os.environ if env is None else env
+  return env.get("CUDACXX") or which("nvcc") or (DEFAULT_NVCC if exists(DEFAULT_NVCC) else None)
 
 
 def cuda_build(config_settings: Mapping | None = None, env: Mapping[str, str] | None = None,
@@ -68,6 +91,8 @@ def _settings(config_settings: Mapping | None) -> dict:
   if reason is not None:
     out[_SETTING] = "OFF"
     out[_REASON] = reason
+  elif not (os.environ.get("CUDACXX") or shutil.which("nvcc") or _values(out, _COMPILER)):
+    out[_COMPILER] = DEFAULT_NVCC  # CMake's check_language(CUDA) does not look there
   return out
 
 

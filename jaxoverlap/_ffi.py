@@ -67,7 +67,8 @@ def _not_built_message() -> str:
             f"installed package at {built} has it: run from outside the repository's root")
   return ("the CUDA extension jaxoverlap._jaxoverlap_cuda is not built (the package was "
           "installed without nvcc, or with JAXOVERLAP_CUDA=OFF); reinstall with nvcc on PATH "
-          "(see README, 'Building')")
+          "and pip's --no-cache-dir, so that pip builds it again rather than reuse a cached "
+          "wheel built without it (see README, 'Building')")
 
 
 def unavailable_reason() -> str | None:

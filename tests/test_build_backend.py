@@ -48,3 +48,50 @@ def test_requires_and_settings_follow_the_choice(monkeypatch):
   monkeypatch.setattr(backend, "off_reason", lambda *args: None)
   assert backend._requires({}) == list(backend.CUDA_BUILD_REQUIRES)  # noqa: SLF001
   assert backend._settings({"a": "b"}) == {"a": "b"}  # noqa: SLF001
+
+
+def test_explicit_on_without_nvcc_is_an_error_not_a_pure_python_install():
+  """Trial 34: -Ccmake.define.JAXOVERLAP_CUDA=ON with no nvcc installed as pure Python, rc 0."""
+  with pytest.raises(RuntimeError, match="JAXOVERLAP_CUDA=ON was asked for, but nvcc was not"):
+    backend.off_reason({"cmake.define.JAXOVERLAP_CUDA": "ON"}, {}, NONE, NO_FILE)
+  with pytest.raises(RuntimeError, match="nvcc was not found"):
+    backend.off_reason(None, {"SKBUILD_CMAKE_DEFINE": "JAXOVERLAP_CUDA=1"}, NONE, NO_FILE)
+  # OFF wins over ON; ON with nvcc builds.
+  assert backend.off_reason({"cmake.define.JAXOVERLAP_CUDA": ["ON", "OFF"]}, {}, NONE,
+                            NO_FILE) == "requested"
+  assert backend.off_reason({"cmake.define.JAXOVERLAP_CUDA": "ON"}, {}, NVCC, NO_FILE) is None
+
+
+def test_nvcc_in_the_default_location_is_handed_to_cmake(monkeypatch):
+  """Trial 34: the backend counted /usr/local/cuda/bin/nvcc and downloaded the CUDA build
+  requirements, but CMake's check_language(CUDA) does not look there: a pure-Python wheel."""
+  monkeypatch.delenv("CUDACXX", raising=False)
+  monkeypatch.setattr(backend.shutil, "which", NONE)
+  monkeypatch.setattr(backend.os.path, "exists", lambda p: p == backend.DEFAULT_NVCC)
+  assert backend.nvcc() == backend.DEFAULT_NVCC
+  assert backend._settings({"a": "b"}) == {  # noqa: SLF001
+      "a": "b", "cmake.define.CMAKE_CUDA_COMPILER": backend.DEFAULT_NVCC}
+  mine = {"cmake.define.CMAKE_CUDA_COMPILER": "/opt/nvcc"}  # the user's choice stays
+  assert backend._settings(mine) == mine  # noqa: SLF001
+  monkeypatch.setattr(backend.shutil, "which", NVCC)  # on PATH: CMake finds it itself
+  assert backend._settings({}) == {}  # noqa: SLF001
+
+
+def test_the_version_and_the_license_are_said_once():
+  """Trial 34: the version was written in two places with no test tying them, and the
+  license was declared with no text to ship."""
+  import re
+  import tomllib
+
+  import jaxoverlap
+
+  root = os.path.join(os.path.dirname(__file__), "..")
+  with open(os.path.join(root, "pyproject.toml"), "rb") as f:
+    project = tomllib.load(f)["project"]
+  assert jaxoverlap.__version__ == project["version"]
+  with open(os.path.join(root, "LICENSE")) as f:
+    text = f.read()
+  assert project["license"] == "Apache-2.0" and "Apache License" in text
+  assert re.search(r"Version 2\.0, January 2004", text)
+  assert os.path.exists(os.path.join(root, "NOTICE"))
+  assert os.path.exists(os.path.join(root, "jaxoverlap", "py.typed"))
