@@ -45,13 +45,19 @@ Method:
   same run. The floor ("floor:no_all_reduce") is the same step with every
   all-reduce left out (``row_reduction="none"``: the result is wrong, the
   compute is the same), and all_reduce_share = (t_step - t_floor) / t_step
-  for each implementation. Included in every figure alike: one host dispatch
+  for each implementation. psum is timed twice: ``xla:psum`` with XLA's
+  default command-buffer types, under which every psum splits XLA's CUDA
+  graphs, and ``xla:psum_graphs``, the same program compiled with
+  ``COLLECTIVES`` added (``harness.compile_options``), as our
+  command-buffer-compatible custom calls stay inside the graphs by default.
+  Included in every figure alike: one host dispatch
   per call (amortised over the tokens), the loop's own per-iteration cost,
   the full-length masked attention and the sharded argmax.
 
 Results (rank 0): ``<out>/decode-<machine>.json`` in the results format of
 jaxoverlap.tuning.results, one record per (impl, batch): op "decode_token";
-impl "xla:psum", "jaxoverlap:<backend>:<algorithm>" or "floor:no_all_reduce";
+impl "xla:psum", "xla:psum_graphs" (with its ``xla_options``),
+"jaxoverlap:<backend>:<algorithm>" or "floor:no_all_reduce";
 shape a dict of the model and batch sizes (batch, d_model, d_ff, heads,
 kv_heads, head_dim, layers, vocab, max_len, prompt_len); bytes = one
 all-reduce message per rank; time_us per token; all_reduce_share (not on the
@@ -90,6 +96,7 @@ from jaxoverlap import nnx as jnnx
 
 AXIS = "tp"
 PSUM = harness.PSUM
+PSUM_GRAPHS = harness.PSUM_GRAPHS  # psum compiled with COLLECTIVES in XLA's command buffers
 FLOOR = harness.NO_ALL_REDUCE
 FUSE_NORM = "+fuse_norm"  # impl suffix: ParallelConfig.fuse_norm
 BENCHMARK = "decode"
@@ -149,7 +156,8 @@ def parallel_config(mesh, impl: str, min_matmul_rows: int = 1) -> jnnx.ParallelC
 
   Args:
     mesh: the (tp,) mesh.
-    impl: ``"xla:psum"`` (``lax.psum``), ``"jaxoverlap:<backend>:<algorithm>"``
+    impl: ``"xla:psum"`` (``lax.psum``; ``"xla:psum_graphs"`` the same),
+      ``"jaxoverlap:<backend>:<algorithm>"``
       (``jaxoverlap.all_reduce``; ``harness.impl_kwargs``), the same with the
       suffix ``FUSE_NORM`` (each all-reduce of a block, the residual add and
       the RMSNorm after it as one ``jaxoverlap.all_reduce_rms_norm``:
@@ -164,6 +172,8 @@ def parallel_config(mesh, impl: str, min_matmul_rows: int = 1) -> jnnx.ParallelC
   if impl == FLOOR:
     return jnnx.ParallelConfig(mesh=mesh, dp_axis=None, tp_axis=AXIS, row_reduction="none",
                                min_matmul_rows=min_matmul_rows)
+  if impl == PSUM_GRAPHS:  # the same program as psum's, compiled with other XLA options
+    impl = PSUM
   fuse_norm = impl.endswith(FUSE_NORM)
   kw = harness.impl_kwargs("all_reduce", impl.removesuffix(FUSE_NORM))
   return jnnx.ParallelConfig(
@@ -353,7 +363,18 @@ def make_generate_fn(cfg: DecoderConfig, mesh, impl: str, num_tokens: int, unrol
                                    unroll=unroll)
     return cache, toks
 
-  return jax.jit(body, donate_argnums=1)
+  fn = jax.jit(body, donate_argnums=1)
+  options = harness.compile_options(impl)  # xla:psum_graphs: psum inside XLA's CUDA graphs
+  if not options:
+    return fn
+  compiled = []
+
+  def with_options(*args):
+    if not compiled:
+      compiled.append(fn.lower(*args).compile(compiler_options=options))
+    return compiled[0](*args)
+
+  return with_options
 
 
 def tolerance(dtype) -> float:
@@ -489,8 +510,8 @@ def run(cfg: DecoderConfig, mesh, *, impls: list[str], batches: list[int], promp
   rejected = []
   alive = []
   for impl in impls:
-    why = None if impl == PSUM else _refusal(check_tiny, mesh, impl, cfg.dtype, seed,
-                                             min_matmul_rows)
+    why = None if impl in (PSUM, PSUM_GRAPHS) else _refusal(check_tiny, mesh, impl, cfg.dtype,
+                                                            seed, min_matmul_rows)
     if why:
       log(f"CHECK FAILED: {impl} on the tiny model: {why}; {impl} is not timed")
       rejected.append({"impl": impl, "batch": None, "reason": "tiny model: " + why})
@@ -509,7 +530,7 @@ def run(cfg: DecoderConfig, mesh, *, impls: list[str], batches: list[int], promp
     timed = []
     for impl in alive:
       why = None
-      if impl != PSUM and check_steps:
+      if impl not in (PSUM, PSUM_GRAPHS) and check_steps:
         inputs = rng.integers(0, cfg.vocab, (check_steps, batch), dtype=np.int32)
         why = _refusal(check_impl, cfg, mesh, params, cache, inputs, prompt_len, impl,
                        min_matmul_rows)
@@ -539,7 +560,9 @@ def run(cfg: DecoderConfig, mesh, *, impls: list[str], batches: list[int], promp
              "bytes": batch * cfg.d_model * itemsize, "world": num_ranks,
              "ranks_per_node": ranks_per_node, "num_nodes": num_nodes,
              "all_reduces_per_token": 0 if impl == FLOOR else 2 * cfg.num_layers,
-             "time_us": round(us, 3)}
+             "time_us": round(us, 3),
+             **({"xla_options": harness.compile_options(impl)}
+                if harness.compile_options(impl) else {})}
       if impl != FLOOR:
         rec["all_reduce_share"] = round((us - floor_us) / us, 4)
       records.append(rec)
@@ -549,22 +572,26 @@ def run(cfg: DecoderConfig, mesh, *, impls: list[str], batches: list[int], promp
 
 
 def markdown_table(records: list[dict], ours: str | None) -> str:
-  """batch | psum us/token | jaxoverlap us/token | speed-up | shares, one row per batch."""
+  """batch | psum us/token (outside, inside XLA's graphs) | jaxoverlap | speed-ups | shares."""
   by = {(r["impl"], r["shape"]["batch"]): r for r in records}
-  rows = ["| batch | psum us/token | jaxoverlap us/token | speed-up | all-reduce share psum "
-          "| all-reduce share ours |", "|---|---|---|---|---|---|"]
+  rows = ["| batch | psum us/token | psum in graphs us/token | jaxoverlap us/token | speed-up "
+          "| vs psum in graphs | all-reduce share psum | all-reduce share ours |",
+          "|---|---|---|---|---|---|---|---|"]
 
   def cell(impl, b, key, fmt):
     r = by.get((impl, b))
     return "-" if r is None or key not in r else fmt(r[key])
 
+  def speed(base, b):
+    a, o = by.get((base, b)), by.get((ours, b))
+    return f"{a['time_us'] / o['time_us']:.2f}x" if a and o else "-"
+
   for b in sorted({r["shape"]["batch"] for r in records}):
-    a, o = by.get((PSUM, b)), by.get((ours, b))
-    speed = f"{a['time_us'] / o['time_us']:.2f}x" if a and o else "-"
     pct = lambda v: f"{100 * v:.1f}%"  # noqa: E731
     us = lambda v: f"{v:.1f}"  # noqa: E731
-    rows.append(f"| {b} | {cell(PSUM, b, 'time_us', us)} | {cell(ours, b, 'time_us', us)} | "
-                f"{speed} | {cell(PSUM, b, 'all_reduce_share', pct)} | "
+    rows.append(f"| {b} | {cell(PSUM, b, 'time_us', us)} | {cell(PSUM_GRAPHS, b, 'time_us', us)} "
+                f"| {cell(ours, b, 'time_us', us)} | {speed(PSUM, b)} | {speed(PSUM_GRAPHS, b)} "
+                f"| {cell(PSUM, b, 'all_reduce_share', pct)} | "
                 f"{cell(ours, b, 'all_reduce_share', pct)} |")
   return "\n".join(rows)
 
@@ -620,7 +647,8 @@ METHOD = ("per-token latency: median over {reps} calls of one jit'd lax.fori_loo
           "{prompt_len}-token random prompt), divided by {tokens}; implementations and floor "
           "interleaved call by call; attention reads all max_len cached positions (masked); "
           "all_reduce_share = (t - t_floor) / t, floor = the same step with every all-reduce "
-          "left out; every impl checked against psum before timing")
+          "left out; every impl checked against psum before timing; xla:psum_graphs: psum "
+          "compiled with COLLECTIVES added to XLA's command-buffer types")
 
 
 # ------------------------------------------------------------------ main
@@ -656,7 +684,9 @@ def define_flags():
   from absl import flags
 
   flags.DEFINE_enum("impl", "both", ["both", "jaxoverlap", "psum"],
-                    "all-reduce implementation(s); both are timed in one process group")
+                    "all-reduce implementation(s), timed in one process group; psum twice: "
+                    "with XLA's default command-buffer types (each psum splits XLA's CUDA "
+                    "graphs) and with COLLECTIVES added (xla:psum_graphs)")
   flags.DEFINE_string("backend", "cuda", "jaxoverlap backend (cuda, xla or auto)")
   flags.DEFINE_string("algorithm", "auto", "jaxoverlap algorithm, with its protocol if any "
                       "(e.g. one_shot_ll)")
@@ -710,7 +740,8 @@ def main(argv):
   harness.use_host_devices(fl.host_devices)
   run_ = harness.start(AXIS)
   cfg = config_from_flags(fl)
-  impls = {"both": [PSUM, ours], "psum": [PSUM], "jaxoverlap": [ours]}[fl.impl]
+  impls = {"both": [PSUM, PSUM_GRAPHS, ours], "psum": [PSUM, PSUM_GRAPHS],
+           "jaxoverlap": [ours]}[fl.impl]
   if fl.fuse_norm and fl.impl != "psum":
     impls.append(ours + FUSE_NORM)
   run_.log(f"decode: world {run_.world} ({run_.platform}), {cfg}, impls {impls}")

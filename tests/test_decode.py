@@ -328,7 +328,8 @@ def test_run_writes_valid_records_and_drops_a_wrong_impl(seed, tmp_path, wrong_i
   mesh = make_mesh((2,), ("tp",))
   ours = OURS[0]
   logs = []
-  records, rejected = decode.run(cfg, mesh, impls=[decode.PSUM, ours, wrong_impl],
+  records, rejected = decode.run(cfg, mesh, impls=[decode.PSUM, decode.PSUM_GRAPHS, ours,
+                                                   wrong_impl],
                                  batches=[1, 2], prompt_len=4, num_tokens=2, reps=2, warmup=1,
                                  check_steps=2, seed=seed % 1000, log=logs.append)
   assert [r["impl"] for r in rejected] == [wrong_impl]
@@ -340,10 +341,12 @@ def test_run_writes_valid_records_and_drops_a_wrong_impl(seed, tmp_path, wrong_i
   tuning.validate_result(result, "decode results")
   assert result["benchmark"] == "decode" and result["weights"] == "random"
   assert [r["impl"] for r in result["rejected"]] == [wrong_impl]
-  assert len(result["records"]) == 6
+  assert len(result["records"]) == 8
   for r in result["records"]:
     assert r["op"] == "decode_token" and r["world"] == 2 and r["time_us"] > 0
-    assert r["impl"] in (decode.PSUM, ours, decode.FLOOR)
+    assert r["impl"] in (decode.PSUM, decode.PSUM_GRAPHS, ours, decode.FLOOR)
+    # psum inside XLA's CUDA graphs: the same program, compiled with COLLECTIVES added.
+    assert ("xla_options" in r) == (r["impl"] == decode.PSUM_GRAPHS)
     assert r["shape"] == dict(batch=r["shape"]["batch"], **cfg.shape(), prompt_len=4,
                               min_matmul_rows=1)
     assert r["bytes"] == r["shape"]["batch"] * cfg.d_model * 2
@@ -354,6 +357,7 @@ def test_run_writes_valid_records_and_drops_a_wrong_impl(seed, tmp_path, wrong_i
       assert r["all_reduces_per_token"] == 2 * cfg.num_layers
   table = decode.markdown_table(records, ours).splitlines()
   assert len(table) == 4 and table[2].startswith("| 1 |") and table[3].startswith("| 2 |")
+  assert "psum in graphs us/token" in table[0] and table[2].count("x |") == 2
 
 
 def test_config_errors():
