@@ -143,8 +143,14 @@ def all_reduce(x, axis_name, *, backend="auto", algorithm="auto", protocol="auto
     NVRAR, arXiv 2511.09557 ("Understanding and Improving Communication
     Performance in Multi-node LLM Inference"), sec. 4 (the hierarchical
     all-reduce: intra-node reduce-scatter, inter-node recursive doubling,
-    intra-node all-gather; the LL and simple protocols); Megatron-LM, arXiv
-    1909.08053, for where TP all-reduces occur.
+    intra-node all-gather, with one-sided NVSHMEM puts); recursive doubling
+    and its fold for node counts that are not powers of two: Thakur,
+    Rabenseifner & Gropp, "Optimization of Collective Communication
+    Operations in MPICH", IJHPCA 19(1), 2005; the LL protocol: NCCL's, as
+    arXiv 2507.04786 ("Demystifying NCCL") describes it; one-shot, two-shot
+    and the Lamport protocol: TensorRT-LLM's custom all-reduce kernels
+    (docs/design.md, "References"); Megatron-LM, arXiv 1909.08053, for where
+    TP all-reduces occur.
   """
   _checks.refuse_forward_mode(names.ALL_REDUCE, x)
   return _all_reduce(x, _checked_config(x, axis_name, backend, algorithm, protocol, transport))
@@ -333,8 +339,10 @@ def all_reduce_rms_norm(p, residual, weight, axis_name, *, eps=1e-6, backend="au
 
   Source:
     RMSNorm: Zhang & Sennrich, "Root Mean Square Layer Normalization",
-    NeurIPS 2019 (arXiv 1910.07467). The one-shot all-reduce and LL protocol:
-    NVRAR, arXiv 2511.09557, sec. 4. Where the pattern occurs: Megatron-LM,
+    NeurIPS 2019 (arXiv 1910.07467). The one-shot all-reduce: TensorRT-LLM's
+    custom all-reduce; the LL protocol: NCCL's (arXiv 2507.04786); the fusion
+    of the norm into the all-reduce: TensorRT-LLM's all-reduce fusion kernels
+    (docs/design.md, "References"). Where the pattern occurs: Megatron-LM,
     arXiv 1909.08053 (the all-reduce after each row-parallel layer).
   """
   op = names.ALL_REDUCE_RMS_NORM

@@ -198,7 +198,9 @@ DEFAULT_PARAMS = CostParams(
     # floor is 6.5-6.7 us, of which the model's steps explain 0.7-1.5 us.
     launch_us=4.5,
     # H200 HBM3e: 4.8 TB/s peak (NVIDIA H200 datasheet); ~85% reached by
-    # streaming kernels -> 4000 GB/s. ASSUMPTION: not measured by us.
+    # streaming kernels -> 4000 GB/s. ASSUMPTION: the decode benchmark's
+    # bandwidth probe later read 3.60-3.76 TB/s on one H200 (docs/decode.md,
+    # docs/design.md "Machine constants"); the model keeps 4000 (not refitted).
     hbm_gbps=4000.0,
 )
 
