@@ -24,9 +24,9 @@ psum is timed twice: ``xla:psum`` with XLA's default command-buffer types,
 under which every psum splits XLA's CUDA graphs, and ``xla:psum_graphs`` with
 ``COLLECTIVES`` added, so that it runs inside the graphs as our custom calls
 do. Every implementation is first checked against a float32
-lax.psum of the same input, three calls with different inputs in a row, on
-every element of every rank
-(``harness.close``); one that fails is listed under "rejected" and not timed
+lax.psum of the same input, three calls with different inputs in a row, and
+then as the timed chain calls it, 8 calls back to back in one jit against the
+same chain of lax.psum, on every element of every rank (``harness.close``); one that fails is listed under "rejected" and not timed
 (floor:launch, one kernel launch and no all-reduce, is not checked). Ours and
 psum are measured side by side in one process group.
 
@@ -45,6 +45,7 @@ from absl import app, flags
 import harness
 
 AXIS = "x"
+CHECK_CHAIN = 8  # calls back to back in one jit in the check (the timed chain's pattern)
 
 
 def define_flags():
@@ -83,6 +84,52 @@ def cuda_missing(platform: str) -> str | None:
   from jaxoverlap import _ffi  # the extension's own reason (not built, cannot load)
 
   return _ffi.unavailable_reason()
+
+
+def check_op(op, x, mesh) -> str | None:
+  """None when ``op`` (per shard, inside ``shard_map`` over ``AXIS``) sums ``x`` as psum does.
+
+  Three calls with different inputs in a row (x, 2x, 3x) against a float32
+  ``lax.psum``: each slot parity is used twice, so a stale slot (or a Lamport
+  slot left unemptied) shows up. Then ``CHECK_CHAIN`` calls back to back in
+  one jit, as the timed chain makes them, against the same chain of
+  ``lax.psum`` in x's dtype. Every element of every rank (``harness.close``).
+
+  Returns:
+    None, or why not: the first difference, or the exception the op raised.
+  """
+  import jax
+  import jax.numpy as jnp
+  from jax.sharding import PartitionSpec as P
+
+  from jaxoverlap import _xla
+
+  varying = lambda y: _xla.to_varying(y, AXIS)  # noqa: E731  (as the timed chain's links)
+  psum = lambda y: jax.lax.psum(y, AXIS)  # noqa: E731
+
+  def chained(f, y):
+    for _ in range(CHECK_CHAIN):
+      y = varying(f(y))
+    return y
+
+  try:
+    pair = jax.jit(jax.shard_map(
+        lambda y: (varying(op(y)), varying(psum(y.astype(jnp.float32)))),
+        mesh=mesh, in_specs=P(AXIS), out_specs=(P(AXIS), P(AXIS))))
+    for k in range(3):
+      ok, err, atol = harness.close(*pair(x * (k + 1)))
+      if not ok:
+        return (f"differs from lax.psum (call {k + 1} of 3): max |diff| {err:.3g} "
+                f"(atol {atol:.3g}, rtol {harness.RTOL})")
+    chains = jax.jit(jax.shard_map(lambda y: (chained(op, y), chained(psum, y)), mesh=mesh,
+                                   in_specs=P(AXIS), out_specs=(P(AXIS), P(AXIS))))
+    ok, err, atol = harness.close(*chains(x))
+    if not ok:
+      return (f"differs from a chain of lax.psum ({CHECK_CHAIN} calls back to back in one "
+              f"jit): max |diff| {err:.3g} (atol {atol:.3g}, rtol {harness.RTOL})")
+  except Exception as e:  # noqa: BLE001: a refusal is a rejection, recorded with its reason
+    return f"{type(e).__name__}: {e}".splitlines()[0][:300]
+  return None
 
 
 def main(argv):
@@ -139,22 +186,7 @@ def main(argv):
   def check(impl: str, nbytes: int) -> str | None:
     if impl == harness.LAUNCH_FLOOR:
       return None
-    varying = lambda y: jax.lax.pcast(y, AXIS, to="varying")  # noqa: E731
-    op = harness.all_reduce_fn(impl, AXIS)
-    try:
-      pair = jax.jit(jax.shard_map(
-          lambda y: (varying(op(y)), varying(jax.lax.psum(y.astype(jnp.float32), AXIS))),
-          mesh=run.mesh, in_specs=P(AXIS), out_specs=(P(AXIS), P(AXIS))))
-      # Three different inputs in a row: each slot parity is used twice, so a
-      # stale slot (or a Lamport slot left unemptied) shows up.
-      for k in range(3):
-        ok, err, atol = harness.close(*pair(inputs(nbytes)["x"] * (k + 1)))
-        if not ok:
-          return (f"differs from lax.psum (call {k + 1} of 3): max |diff| {err:.3g} "
-                  f"(atol {atol:.3g}, rtol {harness.RTOL})")
-    except Exception as e:  # noqa: BLE001: a refusal is a rejection, recorded with its reason
-      return f"{type(e).__name__}: {e}".splitlines()[0][:300]
-    return None
+    return check_op(harness.all_reduce_fn(impl, AXIS), inputs(nbytes)["x"], run.mesh)
 
   records, rejected = tuning.run_tuning(
       None, check, impls, sizes, dtype=dtype.name,
@@ -183,7 +215,9 @@ def main(argv):
                 "chain length, the slowest process's time per round; xla:psum with XLA's "
                 "default command-buffer types (each psum splits the CUDA graphs), "
                 "xla:psum_graphs with COLLECTIVES added (xla_options); every impl first "
-                "checked against a float32 lax.psum"),
+                "checked against a float32 lax.psum (three inputs in a row) and, as "
+                f"{CHECK_CHAIN} calls back to back in one jit, against the same chain of "
+                "lax.psum"),
         extra={"params": {}, "auto_choices": harness.auto_choices()})  # params: as tuning tables
     run.log(f"wrote {path}")
   return 1 if rejected else 0

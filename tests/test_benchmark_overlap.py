@@ -724,3 +724,27 @@ def test_analysis_scripts_name_a_wrong_file(tmp_path, script, args, want):
   assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
   assert want in proc.stderr, proc.stderr[-2000:]
   assert not list(tmp_path.glob("*.png")) and not list(tmp_path.glob("*.json"))
+
+
+def test_all_reduce_check_sees_calls_back_to_back():
+  """Trial 36: the all-reduce benchmark checked single calls, never the back-to-back calls of
+  the chain it times. An op right on every single call of the check's inputs but wrong on the
+  inputs a chain hands it (already summed: the same on every rank) now fails the check."""
+  spec = importlib.util.spec_from_file_location(
+      "all_reduce_benchmark", os.path.join(_ROOT, "benchmarks", "all_reduce.py"))
+  bench = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(bench)
+  axis = bench.AXIS
+  mesh = make_mesh((2,), (axis,))
+  x = jax.device_put(np.random.default_rng().standard_normal(2 * 512).astype(np.float32),
+                     jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(axis)))
+  psum = lambda y: jax.lax.psum(y, axis)  # noqa: E731
+  assert bench.check_op(psum, x, mesh) is None
+
+  def skips_when_equal(y):  # no transfer where every rank holds the same data
+    same = jax.lax.pmin(jnp.all(jax.lax.pmax(y, axis) == jax.lax.pmin(y, axis)), axis)
+    return jnp.where(same, y, psum(y))
+
+  assert "calls back to back in one jit" in bench.check_op(skips_when_equal, x, mesh)
+  assert "call 1 of 3" in bench.check_op(lambda y: psum(y) * 1.5, x, mesh)
+  assert bench.check_op(lambda y: 1 / 0, x, mesh).startswith("ZeroDivisionError")
