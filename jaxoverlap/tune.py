@@ -16,12 +16,15 @@ both runs' files with ``--from_results`` (files that time every kernel: this
 tool's, or ``benchmarks/all_reduce.py`` with its default impls).
 
 For each size (``--sizes``, per-rank bytes) every impl is first checked
-against a float32 psum of the same inputs, on three different inputs in a row
-and on every element of every rank; one that fails (or cannot run) is recorded
-under ``"rejected"`` and not timed, so a wrong but fast configuration never
-wins. The rest are timed together with ``tuning.time_chains_us`` (per
-round, the chain of ``--chain`` ops in one jit of every impl in turn, minus
-that round's chain without them; median of ``--reps`` rounds). Rank 0's
+against a float32 psum of the same inputs, on three different inputs in a row,
+then as ``CHECK_CHAIN`` calls back to back in one jit (the timed chain's
+pattern) against a chain of float32 psums, on every element of every rank; one
+that fails (or cannot run) is recorded under ``"rejected"`` and not timed, so
+a wrong but fast configuration never wins. The rest are timed together with
+``tuning.time_chains_stats_us`` (per round, the chain of ``--chain`` ops in
+one jit of every impl in turn, each after a small psum that lines the
+processes up, minus that round's chain without them; the slowest process's
+round; median of ``--reps`` rounds, with the 10th and 90th percentiles). The
 timings become the table; it goes to ``--out``
 (default ``$JAXOVERLAP_TUNING_FILE`` or
 ``~/.cache/jaxoverlap/all_reduce-tuning.json``), written by rank 0 and by the
@@ -72,6 +75,9 @@ flags.DEFINE_list("from_results", [],
 FLAGS = flags.FLAGS
 
 _AXIS = "x"
+# Calls back to back in one jit in the correctness check: the timed chain's pattern (slots and
+# epochs reused inside one program, with no host in between).
+CHECK_CHAIN = 4
 
 
 def default_impls(num_nodes: int) -> list[str]:
@@ -146,12 +152,48 @@ class _Bench:
                                        axis_name=_AXIS, length=length, reps=FLAGS.reps,
                                        warmup=FLAGS.warmup)
 
+  def _check_chain(self, op, nbytes: int, eps: float) -> str | None:
+    """None when ``CHECK_CHAIN`` calls of ``op`` back to back in one jit (as the timed chain
+    makes them) equal the same chain of float32 psums, else what differs."""
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import PartitionSpec as P
+
+    jax = self.jax
+    from jaxoverlap import _xla
+
+    varying = lambda y: _xla.to_varying(y, _AXIS)  # noqa: E731
+
+    def chains(y):
+      got, want = y, y.astype(jnp.float32)
+      for _ in range(CHECK_CHAIN):
+        got, want = varying(op(got)), varying(jax.lax.psum(want, _AXIS))
+      scale = jax.lax.psum(jnp.abs(y.astype(jnp.float32)), _AXIS)
+      return got, want, varying(scale * float(self.num_ranks) ** (CHECK_CHAIN - 1))
+
+    fn = jax.jit(jax.shard_map(chains, mesh=self.mesh, in_specs=P(_AXIS),
+                               out_specs=(P(_AXIS),) * 3))
+    outs = fn(self._array(nbytes, [self.rank, nbytes, 3, 1], outliers=True))
+    bound = _chain_check_bound(eps, self.num_ranks)
+    for got, want, scale in zip(*(o.addressable_shards for o in outs)):
+      g, w, s = (np.asarray(a.data, np.float32) for a in (got, want, scale))
+      bad = ~(np.abs(g - w) <= bound * s)
+      if bad.any():
+        i = int(np.argmax(bad))
+        return (f"wrong result on device {got.device} ({CHECK_CHAIN} calls back to back in one "
+                f"jit): {bad.sum()} of {bad.size} elements differ from a chain of psums, first "
+                f"at {i}: {g[i]} vs {w[i]}")
+    return None
+
   def check(self, impl: str, nbytes: int) -> str | None:
-    """None when ``impl`` equals a float32 psum on every element of every rank."""
+    """None when ``impl`` equals a float32 psum on every element of every rank, called alone
+    (three inputs in a row) and ``CHECK_CHAIN`` times back to back in one jit."""
     import jax.numpy as jnp
     import numpy as np
     from jax.experimental import multihost_utils
     from jax.sharding import PartitionSpec as P
+
+    from jaxoverlap import _xla
 
     if impl == "xla:psum":
       return None
@@ -162,9 +204,9 @@ class _Bench:
 
       def pair(y):
         y32 = y.astype(jnp.float32)
-        got = jax.lax.pcast(op(y), _AXIS, to="varying")
-        want = jax.lax.pcast(jax.lax.psum(y32, _AXIS), _AXIS, to="varying")
-        scale = jax.lax.pcast(jax.lax.psum(jnp.abs(y32), _AXIS), _AXIS, to="varying")
+        got = _xla.to_varying(op(y), _AXIS)
+        want = _xla.to_varying(jax.lax.psum(y32, _AXIS), _AXIS)
+        scale = _xla.to_varying(jax.lax.psum(jnp.abs(y32), _AXIS), _AXIS)
         return got, want, scale
 
       fn = jax.jit(jax.shard_map(pair, mesh=self.mesh, in_specs=P(_AXIS),
@@ -186,6 +228,8 @@ class _Bench:
             break
         if reason:
           break
+      if reason is None:
+        reason = self._check_chain(op, nbytes, eps)
     except Exception as e:  # pylint: disable=broad-except  # recorded, never silent
       reason = f"{type(e).__name__}: {e}".splitlines()[0][:300]
     # Every process must reject the same configurations.
@@ -193,6 +237,11 @@ class _Bench:
     if reason is None and not np.all(ok):
       reason = "failed its correctness check on another process"
     return reason
+
+
+def _chain_check_bound(eps: float, num_ranks: int) -> float:
+  """The tolerance of ``_check_chain``, relative to ``num_ranks**(links-1) * sum|x|``."""
+  return (CHECK_CHAIN + 1) * (eps + num_ranks * 2.0**-24)
 
 
 def _broadcast_json(obj, rank: int):

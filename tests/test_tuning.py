@@ -489,10 +489,11 @@ def bench():
 
 @pytest.mark.parametrize("variant,ok", [("exact", True), ("scaled", False),
                                         ("last_element", False), ("raises", False),
-                                        ("stale", False)])
+                                        ("stale", False), ("skips_when_equal", False)])
 def test_tuner_check_rejects_wrong_kernel(bench, monkeypatch, variant, ok):
   """The real correctness check, with a stand-in kernel built from lax.psum on CPU."""
   import jax
+  import jax.numpy as jnp
 
   nbytes = 4096 + 2 * 3  # not a multiple of 8 ranks
   # The check's first input (rank 0's process holds every device here).
@@ -503,6 +504,10 @@ def test_tuner_check_rejects_wrong_kernel(bench, monkeypatch, variant, ok):
       mine = first.reshape(bench.num_ranks, -1)[jax.lax.axis_index(tune._AXIS)]
       return jax.lax.psum(mine.reshape(y.shape), tune._AXIS)
     out = jax.lax.psum(y, tune._AXIS)
+    if variant == "skips_when_equal":  # no transfer where the ranks hold the same data
+      same = jax.lax.pmin(jnp.all(jax.lax.pmax(y, tune._AXIS) == jax.lax.pmin(y, tune._AXIS)),
+                          tune._AXIS)
+      return jnp.where(same, y, out)
     if variant == "scaled":
       return out * 1.02
     if variant == "last_element":  # e.g. a tail not divisible by the rank count
@@ -518,6 +523,8 @@ def test_tuner_check_rejects_wrong_kernel(bench, monkeypatch, variant, ok):
     assert reason.startswith("wrong result on device") and "(input 1)" in reason, reason
   if variant == "last_element":
     assert reason.startswith("wrong result on device") and "first at 2050" in reason, reason
+  if variant == "skips_when_equal":  # right on every single call: the chain of calls shows it
+    assert "calls back to back in one jit" in reason, reason
   if variant == "raises":
     assert reason == ("ValueError: all_reduce: algorithm 'two_shot' is not available in this "
                       "build")
