@@ -283,7 +283,9 @@ def time_chains_stats_us(ops: Mapping[str, Callable], x, *, mesh, axis_name: str
   other, a slow spell of the host (launch jitter) or of the GPUs lands on one
   op; here it lands on every op of the round, and the median drops it. With
   several processes, a small psum lines them up before every timed run, and
-  a round's time of a chain is the largest over the processes.
+  a round's time of a chain is the largest over the processes (gathered with
+  ``multihost_utils.process_allgather``): both are device collectives, so
+  processes that share a GPU, where NCCL refuses to run, cannot be timed.
 
   Args:
     ops: name -> per-shard function, as ``op`` of ``chain_time_s``.
