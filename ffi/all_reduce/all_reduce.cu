@@ -7,9 +7,11 @@
 // Multi-node LLM Inference", arXiv 2511.09557, sec. 4 (intra-node
 // reduce-scatter, inter-node recursive doubling among same-local-rank GPUs
 // with one-sided puts and sequence-numbered completion, intra-node
-// all-gather; LL and simple protocols). The code is written here from the
-// paper's description; the LL8 line layout follows the idea of NCCL's LL
-// protocol (two 4-byte words, each with its own 4-byte flag).
+// all-gather). The code is written here from the paper's description. The
+// LL8 line layout follows NCCL's LL protocol (two 4-byte words, each with its
+// own 4-byte flag; arXiv 2507.04786); one-shot, two-shot and the Lamport
+// protocol follow TensorRT-LLM's custom all-reduce kernels (docs/design.md,
+// "References").
 //
 // Completion and reuse, for every algorithm: each ordered pair of PEs keeps a
 // call counter, the epoch, in device memory on both sides (pair_epochs),

@@ -198,9 +198,9 @@ DEFAULT_PARAMS = CostParams(
     # floor is 6.5-6.7 us, of which the model's steps explain 0.7-1.5 us.
     launch_us=4.5,
     # H200 HBM3e: 4.8 TB/s peak (NVIDIA H200 datasheet); ~85% reached by
-    # streaming kernels -> 4000 GB/s. ASSUMPTION: the decode benchmark's
-    # bandwidth probe later read 3.60-3.76 TB/s on one H200 (docs/decode.md,
-    # docs/design.md "Machine constants"); the model keeps 4000 (not refitted).
+    # streaming kernels -> 4000 GB/s. ASSUMPTION: the decode benchmark's read
+    # probe later measured 3.23-3.97 TB/s on lent H200s, median 3.72 (docs/design.md,
+    # "Machine constants"); the model keeps 4000 (not refitted).
     hbm_gbps=4000.0,
 )
 
@@ -264,7 +264,8 @@ class NcclProtocol:
 # moves data with a memory fence and a flag per chunk (all the bandwidth, the most
 # latency). Bandwidth shares follow from the line formats; the hop latencies are
 # ASSUMPTIONS (not measured by us): LL and LL128 on NVLink from the paper's orders
-# of magnitude, Simple twice LL128 (a fence per chunk), and across nodes 2-6 us of
+# of magnitude as a third-party summary of it gives them (docs/cluster_model.md),
+# Simple twice LL128 (a fence per chunk), and across nodes 2-6 us of
 # proxy work on top of the wire (``network.alpha_us``). The same values serve every
 # machine: they are NCCL's software, the links are in ``CostParams``.
 NCCL_PROTOCOL_COSTS = {
