@@ -60,7 +60,8 @@ impl "xla:psum", "xla:psum_graphs" (with its ``xla_options``),
 "jaxoverlap:<backend>:<algorithm>" or "floor:no_all_reduce";
 shape a dict of the model and batch sizes (batch, d_model, d_ff, heads,
 kv_heads, head_dim, layers, vocab, max_len, prompt_len); bytes = one
-all-reduce message per rank; time_us per token; all_reduce_share (not on the
+all-reduce message per rank; time_us per token (the median; time_us_p10 and
+time_us_p90 the 10th and 90th percentiles over the calls); all_reduce_share (not on the
 floor's records); auto_choices: the [bytes, algorithm, protocol] that
 algorithm "auto" chose (``jaxoverlap.decisions()``). Also
 ``<out>/decode-<machine>.png`` (latency against batch) and a Markdown table on
@@ -93,6 +94,7 @@ from jax.sharding import PartitionSpec as P
 
 import harness
 from jaxoverlap import nnx as jnnx
+from jaxoverlap import tuning
 
 AXIS = "tp"
 PSUM = harness.PSUM
@@ -553,14 +555,16 @@ def run(cfg: DecoderConfig, mesh, *, impls: list[str], batches: list[int], promp
     floor_us = harness.median(times[FLOOR]) / num_tokens * 1e6
     line = []
     for impl in timed:
-      us = harness.median(times[impl]) / num_tokens * 1e6
+      spread = tuning.spread_us([t / num_tokens * 1e6 for t in times[impl]])
+      us = spread["time_us"]
       rec = {"op": "decode_token", "impl": impl, "dtype": jnp.dtype(cfg.dtype).name,
              "shape": dict(batch=batch, **cfg.shape(), prompt_len=prompt_len,
                            min_matmul_rows=min_matmul_rows),
              "bytes": batch * cfg.d_model * itemsize, "world": num_ranks,
              "ranks_per_node": ranks_per_node, "num_nodes": num_nodes,
              "all_reduces_per_token": 0 if impl == FLOOR else 2 * cfg.num_layers,
-             "time_us": round(us, 3),
+             "time_us": round(us, 3), "time_us_p10": round(spread["p10_us"], 3),
+             "time_us_p90": round(spread["p90_us"], 3),
              **({"xla_options": harness.compile_options(impl)}
                 if harness.compile_options(impl) else {})}
       if impl != FLOOR:

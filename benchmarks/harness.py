@@ -360,6 +360,54 @@ def parse_topology(text: str) -> dict[tuple[int, int], str]:
   return links
 
 
+def _bus_id(text: str) -> str:
+  """A PCI bus id as "dddd:bb:dd.f" (nvidia-smi writes an 8-digit domain, CUDA a 4-digit one)."""
+  parts = text.strip().lower().split(":")
+  if len(parts) != 3:
+    return text.strip().lower()
+  return f"{int(parts[0] or '0', 16):04x}:{parts[1]}:{parts[2]}"
+
+
+def _cuda_bus_ids(ordinals: Sequence[int]) -> list[str | None]:
+  """The PCI bus ids of CUDA devices by ordinal (within CUDA_VISIBLE_DEVICES), via the driver."""
+  import ctypes
+
+  try:
+    cuda = ctypes.CDLL("libcuda.so.1")
+  except OSError:
+    return [None] * len(ordinals)
+  if cuda.cuInit(0) != 0:
+    return [None] * len(ordinals)
+  out = []
+  for ordinal in ordinals:
+    dev, buf = ctypes.c_int(0), ctypes.create_string_buffer(64)
+    ok = (cuda.cuDeviceGet(ctypes.byref(dev), int(ordinal)) == 0
+          and cuda.cuDeviceGetPCIBusId(buf, 64, dev) == 0)
+    out.append(_bus_id(buf.value.decode()) if ok else None)
+  return out
+
+
+# (host, PCI bus id) of every device of the run, in device order, from start(): which
+# physical GPUs the processes share; None where not gathered (machine_name falls back).
+_RUN_GPUS: list[tuple[str, str | None]] | None = None
+
+
+def _gather_run_gpus() -> None:
+  """Every process's (host, PCI bus id) per local GPU, into ``_RUN_GPUS`` (all must call)."""
+  global _RUN_GPUS
+  import socket
+
+  import jax
+
+  local = jax.local_devices()
+  if local[0].platform != "gpu":
+    return
+  ordinals = [getattr(d, "local_hardware_id", None) for d in local]
+  buses = _cuda_bus_ids(ordinals) if None not in ordinals else [None] * len(local)
+  mine = [[socket.gethostname(), b] for b in buses]
+  _RUN_GPUS = [tuple(g) for every in gather_json(mine) for g in every]
+
+
 def _one_host() -> bool:
   """Whether every process of this run is on this host (launcher, one SLURM node, one process)."""
   import jax
@@ -390,12 +438,14 @@ def machine_name(given: str | None) -> str:
 
   Returns:
     ``given``, or ``f"{count}x {kind}"`` over every process's devices, kind
-    the device kind without its "NVIDIA " prefix ("2x cpu", "4x H200"). When
-    every process is on this host, nvidia-smi adds what the devices do not
-    tell: processes sharing GPUs (more devices than the host has GPUs: "2x
-    H200 on 1 GPU", a correctness run, never a timing) and otherwise the
-    link between the GPUs used (the first ``count`` visible ones) where
-    every pair has the same one in ``nvidia-smi topo -m`` ("2x H200 NV18").
+    the device kind without its "NVIDIA " prefix ("2x cpu", "4x H200"). On
+    GPUs it adds what the devices do not tell. Processes sharing GPUs: "2x
+    H200 on 1 GPU" (a correctness run, never a timing). Otherwise, on one
+    host, the link every pair of the GPUs used has in ``nvidia-smi topo -m``
+    ("2x H200 NV18"). The GPUs used are the PCI bus ids every process's CUDA
+    driver gave ``start`` (``_RUN_GPUS``); where ``start`` did not gather
+    them, the first ``count`` visible GPUs, and sharing is read from
+    nvidia-smi listing fewer GPUs than there are devices.
   """
   if given:
     return given
@@ -403,17 +453,32 @@ def machine_name(given: str | None) -> str:
 
   devices = jax.devices()
   name = f"{len(devices)}x {devices[0].device_kind.removeprefix('NVIDIA ')}"
-  if devices[0].platform != "gpu" or not _one_host():
+  if devices[0].platform != "gpu":
+    return name
+  if _RUN_GPUS and all(bus for _, bus in _RUN_GPUS):  # what each process's driver said
+    distinct = set(_RUN_GPUS)
+    if len(distinct) < len(devices):
+      return f"{name} on {len(distinct)} GPU{'s' if len(distinct) > 1 else ''}"
+    if len({host for host, _ in distinct}) > 1:
+      return name
+    index = {_bus_id(g["pci_bus_id"]): int(g["index"]) for g in host_gpus()
+             if g["index"].isdigit()}
+    return name + _common_link([index.get(bus) for _, bus in distinct])
+  if not _one_host():
     return name
   gpus = len(host_gpus())
   if 0 < gpus < len(devices):
     return f"{name} on {gpus} GPU{'s' if gpus > 1 else ''}"
-  used = _used_gpu_indices(len(devices))
+  return name + _common_link(_used_gpu_indices(len(devices)))
+
+
+def _common_link(used: Sequence[int | None]) -> str:
+  """" NV18" where every pair of the GPUs ``used`` (nvidia-smi indices) has that link, else ""."""
+  if len(used) < 2 or None in used:
+    return ""
   links = parse_topology(_nvidia_smi("topo", "-m") or "")
   kinds = {links.get((i, j)) for i in used for j in used if i != j}
-  if len(used) > 1 and len(kinds) == 1 and None not in kinds:
-    name += f" {kinds.pop()}"
-  return name
+  return f" {kinds.pop()}" if len(kinds) == 1 and None not in kinds else ""
 
 
 # The environment variables a results file records (what changes how the ops or the
@@ -466,8 +531,9 @@ def provenance() -> dict[str, Any]:
     "processes", "runtime"}``: the checkout's commit and whether tracked files
     were changed; every variable of ``_RECORDED_ENV`` that is set; this host's
     GPUs with their clocks and power limit (``host_gpus``) and ``nvidia-smi
-    topo -m``; the CUDA runtime, driver, cuDNN, cuBLAS and NCCL versions the
-    CUDA plugin reports; the process count; ``jaxoverlap.runtime_info()``'s
+    topo -m``; the CUDA runtime, driver, cuDNN and cuBLAS versions the CUDA
+    plugin reports (and NCCL's where it reports one: jaxlib 0.11/0.12 do not); the process
+    count; ``jaxoverlap.runtime_info()``'s
     transport and heap where the CUDA runtime is up.
   """
   import jax
@@ -590,6 +656,7 @@ def start(axis: str | None = None, *, nvshmem: bool | None = None) -> Run:
     rpn = world if launch.launched() or jax.process_count() == 1 else jax.local_device_count()
   mesh = None if axis is None else jax.make_mesh(
       (world,), (axis,), axis_types=(jax.sharding.AxisType.Auto,))
+  _gather_run_gpus()  # which physical GPUs the processes use (machine_name)
   return Run(rank=info["process_id"], world=world, mesh=mesh,
              platform=jax.devices()[0].platform, ranks_per_node=int(rpn),
              num_nodes=world // int(rpn), runtime=rt, processes=jax.process_count())
@@ -789,6 +856,7 @@ def start_training_example(*, distributed: bool, cuda: bool, host_devices: int):
     import jaxoverlap
 
     jaxoverlap.initialize()  # one process: it must own exactly one GPU
+  _gather_run_gpus()  # which physical GPUs the processes use (machine_name)
   if TRAIN_DIR not in sys.path:
     sys.path.insert(0, TRAIN_DIR)
   return tuple(importlib.import_module(m) for m in ("config", "data", "train"))

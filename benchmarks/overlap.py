@@ -54,9 +54,9 @@ maps each to the public op's keywords):
 Method: for each (op, shape), every impl is one jit of a chain of --chain
 dependent ops. Link i+1's input carries element [0, 0] of link i's output
 times a runtime zero, so XLA can neither drop, merge nor overlap the links,
-plus a runtime step of 64, so that every link (and every run) multiplies
-other data: a kernel that skipped a transfer, or read a slot left by the link
-before, gives a wrong row. Every link's output is an output of the jit, so no
+and a runtime step of 64 added to column 0 of each rank's shard, so that every
+link (and every run) multiplies other data in every row: a kernel that skipped
+a transfer, or read a slot left by the link before, gives wrong rows. Every link's output is an output of the jit, so no
 GEMM can be cut down to the element the next link reads. The chained input is
 donated and written in place. Every impl is first checked against xla:naive,
 both from the same fresh input, on two runs of the chain: every link's
@@ -102,10 +102,10 @@ OPS = {"ag": "all_gather_matmul", "rs": "matmul_reduce_scatter", "ar": "matmul_a
 AXIS = "x"
 TRANSPORTS = ("copy_engine", "nvshmem")
 BASELINES = (FLOOR, COMM)  # not the op: no correctness check, no exposed/hidden fields
-# What each link of a chain adds to element [0, 0] of its input (_depend). 64 moves a row of
-# the product by 64 x a row of W (about 1 at K = 4096), far above harness.close's tolerance, so
-# a link computed from the link before's data fails the check; multiples of 64 stay exact in
-# bf16 over a run's few hundred links.
+# What each link of a chain adds to column 0 of each rank's input shard (_depend). 64 moves
+# every row of the product by 64 x a row of W (about 1 at K = 4096), far above
+# harness.close's tolerance, so a link computed from the link before's data fails the check.
+# The same rounding happens in every impl's chain, so all of them see the same inputs.
 STEP = 64.0
 
 # JAX's Pallas collective matmul, with tile configurations from the kernel's own tuning space
@@ -348,8 +348,9 @@ def merge_results(old: dict | None, new_records: list[dict], new_rejected: list[
 
 def method_text(chain: int, reps: int, warmup: int) -> str:
   return (f"per (op, shape) and impl: one jit of a chain of {chain} dependent ops (link i+1's "
-          "input carries element [0,0] of link i's output times a runtime zero, plus a "
-          "runtime step of 64, so every link multiplies other data; every link's "
+          "input carries element [0,0] of link i's output times a runtime zero, and a "
+          "runtime step of 64 added to column 0 of each shard, so every link multiplies other "
+          "data in every row; every link's "
           "output is a jit output; the chained input donated); every impl first checked "
           "against xla:naive from the same fresh input, every link of two runs "
           "(|a-b| <= 1e-2*max|ref| + 2e-2*|ref|); then "
@@ -364,13 +365,14 @@ def method_text(chain: int, reps: int, warmup: int) -> str:
 
 
 def _depend(carrier, y, zero, step):
-  """``carrier`` with element [0, 0] replaced by itself + y[0, 0] * zero + step (per rank).
+  """``carrier`` with ``step`` added to its column 0 and y[0, 0] * zero to element [0, 0].
 
-  This is the link between two ops of a chain. ``zero`` is a jit argument
-  (0.0 at run time), so XLA cannot fold the product away: the next op's input
-  really depends on this op's output, whatever XLA knows about float
-  arithmetic. ``step`` (a jit argument, ``STEP``) makes each link's input
-  differ from the one before, so that stale data shows in the check. A non-finite y[0, 0] is replaced by 0 first, so the carried
+  This is the link between two ops of a chain (per rank). ``zero`` is a jit
+  argument (0.0 at run time), so XLA cannot fold the product away: the next
+  op's input really depends on this op's output, whatever XLA knows about
+  float arithmetic. ``step`` (a jit argument, ``STEP``) makes each link's
+  input differ from the one before in every row, so every row of the product
+  changes too and stale data anywhere shows in the check. A non-finite y[0, 0] is replaced by 0 first, so the carried
   value stays exactly the input (the check then compares like with like). The
   update is one element, in place (dynamic-update-slice).
   """
@@ -380,9 +382,10 @@ def _depend(carrier, y, zero, step):
   from jaxoverlap import _xla
 
   v = y[:1, :1].astype(jnp.float32)
-  v = jnp.where(jnp.isfinite(v), v, 0.0) * zero + step
-  corner = (carrier[:1, :1].astype(jnp.float32) + v).astype(carrier.dtype)
-  return lax.dynamic_update_slice(carrier, _xla.to_varying(corner, AXIS), (0, 0))
+  v = jnp.where(jnp.isfinite(v), v, 0.0) * zero
+  column = carrier[:, :1].astype(jnp.float32) + step
+  column = jnp.concatenate([column[:1] + v, column[1:]]).astype(carrier.dtype)
+  return lax.dynamic_update_slice(carrier, _xla.to_varying(column, AXIS), (0, 0))
 
 
 class _Case:

@@ -28,7 +28,7 @@ from collections.abc import Mapping
 from scikit_build_core import build as _skbuild
 from scikit_build_core.build import build_sdist, get_requires_for_build_sdist  # noqa: F401
 
-CUDA_BUILD_REQUIRES = ("jax>=0.11.2", "jaxlib>=0.11.2", "nvidia-nvshmem-cu13>=3.4",
+CUDA_BUILD_REQUIRES = ("jax>=0.11.2,<0.13", "jaxlib>=0.11.2,<0.13", "nvidia-nvshmem-cu13>=3.4",
                        "nvidia-cublas>=13,<14")
 _SETTING = "cmake.define.JAXOVERLAP_CUDA"
 _REASON = "cmake.define.JAXOVERLAP_CUDA_OFF_REASON"

@@ -356,8 +356,8 @@ def test_run_case_cpu(op):
 
 @needs2
 def test_chain_output_matches_reference():
-  """Link i's output is the op on the original inputs with STEP x i added to element [0, 0]
-  of each rank's shard: the links add exact zeros times the output, and a step of their own."""
+  """Link i's output is the op on the original inputs with STEP x i added to column 0 of each
+  rank's shard: the links add exact zeros times the output, and a step of their own."""
   mesh = make_mesh((2,), ("x",))
   case = ovl._Case("rs", (8, 4, 6), mesh, jnp.dtype(jnp.float32), 4)
   fn, carrier, rest = case.chain_fn("xla:ppermute")
@@ -366,14 +366,14 @@ def test_chain_output_matches_reference():
   ys = case.call(fn, carrier, rest)
   assert len(ys) == 4
 
-  def shifted(links):  # x is column-sharded (rs): each rank's corner is x[0, 2 * rank]
+  def shifted(links):  # x is column-sharded (rs): each rank's column 0 is x[:, 2 * rank]
     xi = x.copy()
-    xi[0, [0, 2]] += ovl.STEP * links
+    xi[:, [0, 2]] += ovl.STEP * links
     return xi
 
   for i, y in enumerate(ys):
     np.testing.assert_allclose(np.asarray(y), shifted(i) @ w, rtol=1e-5, atol=1e-4)
-  np.testing.assert_array_equal(np.asarray(case.arrays["x"]), shifted(4))  # carried on
+  np.testing.assert_allclose(np.asarray(case.arrays["x"]), shifted(4), rtol=1e-6)  # carried on
 
 
 @needs2
@@ -401,6 +401,36 @@ def test_run_case_flags_a_kernel_that_repeats_stale_results(monkeypatch):
                                         dtype="bfloat16", chain=3, reps=1, warmup=0,
                                         log=lambda s: None)
   assert recs == [] and failed == {"xla:ppermute": "WRONG"}
+  assert "at run 1, link 2" in rejected[0]["reason"], rejected
+
+
+@needs2
+@pytest.mark.parametrize("op", ["ag", "rs", "ar"])
+def test_run_case_flags_stale_rows_beyond_the_first(monkeypatch, op):
+  """Trial 37: the step went to element [0, 0] only, so rows of the product other than those
+  built from a shard's first row never changed from link to link: a kernel that kept them
+  stale passed. The step now goes to column 0, which every row of the product reads."""
+  mesh = make_mesh((2,), ("x",))
+  real = ovl._Case.kernel
+
+  def kernel(self, impl):  # row 0 fresh, every other row the first link's
+    fn, carrier, rest, spec = real(self, impl)
+    if impl != "xla:ppermute":
+      return fn, carrier, rest, spec
+    first = []
+
+    def stale_rows(x, w):
+      y = fn(x, w)
+      if not first:
+        first.append(y)
+      return jnp.concatenate([y[:1], first[0][1:]])
+    return stale_rows, carrier, rest, spec
+
+  monkeypatch.setattr(ovl._Case, "kernel", kernel)
+  recs, rejected, failed = ovl.run_case(op, (16, 8, 12), ["xla:ppermute"], mesh=mesh,
+                                        dtype="bfloat16", chain=3, reps=1, warmup=0,
+                                        log=lambda s: None)
+  assert recs == [] and failed == {"xla:ppermute": "WRONG"}, rejected
   assert "at run 1, link 2" in rejected[0]["reason"], rejected
 
 
@@ -520,6 +550,30 @@ def test_machine_name(monkeypatch):
   monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")
   monkeypatch.setattr(jax, "devices", lambda: [Dev("NVIDIA H200")])
   assert harness.machine_name(None) == "1x H200"  # one GPU: no link to name
+
+
+def test_machine_name_from_the_gpus_each_process_uses(monkeypatch):
+  """Trial 37: with 2 processes on GPU 0 of a 2-GPU host (--share_gpu) the name was "2x H200
+  NV18", that of the timing results; a one-node SLURM job whose tasks each see only their own
+  GPU was "on 1 GPU". The PCI bus ids each process's driver gives decide."""
+  class Dev:
+    platform = "gpu"
+    device_kind = "NVIDIA H200"
+
+  monkeypatch.setattr(jax, "devices", lambda: [Dev()] * 2)
+  monkeypatch.setattr(harness, "_nvidia_smi", lambda *a: _TOPO_2 if a[0] == "topo" else None)
+  monkeypatch.setattr(harness, "host_gpus", lambda: [
+      {"index": "0", "pci_bus_id": "00000000:19:00.0"},
+      {"index": "1", "pci_bus_id": "00000000:3B:00.0"}])
+  for gpus, want in (([("h", "0000:19:00.0"), ("h", "0000:19:00.0")], "2x H200 on 1 GPU"),
+                     ([("h", "0000:19:00.0"), ("h", "0000:3b:00.0")], "2x H200 NV18"),
+                     ([("a", "0000:19:00.0"), ("b", "0000:19:00.0")], "2x H200"),  # 2 hosts
+                     ([("h", "0000:19:00.0"), ("h", None)], None)):  # unknown: the fallback
+    monkeypatch.setattr(harness, "_RUN_GPUS", gpus)
+    if want is not None:
+      assert harness.machine_name(None) == want
+  assert harness.machine_name(None) == "2x H200 NV18"  # fallback: the first 2 visible GPUs
+  assert harness._bus_id("00000000:3B:00.0") == "0000:3b:00.0" == harness._bus_id("0000:3b:00.0")
 
 
 def test_results_record_their_provenance(tmp_path, monkeypatch):

@@ -66,9 +66,10 @@ def test_nvcc_in_the_default_location_is_handed_to_cmake(monkeypatch):
   """Trial 34: the backend counted /usr/local/cuda/bin/nvcc and downloaded the CUDA build
   requirements, but CMake's check_language(CUDA) does not look there: a pure-Python wheel."""
   monkeypatch.delenv("CUDACXX", raising=False)
-  monkeypatch.setattr(backend.shutil, "which", NONE)
-  monkeypatch.setattr(backend.os.path, "exists", lambda p: p == backend.DEFAULT_NVCC)
-  assert backend.nvcc() == backend.DEFAULT_NVCC
+  monkeypatch.setattr(backend.shutil, "which", NONE)  # what _settings asks at call time
+  monkeypatch.setattr(backend, "off_reason", lambda *args: None)  # a CUDA build
+  assert backend.nvcc({}, NONE, lambda p: p == backend.DEFAULT_NVCC) == backend.DEFAULT_NVCC
+  assert backend.nvcc({}, NONE, NO_FILE) is None
   assert backend._settings({"a": "b"}) == {  # noqa: SLF001
       "a": "b", "cmake.define.CMAKE_CUDA_COMPILER": backend.DEFAULT_NVCC}
   mine = {"cmake.define.CMAKE_CUDA_COMPILER": "/opt/nvcc"}  # the user's choice stays

@@ -344,6 +344,7 @@ def test_run_writes_valid_records_and_drops_a_wrong_impl(seed, tmp_path, wrong_i
   assert len(result["records"]) == 8
   for r in result["records"]:
     assert r["op"] == "decode_token" and r["world"] == 2 and r["time_us"] > 0
+    assert r["time_us_p10"] <= r["time_us"] <= r["time_us_p90"]  # the spread over the calls
     assert r["impl"] in (decode.PSUM, decode.PSUM_GRAPHS, ours, decode.FLOOR)
     # psum inside XLA's CUDA graphs: the same program, compiled with COLLECTIVES added.
     assert ("xla_options" in r) == (r["impl"] == decode.PSUM_GRAPHS)
