@@ -7,8 +7,9 @@ Problem:
   ``build-system.requires`` would download them on every install.
 
 Algorithm:
-  The CUDA backend is built unless ``JAXOVERLAP_CUDA`` is off (``-Ccmake.define.JAXOVERLAP_CUDA=OFF``
-  or ``SKBUILD_CMAKE_DEFINE`` holding ``JAXOVERLAP_CUDA=OFF``) or no ``nvcc`` is found
+  The CUDA backend is built unless ``JAXOVERLAP_CUDA`` is off (``-Ccmake.define.JAXOVERLAP_CUDA=OFF``,
+  ``SKBUILD_CMAKE_DEFINE`` holding ``JAXOVERLAP_CUDA=OFF``, or ``-DJAXOVERLAP_CUDA=OFF`` in
+  ``-Ccmake.args`` or ``CMAKE_ARGS``) or no ``nvcc`` is found
   (``CUDACXX``, ``PATH``, ``/usr/local/cuda/bin``). Only then are the CUDA build requirements
   asked for; otherwise the build is told ``JAXOVERLAP_CUDA=OFF`` too, so that this choice and
   CMake's agree, and ``JAXOVERLAP_CUDA_OFF_REASON`` (requested, or no nvcc), which CMake's
@@ -22,6 +23,7 @@ Algorithm:
 from __future__ import annotations
 
 import os
+import re
 import shutil
 from collections.abc import Mapping
 
@@ -32,7 +34,7 @@ CUDA_BUILD_REQUIRES = ("jax>=0.11.2,<0.13", "jaxlib>=0.11.2,<0.13", "nvidia-nvsh
                        "nvidia-cublas>=13,<14")
 _SETTING = "cmake.define.JAXOVERLAP_CUDA"
 _REASON = "cmake.define.JAXOVERLAP_CUDA_OFF_REASON"
-_OFF = {"off", "0", "false", "no", "n"}
+_OFF = {"off", "0", "false", "no", "n", "ignore", "notfound"}
 _ON = {"on", "1", "true", "yes", "y"}
 _COMPILER = "cmake.define.CMAKE_CUDA_COMPILER"
 DEFAULT_NVCC = "/usr/local/cuda/bin/nvcc"
@@ -63,11 +65,15 @@ def off_reason(config_settings: Mapping | None = None, env: Mapping[str, str] | 
 
 
 def _choices(config_settings: Mapping | None, env: Mapping[str, str]) -> list[str]:
-  """The JAXOVERLAP_CUDA values asked for (config settings, SKBUILD_CMAKE_DEFINE), lowercase."""
+  """The JAXOVERLAP_CUDA values asked for, lowercase: ``-Ccmake.define.JAXOVERLAP_CUDA``,
+  ``SKBUILD_CMAKE_DEFINE``, and ``-DJAXOVERLAP_CUDA[:BOOL]=...`` in ``-Ccmake.args`` or
+  ``CMAKE_ARGS`` (scikit-build-core passes all of them to CMake)."""
   settings = _values(config_settings, _SETTING)
   defines = [d.split("=", 1) for d in env.get("SKBUILD_CMAKE_DEFINE", "").split(";") if "=" in d]
-  return [c.strip().lower()
-          for c in settings + [v for k, v in defines if k.strip() == "JAXOVERLAP_CUDA"]]
+  args = " ".join(_values(config_settings, "cmake.args") + [env.get("CMAKE_ARGS", "")])
+  flags = re.findall(r"-DJAXOVERLAP_CUDA(?::[A-Za-z]+)?=(\S+)", args.replace(";", " "))
+  return [c.strip().lower() for c in settings + flags
+          + [v for k, v in defines if k.strip() == "JAXOVERLAP_CUDA"]]
 
 
 def nvcc(env: Mapping[str, str] | None = None, which=shutil.which,

@@ -96,3 +96,15 @@ def test_the_version_and_the_license_are_said_once():
   assert re.search(r"Version 2\.0, January 2004", text)
   assert os.path.exists(os.path.join(root, "NOTICE"))
   assert os.path.exists(os.path.join(root, "jaxoverlap", "py.typed"))
+
+
+@pytest.mark.parametrize("settings,env", [
+    (None, {"CMAKE_ARGS": "-DCMAKE_BUILD_TYPE=Release -DJAXOVERLAP_CUDA=OFF"}),
+    ({"cmake.args": "-DJAXOVERLAP_CUDA:BOOL=OFF"}, {}),
+    ({"cmake.args": ["-DFOO=1", "-DJAXOVERLAP_CUDA=IGNORE"]}, {}),
+])
+def test_cmake_args_that_turn_cuda_off_are_heard(settings, env):
+  """Trial 34: CMake was told OFF through CMAKE_ARGS or -Ccmake.args, which scikit-build-core
+  passes on, but the backend still downloaded the CUDA build requirements."""
+  assert backend.off_reason(settings, env, NVCC, NO_FILE) == "requested"
+  assert backend.off_reason(None, {"CMAKE_ARGS": "-DJAXOVERLAP_CUDA=ON"}, NVCC, NO_FILE) is None
