@@ -214,6 +214,47 @@ def _start_training(workdir, *flags):
   raise AssertionError(f"main.py ended before its first step: {proc.stderr.read()}")
 
 
+def test_a_stop_signal_inside_a_step_is_held_to_its_end(tmp_path, capsys, monkeypatch):
+  """CI saw SIGTERM land inside train_step, after it had taken (donated) the state: nothing
+  was left to save, and the steps since the last checkpoint were lost. train.StopRequest
+  holds a first signal during the loop of a one-process run and raises it between steps."""
+  import signal
+
+  stop = train.StopRequest()
+  real_build = train.build
+
+  def build(config):  # SIGTERM arrives inside step 3, after the state was donated
+    setup = real_build(config)
+    real_step, calls = setup.train_step, []
+
+    def train_step(state, batch):
+      out = real_step(state, batch)
+      calls.append(1)
+      if len(calls) == 3:
+        stop.handle(signal.SIGTERM, None)
+      return out
+    setup.train_step = train_step
+    return setup
+
+  monkeypatch.setattr(train, "build", build)
+  tiny = dataclasses.replace(config_lib.get_config("tiny"), steps=10, ckpt_every=100)
+  with pytest.raises(train.Terminated):
+    train.train_and_evaluate(tiny, str(tmp_path / "run"), stop)
+  err = capsys.readouterr().err
+  assert "interrupted after step 3, saved it: the last checkpoint is step 3" in err, err
+  assert not stop.in_loop and stop.signum is None
+  # Outside the loop, and a second signal inside it, raise at once.
+  with pytest.raises(KeyboardInterrupt):
+    stop.handle(signal.SIGINT, None)
+  stop.in_loop = True
+  stop.handle(signal.SIGINT, None)
+  with pytest.raises(train.Terminated):
+    stop.handle(signal.SIGTERM, None)
+  with pytest.raises(KeyboardInterrupt) as held:
+    stop.check()
+  assert not isinstance(held.value, train.Terminated)
+
+
 def test_train_stopped_before_its_first_step_says_so(tmp_path):
   """Trial 28: a run stopped before its training loop (setup, first evaluation) exited 143
   without a word. It now says that nothing new was saved, with no traceback."""

@@ -81,12 +81,14 @@ def main(argv):
       if flag.value is not None}
   if _MESH.value is not None:
     overrides["mesh"] = tuple(int(v) for v in _MESH.value.split(","))
-  # SIGTERM (kill, SLURM's time limit) stops the run as Ctrl-C does: one process saves the
-  # steps since its last checkpoint first (train.py).
-  signal.signal(signal.SIGTERM, _terminate)
+  # Ctrl-C and SIGTERM (kill, SLURM's time limit) stop the run: one process at the end of
+  # the step in flight, saving the steps since its last checkpoint (train.StopRequest).
+  stop = train.StopRequest()
+  signal.signal(signal.SIGTERM, stop.handle)
+  signal.signal(signal.SIGINT, stop.handle)
   try:
     config = dataclasses.replace(config, **overrides)
-    train.train_and_evaluate(config, _WORKDIR.value)
+    train.train_and_evaluate(config, _WORKDIR.value, stop)
   except config_lib.ConfigError as e:
     # The run cannot start as configured: one line, no traceback, before any training.
     print(f"main.py: error: {e}", file=sys.stderr, flush=True)
@@ -95,16 +97,7 @@ def main(argv):
     if not getattr(e, "reported", False):
       print("\ninterrupted before training began: nothing new to save; run the same command "
             "to start again", file=sys.stderr, flush=True)
-    return 128 + (signal.SIGTERM if isinstance(e, _Terminated) else signal.SIGINT)
-
-
-class _Terminated(KeyboardInterrupt):
-  """SIGTERM, raised where Python is when it arrives, as Ctrl-C raises KeyboardInterrupt."""
-
-
-def _terminate(signum, frame):
-  del signum, frame
-  raise _Terminated()
+    return 128 + (signal.SIGTERM if isinstance(e, train.Terminated) else signal.SIGINT)
 
 
 if __name__ == "__main__":

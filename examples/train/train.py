@@ -21,6 +21,7 @@ import dataclasses
 import json
 import math
 import os
+import signal
 import sys
 import time
 from typing import Any
@@ -325,13 +326,54 @@ def _save_interrupted(manager: ocp.CheckpointManager, checkpoint, graphdef, stat
   print(f"\n{said}{failed}: {resume}", file=sys.stderr, flush=True)
 
 
-def train_and_evaluate(config: Config, workdir: str) -> dict[str, Any]:
+class Terminated(KeyboardInterrupt):
+  """SIGTERM (kill, SLURM's time limit), raised as Ctrl-C raises KeyboardInterrupt."""
+
+
+class StopRequest:
+  """Ctrl-C and SIGTERM for ``train_and_evaluate``: held while a step is in flight.
+
+  A signal raised at once can land inside ``train_step`` after it took (donated) the
+  state and before it handed back the new one: then no state is left to save. Installed
+  as the signals' handler (``handle``; examples/train/main.py), this holds a first signal
+  while the training loop of a one-process run is going (``in_loop``) and raises it
+  between steps (``check``), where the state is whole. A second signal, a signal outside
+  the loop, or any signal in a run of several processes (which could stop at different
+  steps and wait on each other) raises at once.
+  """
+
+  def __init__(self):
+    self.signum: int | None = None
+    self.in_loop = False
+
+  def handle(self, signum, frame) -> None:
+    del frame
+    if self.in_loop and self.signum is None:
+      self.signum = signum
+      return
+    raise _interrupt(signum)
+
+  def check(self) -> None:
+    """Raises the held signal's KeyboardInterrupt (``Terminated`` for SIGTERM), if any."""
+    if self.signum is not None:
+      signum, self.signum = self.signum, None
+      raise _interrupt(signum)
+
+
+def _interrupt(signum: int) -> KeyboardInterrupt:
+  return Terminated() if signum == signal.SIGTERM else KeyboardInterrupt()
+
+
+def train_and_evaluate(config: Config, workdir: str,
+                       stop: StopRequest | None = None) -> dict[str, Any]:
   """Trains ``config``'s model, resuming from ``workdir`` if it holds a checkpoint.
 
   Args:
     config: the run's configuration.
     workdir: output directory: checkpoints, ``metrics.json``,
       ``history.json`` and ``loss.png``.
+    stop: the handler of Ctrl-C and SIGTERM, if the caller installed one: a
+      one-process run then stops between steps (``StopRequest``).
 
   Returns:
     The metrics written to ``metrics.json``: ``val_loss`` and ``unigram_loss``
@@ -423,10 +465,14 @@ def train_and_evaluate(config: Config, workdir: str) -> dict[str, Any]:
   tick = time.perf_counter()
   jaxoverlap.clear_decisions()
   backends = _ran_backends(config)
+  if stop is not None:
+    stop.in_loop = jax.process_count() == 1
   try:
     for step in range(start_step, config.steps):
       batch = setup.train_batch(corpus, step)
       state, loss = train_step(state, batch)
+      if stop is not None:
+        stop.check()  # a signal held during the step: the new state is whole
       pending.append(loss)
       done = step + 1
       if first_step_s is None:  # includes compilation: timed apart
@@ -472,6 +518,13 @@ def train_and_evaluate(config: Config, workdir: str) -> dict[str, Any]:
     _save_interrupted(manager, checkpoint, graphdef, state)
     e.reported = True  # main.py: said what was saved
     raise
+  finally:
+    if stop is not None:
+      stop.in_loop = False
+  if stop is not None and stop.signum is not None:  # came with the last step: it is saved
+    print("\na stop was asked for as the last step ended: the run is complete",
+          file=sys.stderr, flush=True)
+    stop.signum = None
   if bar is not None:
     bar.close()
   manager.wait_until_finished()
