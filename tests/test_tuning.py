@@ -922,3 +922,17 @@ def test_helpers_refuse_what_they_cannot_answer():
     tuning.protocol_for("bogus", 8192, 2)
   with pytest.raises(ValueError, match="^the table given to Policy.from_result: "):
     tuning.Policy.from_result({"x": 1})
+
+
+def test_tuner_check_passes_a_right_float16_kernel_at_8_ranks(monkeypatch):
+  """Trial 39: the chain check multiplied 100x outliers by 8 at every link: float16 overflowed
+  to inf and every CUDA kernel was rejected. The chain's inputs have no outliers."""
+  import jax
+  import jax.numpy as jnp
+
+  bench16 = tune._Bench(jnp.dtype(jnp.float16), rank=0)
+  assert bench16.num_ranks == 8
+  # A stand-in that sums in float32 and rounds once, as the CUDA kernels do.
+  monkeypatch.setattr(tune, "_op", lambda impl: lambda y: jax.lax.psum(
+      y.astype(jnp.float32), tune._AXIS).astype(y.dtype))
+  assert bench16.check("jaxoverlap:one_shot_ll", 8192) is None
