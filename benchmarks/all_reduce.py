@@ -26,8 +26,10 @@ under which every psum splits XLA's CUDA graphs, and ``xla:psum_graphs`` with
 do. Every implementation is first checked against a float32
 lax.psum of the same input, three calls with different inputs in a row, and
 then as the timed chain calls it, 8 calls back to back in one jit against the
-same chain of lax.psum, on every element of every rank (``harness.close``); one that fails is listed under "rejected" and not timed
-(floor:launch, one kernel launch and no all-reduce, is not checked). Ours and
+same chain of lax.psum, on every element of every rank (``harness.close``);
+one that fails is listed under "rejected" and not timed (floor:launch, one
+kernel launch and no all-reduce, is not checked; xla:psum_graphs, the same
+program as xla:psum, is checked without its XLA options). Ours and
 psum are measured side by side in one process group.
 
 Rank 0 writes <out>/all_reduce-<machine>-<nodes>x<ranks>.json: records in the

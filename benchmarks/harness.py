@@ -174,18 +174,23 @@ _DEFAULT_TYPES = ("FUSION", "CUBLAS", "CUBLASLT", "CUSTOM_CALL", "CUDNN", "DYNAM
 
 
 def default_command_buffer_types() -> list[str]:
-  """The command-buffer types this jaxlib enables by default (its DebugOptions' defaults)."""
+  """The command-buffer types this process compiles with (jaxlib's defaults, or XLA_FLAGS').
+
+  An empty list where ``XLA_FLAGS`` turned command buffers off; the known
+  defaults (``_DEFAULT_TYPES``) only where the options cannot be read.
+  """
   try:  # the defaults are only printed by the options proto
     from jax._src.lib import xla_client
 
     options = xla_client._xla.CompileOptions()  # noqa: SLF001 (held: the views below borrow it)
     build = options.executable_build_options
     text = str(build.debug_options)
-    found = [line.split(":", 1)[1].strip() for line in text.splitlines()
-             if line.strip().startswith(CMDBUF + ":")]
-    return found or list(_DEFAULT_TYPES)
   except Exception:  # noqa: BLE001 (a private API: fall back to the known list)
     return list(_DEFAULT_TYPES)
+  if "xla_gpu_" not in text:  # not the options it used to print: cannot tell
+    return list(_DEFAULT_TYPES)
+  return [line.split(":", 1)[1].strip() for line in text.splitlines()
+          if line.strip().startswith(CMDBUF + ":")]
 
 
 def compile_options(impl: str) -> dict[str, Any] | None:
@@ -195,11 +200,13 @@ def compile_options(impl: str) -> dict[str, Any] | None:
   ``xla:psum+norm/graphs``): XLA's default command-buffer types plus
   ``COLLECTIVES``, so that psum runs inside XLA's CUDA graphs as our
   command-buffer-compatible custom calls do (by default each psum splits the
-  graphs). The option replaces XLA's list, so the defaults are named with it.
+  graphs). The option replaces XLA's list, so the list in force is named with
+  it. Where ``XLA_FLAGS`` turned command buffers off, the impl runs without
+  them too, as our custom calls then do: ``{CMDBUF: ""}``.
   """
   if impl == PSUM_GRAPHS or impl.endswith("/graphs"):
     types = [t for t in default_command_buffer_types() if t]
-    return {CMDBUF: ",".join(sorted(set(types) | {"COLLECTIVES"}))}
+    return {CMDBUF: ",".join(sorted(set(types) | {"COLLECTIVES"})) if types else ""}
   return None
 
 
@@ -418,7 +425,7 @@ def _one_host() -> bool:
           or env.get("SLURM_JOB_NUM_NODES") == "1")
 
 
-def _used_gpu_indices(count: int) -> list[int]:
+def _used_gpu_indices(count: int) -> list[int | None]:
   """nvidia-smi indices of the first ``count`` GPUs this process is allowed to see."""
   visible = os.environ.get("CUDA_VISIBLE_DEVICES")
   if visible is None:
@@ -427,7 +434,7 @@ def _used_gpu_indices(count: int) -> list[int]:
   if all(v.isdigit() for v in ids):
     return [int(v) for v in ids]
   by_uuid = {g["uuid"]: int(g["index"]) for g in host_gpus() if g["index"].isdigit()}
-  return [by_uuid[v] for v in ids if v in by_uuid]
+  return [by_uuid.get(v) for v in ids]  # None where unknown (MIG, a UUID prefix): no link
 
 
 def machine_name(given: str | None) -> str:

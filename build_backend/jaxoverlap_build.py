@@ -7,9 +7,10 @@ Problem:
   ``build-system.requires`` would download them on every install.
 
 Algorithm:
-  The CUDA backend is built unless ``JAXOVERLAP_CUDA`` is off (``-Ccmake.define.JAXOVERLAP_CUDA=OFF``,
-  ``SKBUILD_CMAKE_DEFINE`` holding ``JAXOVERLAP_CUDA=OFF``, or ``-DJAXOVERLAP_CUDA=OFF`` in
-  ``-Ccmake.args`` or ``CMAKE_ARGS``) or no ``nvcc`` is found
+  The CUDA backend is built unless ``JAXOVERLAP_CUDA`` is off
+  (``-Ccmake.define.JAXOVERLAP_CUDA=OFF``, ``SKBUILD_CMAKE_DEFINE`` holding
+  ``JAXOVERLAP_CUDA=OFF``, or ``-DJAXOVERLAP_CUDA=OFF`` in ``-Ccmake.args`` or
+  ``CMAKE_ARGS``; any of CMake's false values) or no ``nvcc`` is found
   (``CUDACXX``, ``PATH``, ``/usr/local/cuda/bin``). Only then are the CUDA build requirements
   asked for; otherwise the build is told ``JAXOVERLAP_CUDA=OFF`` too, so that this choice and
   CMake's agree, and ``JAXOVERLAP_CUDA_OFF_REASON`` (requested, or no nvcc), which CMake's
@@ -53,7 +54,7 @@ def off_reason(config_settings: Mapping | None = None, env: Mapping[str, str] | 
   or None where it compiles it (module docstring)."""
   env = os.environ if env is None else env
   choices = _choices(config_settings, env)
-  if any(c in _OFF for c in choices):
+  if any(_is_off(c) for c in choices):
     return "requested"
   if nvcc(env, which, exists) is not None:
     return None
@@ -71,9 +72,14 @@ def _choices(config_settings: Mapping | None, env: Mapping[str, str]) -> list[st
   settings = _values(config_settings, _SETTING)
   defines = [d.split("=", 1) for d in env.get("SKBUILD_CMAKE_DEFINE", "").split(";") if "=" in d]
   args = " ".join(_values(config_settings, "cmake.args") + [env.get("CMAKE_ARGS", "")])
-  flags = re.findall(r"-DJAXOVERLAP_CUDA(?::[A-Za-z]+)?=(\S+)", args.replace(";", " "))
+  flags = re.findall(r"-D\s*JAXOVERLAP_CUDA(?::[A-Za-z]+)?=(\S*)", args.replace(";", " "))
   return [c.strip().lower() for c in settings + flags
           + [v for k, v in defines if k.strip() == "JAXOVERLAP_CUDA"]]
+
+
+def _is_off(value: str) -> bool:
+  """CMake's false constants: 0, OFF, NO, FALSE, N, IGNORE, NOTFOUND, "" and *-NOTFOUND."""
+  return value in _OFF or value == "" or value.endswith("-notfound")
 
 
 def nvcc(env: Mapping[str, str] | None = None, which=shutil.which,

@@ -561,6 +561,7 @@ def test_machine_name_from_the_gpus_each_process_uses(monkeypatch):
     device_kind = "NVIDIA H200"
 
   monkeypatch.setattr(jax, "devices", lambda: [Dev()] * 2)
+  monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
   monkeypatch.setattr(harness, "_nvidia_smi", lambda *a: _TOPO_2 if a[0] == "topo" else None)
   monkeypatch.setattr(harness, "host_gpus", lambda: [
       {"index": "0", "pci_bus_id": "00000000:19:00.0"},
@@ -802,3 +803,21 @@ def test_all_reduce_check_sees_calls_back_to_back():
   assert "calls back to back in one jit" in bench.check_op(skips_when_equal, x, mesh)
   assert "call 1 of 3" in bench.check_op(lambda y: psum(y) * 1.5, x, mesh)
   assert bench.check_op(lambda y: 1 / 0, x, mesh).startswith("ZeroDivisionError")
+
+
+def test_psum_in_graphs_follows_command_buffers_turned_off():
+  """Trial 39: with XLA_FLAGS turning command buffers off, xla:psum_graphs fell back to a fixed
+  list of types and ran inside CUDA graphs while everything else of the run did not."""
+  code = ("import harness; print(harness.compile_options('xla:psum_graphs')); "
+          "print(harness.compile_options('xla:psum+norm/graphs') is not None, "
+          "harness.compile_options('xla:psum'))")
+  env = dict(os.environ, PYTHONPATH=_ROOT, JAX_PLATFORMS="cpu")
+  run = lambda flags: subprocess.run(  # noqa: E731
+      [sys.executable, "-c", code], cwd=os.path.join(_ROOT, "benchmarks"), capture_output=True,
+      text=True, timeout=120, env=dict(env, XLA_FLAGS=flags))
+  off = run("--xla_gpu_enable_command_buffer=")
+  assert off.returncode == 0, off.stderr
+  assert off.stdout.splitlines() == ["{'xla_gpu_enable_command_buffer': ''}", "True None"]
+  on = run("")
+  types = eval(on.stdout.splitlines()[0])["xla_gpu_enable_command_buffer"].split(",")  # noqa
+  assert "COLLECTIVES" in types and "FUSION" in types and "CUSTOM_CALL" in types

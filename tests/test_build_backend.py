@@ -102,6 +102,9 @@ def test_the_version_and_the_license_are_said_once():
     (None, {"CMAKE_ARGS": "-DCMAKE_BUILD_TYPE=Release -DJAXOVERLAP_CUDA=OFF"}),
     ({"cmake.args": "-DJAXOVERLAP_CUDA:BOOL=OFF"}, {}),
     ({"cmake.args": ["-DFOO=1", "-DJAXOVERLAP_CUDA=IGNORE"]}, {}),
+    (None, {"CMAKE_ARGS": "-D JAXOVERLAP_CUDA=OFF"}),                  # a space after -D
+    (None, {"CMAKE_ARGS": "-DJAXOVERLAP_CUDA="}),                      # empty: false
+    ({"cmake.define.JAXOVERLAP_CUDA": "nvcc-NOTFOUND"}, {}),
 ])
 def test_cmake_args_that_turn_cuda_off_are_heard(settings, env):
   """Trial 34: CMake was told OFF through CMAKE_ARGS or -Ccmake.args, which scikit-build-core

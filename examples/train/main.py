@@ -94,7 +94,13 @@ def main(argv):
     print(f"main.py: error: {e}", file=sys.stderr, flush=True)
     return 2
   except KeyboardInterrupt as e:  # once training began, train.py said what it saved
-    if not getattr(e, "reported", False):
+    if getattr(e, "reported", False):
+      pass
+    elif stop.trained:  # after the loop: the final evaluation or the results
+      print("\ninterrupted after training, while its last checkpoint, evaluation or results "
+            "were being written; run the same command: it goes on from the last complete "
+            "checkpoint", file=sys.stderr, flush=True)
+    else:
       print("\ninterrupted before training began: nothing new to save; run the same command "
             "to start again", file=sys.stderr, flush=True)
     return 128 + (signal.SIGTERM if isinstance(e, train.Terminated) else signal.SIGINT)

@@ -345,6 +345,7 @@ class StopRequest:
   def __init__(self):
     self.signum: int | None = None
     self.in_loop = False
+    self.trained = False  # the training loop ended (main.py's message on a later interrupt)
 
   def handle(self, signum, frame) -> None:
     del frame
@@ -521,10 +522,12 @@ def train_and_evaluate(config: Config, workdir: str,
   finally:
     if stop is not None:
       stop.in_loop = False
-  if stop is not None and stop.signum is not None:  # came with the last step: it is saved
-    print("\na stop was asked for as the last step ended: the run is complete",
-          file=sys.stderr, flush=True)
-    stop.signum = None
+  if stop is not None:
+    stop.trained = True
+    if stop.signum is not None:  # came with the last step: it is saved
+      print("\na stop was asked for as the last step ended: the run is complete",
+            file=sys.stderr, flush=True)
+      stop.signum = None
   if bar is not None:
     bar.close()
   manager.wait_until_finished()

@@ -114,7 +114,7 @@ def run_tuning(
       records.append({"op": "all_reduce", "impl": impl, "dtype": dtype, "bytes": nbytes,
                       "shape": [nbytes // itemsize], "world": world,
                       "ranks_per_node": ranks_per_node, "time_us": round(max(us, 0.01), 2),
-                      **{f"time_us_{q}": round(float(spread[f"{q}_us"]), 2)
+                      **{f"time_us_{q}": round(max(float(spread[f"{q}_us"]), 0.01), 2)
                          for q in ("p10", "p90") if f"{q}_us" in spread}})
       row.append(f"{impl}={us:.1f}us")
     log(f"{nbytes:>10} B  " + "  ".join(row))
