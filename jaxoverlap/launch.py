@@ -757,6 +757,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.error(f"--nproc must be >= 1, got {a.nproc}")
   if a.num_gpus is not None and a.num_gpus < 1:
     parser.error(f"--num_gpus must be >= 1, got {a.num_gpus}")
+  platforms = os.environ.get("JAX_PLATFORMS", "")
+  if (not a.share_gpu and a.num_gpus is None and a.nproc > 1
+      and (not platforms or "cuda" in platforms or "gpu" in platforms)):
+    # One GPU a process: ranks past the GPUs would fail in JAX's CUDA start-up with "no
+    # supported devices". No driver (a CPU machine) or JAX_PLATFORMS=cpu: nothing to check.
+    gpus = _driver_gpu_count()
+    if gpus and gpus < a.nproc:
+      seen = ("" if "CUDA_VISIBLE_DEVICES" not in os.environ else
+              f" within CUDA_VISIBLE_DEVICES={os.environ['CUDA_VISIBLE_DEVICES']!r}")
+      parser.error(f"--nproc {a.nproc} gives each process a GPU of its own, but the driver shows "
+                   f"{gpus} GPU{'s' if gpus > 1 else ''}{seen}; use --nproc {gpus}, or --num_gpus "
+                   f"{gpus} or --share_gpu to run several processes on a GPU (correctness "
+                   "checks only, never timing)")
 
   # A job step's tasks (srun), not a batch script's one process (sbatch --ntasks=N sets
   # SLURM_NTASKS there too, but no step).

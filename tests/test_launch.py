@@ -667,3 +667,28 @@ def test_the_launcher_under_srun_warns(tmp_path):
                        env=_env(SLURM_NTASKS="2", SLURM_JOB_ID="7"), capture_output=True,
                        text=True, timeout=60)
   assert out.returncode == 0 and "WARNING" not in out.stderr, out.stderr
+
+
+def test_more_processes_than_gpus_is_refused_before_anything_starts(monkeypatch, capsys):
+  """A new GPU user ran the README's `--nproc 2` on a machine with one GPU: rank 1 died in JAX's
+  CUDA start-up ("no supported devices"). The launcher now refuses it up front."""
+  from jaxoverlap import launch
+
+  monkeypatch.setattr(launch, "_driver_gpu_count", lambda: 1)
+  monkeypatch.delenv("JAX_PLATFORMS", raising=False)
+  monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+  with pytest.raises(SystemExit) as e:
+    launch.main(["--nproc", "2", "script.py"])
+  assert e.value.code == 2
+  err = capsys.readouterr().err
+  assert "--nproc 2 gives each process a GPU of its own, but the driver shows 1 GPU;" in err
+  assert "--share_gpu" in err
+  started = []
+  monkeypatch.setattr(launch.subprocess, "Popen", lambda *a, **k: started.append(a) or 1 / 0)
+  for ok in (["--nproc", "2", "--share_gpu"], ["--nproc", "2", "--num_gpus", "1"],
+             ["--nproc", "1"]):  # these go on to start the processes
+    with pytest.raises(ZeroDivisionError):
+      launch.main(ok + ["script.py"])
+  monkeypatch.setenv("JAX_PLATFORMS", "cpu")  # CPU processes need no GPU
+  with pytest.raises(ZeroDivisionError):
+    launch.main(["--nproc", "2", "script.py"])
