@@ -46,6 +46,7 @@ def test_requires_and_settings_follow_the_choice(monkeypatch):
          "cmake.define.JAXOVERLAP_CUDA_OFF_REASON": "no-nvcc"}
   assert backend._requires({}) == [] and backend._settings({"a": "b"}) == off  # noqa: SLF001
   monkeypatch.setattr(backend, "off_reason", lambda *args: None)
+  monkeypatch.setattr(backend.shutil, "which", NVCC)  # nvcc on PATH: CMake finds it itself
   assert backend._requires({}) == list(backend.CUDA_BUILD_REQUIRES)  # noqa: SLF001
   assert backend._settings({"a": "b"}) == {"a": "b"}  # noqa: SLF001
 
