@@ -379,11 +379,10 @@ def _cuda_bus_ids(ordinals: Sequence[int]) -> list[str | None]:
   """The PCI bus ids of CUDA devices by ordinal (within CUDA_VISIBLE_DEVICES), via the driver."""
   import ctypes
 
-  try:
-    cuda = ctypes.CDLL("libcuda.so.1")
-  except OSError:
-    return [None] * len(ordinals)
-  if cuda.cuInit(0) != 0:
+  from jaxoverlap import launch
+
+  cuda = launch._cuda_driver()
+  if cuda is None:
     return [None] * len(ordinals)
   out = []
   for ordinal in ordinals:

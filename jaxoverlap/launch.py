@@ -134,16 +134,28 @@ def _slurm_tasks_on_node(env) -> int:
   return per_node[node] if node < len(per_node) else 1
 
 
-def _driver_gpu_count() -> int | None:
-  """GPUs the CUDA driver shows this process (within CUDA_VISIBLE_DEVICES), or None."""
+def _cuda_driver():
+  """The CUDA driver library (``ctypes``), initialised; None where it cannot load or start.
+
+  Asks the driver itself, not JAX, so that nothing starts a JAX backend (the
+  launcher and SLURM's placement run before ``jax.distributed.initialize``).
+  """
   import ctypes
 
   try:
     cuda = ctypes.CDLL("libcuda.so.1")
   except OSError:
     return None
+  return cuda if cuda.cuInit(0) == 0 else None
+
+
+def _driver_gpu_count() -> int | None:
+  """GPUs the CUDA driver shows this process (within CUDA_VISIBLE_DEVICES), or None."""
+  import ctypes
+
+  cuda = _cuda_driver()
   count = ctypes.c_int(0)
-  if cuda.cuInit(0) != 0 or cuda.cuDeviceGetCount(ctypes.byref(count)) != 0:
+  if cuda is None or cuda.cuDeviceGetCount(ctypes.byref(count)) != 0:
     return None
   return count.value
 

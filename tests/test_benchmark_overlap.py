@@ -577,6 +577,35 @@ def test_machine_name_from_the_gpus_each_process_uses(monkeypatch):
   assert harness._bus_id("00000000:3B:00.0") == "0000:3b:00.0" == harness._bus_id("0000:3b:00.0")
 
 
+class _FakeDriver:
+  """libcuda's calls as ctypes makes them: two GPUs, and a bus id per ordinal."""
+  BUSES = (b"00000000:19:00.0", b"00000000:3B:00.0")
+
+  def cuDeviceGetCount(self, count_ref):
+    count_ref._obj.value = len(self.BUSES)
+    return 0
+
+  def cuDeviceGet(self, dev_ref, ordinal):
+    dev_ref._obj.value = ordinal
+    return 0 if ordinal < len(self.BUSES) else 101  # CUDA_ERROR_INVALID_DEVICE
+
+  def cuDeviceGetPCIBusId(self, buf, size, dev):
+    buf.value = self.BUSES[dev.value][:size - 1]
+    return 0
+
+
+def test_bus_ids_and_gpu_count_come_from_one_driver_opener(monkeypatch):
+  """harness._cuda_bus_ids and launch._driver_gpu_count share launch._cuda_driver."""
+  from jaxoverlap import launch
+
+  monkeypatch.setattr(launch, "_cuda_driver", _FakeDriver)
+  assert harness._cuda_bus_ids([1, 0, 7]) == ["0000:3b:00.0", "0000:19:00.0", None]
+  assert launch._driver_gpu_count() == 2
+  monkeypatch.setattr(launch, "_cuda_driver", lambda: None)  # no driver, or cuInit failed
+  assert harness._cuda_bus_ids([0, 1]) == [None, None]
+  assert launch._driver_gpu_count() is None
+
+
 def test_results_record_their_provenance(tmp_path, monkeypatch):
   """Trial 36: most files had no commit, no environment (XLA_FLAGS, NCCL_NVLS_ENABLE) and
   nothing on the GPUs, clocks or the libraries loaded."""
