@@ -14,8 +14,10 @@ Algorithm:
   (``CUDACXX``, ``PATH``, ``/usr/local/cuda/bin``). Only then are the CUDA build requirements
   asked for; otherwise the build is told ``JAXOVERLAP_CUDA=OFF`` too, so that this choice and
   CMake's agree, and ``JAXOVERLAP_CUDA_OFF_REASON`` (requested, or no nvcc), which CMake's
-  warning names (CMakeLists.txt). An nvcc found only in ``/usr/local/cuda/bin`` is handed to
-  CMake as ``CMAKE_CUDA_COMPILER``, which does not look there itself. ``JAXOVERLAP_CUDA=ON``
+  warning names (CMakeLists.txt); that wheel is pure Python (``wheel.platlib=false``: tagged
+  ``py3-none-any``, not with this machine's platform). An nvcc found only in
+  ``/usr/local/cuda/bin`` is handed to CMake as ``CMAKE_CUDA_COMPILER``, which does not look
+  there itself. ``JAXOVERLAP_CUDA=ON``
   asked for explicitly where no nvcc is found is an error before anything is downloaded, not
   a pure-Python install. Everything else is scikit-build-core's (PEP 517 hooks passed
   through, ``pyproject.toml``'s ``backend-path``).
@@ -103,6 +105,7 @@ def _settings(config_settings: Mapping | None) -> dict:
   if reason is not None:
     out[_SETTING] = "OFF"
     out[_REASON] = reason
+    out["wheel.platlib"] = "false"  # pure Python: a py3-none-any wheel, not a platform's
   elif not (os.environ.get("CUDACXX") or shutil.which("nvcc") or _values(out, _COMPILER)):
     out[_COMPILER] = DEFAULT_NVCC  # CMake's check_language(CUDA) does not look there
   return out

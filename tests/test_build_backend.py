@@ -42,8 +42,9 @@ def test_off_reason_says_why():
 
 def test_requires_and_settings_follow_the_choice(monkeypatch):
   monkeypatch.setattr(backend, "off_reason", lambda *args: "no-nvcc")
+  # Trial 34: the pure-Python wheel was tagged with the build machine's platform.
   off = {"a": "b", "cmake.define.JAXOVERLAP_CUDA": "OFF",
-         "cmake.define.JAXOVERLAP_CUDA_OFF_REASON": "no-nvcc"}
+         "cmake.define.JAXOVERLAP_CUDA_OFF_REASON": "no-nvcc", "wheel.platlib": "false"}
   assert backend._requires({}) == [] and backend._settings({"a": "b"}) == off  # noqa: SLF001
   monkeypatch.setattr(backend, "off_reason", lambda *args: None)
   monkeypatch.setattr(backend.shutil, "which", NVCC)  # nvcc on PATH: CMake finds it itself
