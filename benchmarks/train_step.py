@@ -45,7 +45,9 @@ of jaxoverlap.tuning.results: one record per run (op "train_step"; impl
 "jaxoverlap:<backend>" when any jaxoverlap op ran the CUDA kernels, after the
 example's ``metrics["backend"]["resolved"]``, else "xla:<backend>"; dtype;
 shape = the model and batch sizes; world = process count; time_us =
-step_time_ms * 1000; final_train_loss; steps; loss_curve = the history.json
+step_time_ms * 1000; time_us_median, time_us_p10, time_us_p90 over the log
+windows' per-step times (history.json's step_ms), time_us_windows their
+number; final_train_loss; steps; loss_curve = the history.json
 points; fused_decisions = the distinct fused-kernel plans of the step, from
 ``jaxoverlap.decisions()``) and a
 top-level "comparison" list, one entry per preset and non-reference backend:
@@ -73,7 +75,8 @@ REL_TOL = 0.02  # tolerance per point: REL_TOL * max(1, |loss_ref|)
 METHOD = ("train.train_and_evaluate of examples/train once per backend, same seed and data, "
           "fresh workdir; overrides eval_every = ckpt_every = steps, eval_batches = 1; time_us = "
           "step_time_ms * 1000 = wall time of steps 2..N / (N - 1) on rank 0 (the compiling "
-          "first step excluded; loss fetched every log_every steps); loss curves = history.json "
+          "first step excluded; loss fetched every log_every steps), its spread over the log "
+          "windows in time_us_p10/p90; loss curves = history.json "
           "(mean train loss per log_every window), compared with the first backend within "
           f"{REL_TOL} * max(1, |loss_ref|) per point")
 
@@ -123,6 +126,30 @@ def compare_curves(ref: Sequence[Sequence[float]], other: Sequence[Sequence[floa
   return out
 
 
+def window_spread_us(step_ms: Sequence[Sequence[float]]) -> dict[str, Any]:
+  """The spread of the step time over the log windows of a run.
+
+  Args:
+    step_ms: ``history.json``'s ``step_ms`` points, ``(step, ms per step of
+      the log window ending there)``; empty for a run that trained no timed
+      step, or for a history written before windows were timed.
+
+  Returns:
+    ``time_us_windows`` (their number) and, given any, ``time_us_median``,
+    ``time_us_p10`` and ``time_us_p90`` over the windows' per-step times, in
+    us (one window: all three equal it). The windows differ in length where
+    a run does not end on a multiple of ``log_every``; each counts once.
+  """
+  import numpy as np
+
+  per_step = np.array([float(ms) * 1e3 for _, ms in step_ms])
+  out: dict[str, Any] = {"time_us_windows": int(per_step.size)}
+  if per_step.size:
+    for key, q in (("time_us_median", 50), ("time_us_p10", 10), ("time_us_p90", 90)):
+      out[key] = round(float(np.percentile(per_step, q)), 1)
+  return out
+
+
 def make_record(preset: str, metrics: Mapping[str, Any], history: Mapping[str, Any],
                 fused: Sequence[Mapping[str, Any]] = ()) -> dict[str, Any]:
   """One record of the results format from a run's metrics (``train_and_evaluate``'s value).
@@ -140,6 +167,7 @@ def make_record(preset: str, metrics: Mapping[str, Any], history: Mapping[str, A
   resolved = dict(metrics["backend"].get("resolved") or {})
   step_ms = metrics.get("step_time_ms")
   curve = [[int(st), float(v)] for st, v in history.get("train") or []]
+  spread = window_spread_us(history.get("step_ms") or [])
   return {
       "op": "train_step",
       "impl": harness.run_impl(cfg["backend"], resolved),
@@ -149,6 +177,7 @@ def make_record(preset: str, metrics: Mapping[str, Any], history: Mapping[str, A
       "devices": mesh["devices"],
       "platform": mesh["platform"],
       "time_us": round(step_ms * 1e3, 1) if step_ms else None,
+      **spread,
       "tokens_per_s": metrics.get("tokens_per_s"),
       "first_step_s": metrics.get("first_step_s"),
       "final_train_loss": curve[-1][1] if curve else metrics.get("train_loss"),
@@ -224,12 +253,15 @@ def summary_table(records: Sequence[Mapping[str, Any]],
                   comparison: Sequence[Mapping[str, Any]]) -> str:
   """A Markdown table: one row per run, with its comparison against the reference."""
   by_impl = {(c["preset"], c["impl"]): c for c in comparison}
-  lines = ["| preset | impl | step ms | speed-up vs ref | final train loss | max abs loss diff "
-           "| within tol |", "|---|---|---|---|---|---|---|"]
+  lines = ["| preset | impl | step ms | step ms p10-p90 (windows) | speed-up vs ref "
+           "| final train loss | max abs loss diff | within tol |",
+           "|---|---|---|---|---|---|---|---|"]
   for r in records:
     preset = r["shape"]["preset"]
     c = by_impl.get((preset, r["impl"]))
     t = f"{r['time_us'] / 1e3:.2f}" if r["time_us"] else "-"
+    spread = (f"{r['time_us_p10'] / 1e3:.2f}-{r['time_us_p90'] / 1e3:.2f} "
+              f"({r['time_us_windows']})" if r.get("time_us_p10") is not None else "-")
     if c is None:
       speedup, diff, ok = "(ref)", "-", "-"
     else:
@@ -237,7 +269,8 @@ def summary_table(records: Sequence[Mapping[str, Any]],
       diff = f"{c['max_abs_loss_diff']:.4g}" if c["max_abs_loss_diff"] is not None else "-"
       ok = "yes" if c["within_tolerance"] else "NO"
     loss = f"{r['final_train_loss']:.4f}" if r["final_train_loss"] is not None else "-"
-    lines.append(f"| {preset} | {r['impl']} | {t} | {speedup} | {loss} | {diff} | {ok} |")
+    lines.append(f"| {preset} | {r['impl']} | {t} | {spread} | {speedup} | {loss} | {diff} "
+                 f"| {ok} |")
   return "\n".join(lines)
 
 

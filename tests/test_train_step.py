@@ -202,6 +202,9 @@ def test_script_end_to_end_on_cpu(tmp_path):
     # What ran, from the plans of the run: every op on xla, no fused kernel.
     assert r["resolved"] and set(r["resolved"].values()) == {"xla"}, r["resolved"]
     assert r["fused_decisions"] == []
+    # Steps 2-4, one log window each (tiny logs every step; step 1 compiles, untimed).
+    assert r["time_us_windows"] == 3
+    assert 0 < r["time_us_p10"] <= r["time_us_median"] <= r["time_us_p90"]
   (c,) = result["comparison"]
   assert c["preset"] == "tiny" and c["common_steps"] == 4  # log_every 1 in tiny
   assert records[0]["loss_curve"] == records[1]["loss_curve"]
@@ -210,7 +213,26 @@ def test_script_end_to_end_on_cpu(tmp_path):
   assert c["speedup"] > 0
   assert not (workdir / "tiny-0-xla" / "stale").exists()
   assert not (workdir / "tiny-0-xla" / "checkpoints").exists()  # deleted after the run
-  assert (workdir / "tiny-1-xla" / "history.json").exists()
+  history = json.loads((workdir / "tiny-1-xla" / "history.json").read_text())
+  assert [st for st, _ in history["step_ms"]] == [2, 3, 4]
+  assert all(ms > 0 for _, ms in history["step_ms"])
+
+
+def test_window_spread_over_the_log_windows():
+  """Trial 36: the training benchmark kept one mean per run and no spread."""
+  spread = ts.window_spread_us([[10, 2.0], [20, 1.0], [30, 3.0], [40, 4.0], [50, 5.0]])
+  assert spread == {"time_us_windows": 5, "time_us_median": 3000.0, "time_us_p10": 1400.0,
+                    "time_us_p90": 4600.0}
+  assert ts.window_spread_us([[7, 0.25]]) == {"time_us_windows": 1, "time_us_median": 250.0,
+                                               "time_us_p10": 250.0, "time_us_p90": 250.0}
+  # No timed window (nothing trained after the first step, or an older history.json).
+  assert ts.window_spread_us([]) == {"time_us_windows": 0}
+  record = ts.make_record("gpu_small", _metrics("xla", {}, 90.0), {"train": _curve([4.0])})
+  assert record["time_us_windows"] == 0 and "time_us_p10" not in record
+  assert "| - |" in ts.summary_table([record], [])
+  timed = ts.make_record("gpu_small", _metrics("xla", {}, 90.0),
+                         {"train": _curve([4.0]), "step_ms": [[2, 80.0], [3, 100.0]]})
+  assert "| 82.00-98.00 (2) |" in ts.summary_table([timed], [])
 
 
 def test_record_keeps_each_distinct_fused_plan_once():

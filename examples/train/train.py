@@ -411,7 +411,9 @@ def train_and_evaluate(config: Config, workdir: str,
   manager = ocp.CheckpointManager(
       os.path.join(workdir, CHECKPOINT_DIR),
       options=ocp.CheckpointManagerOptions(max_to_keep=2, create=True))
-  history: dict[str, list] = {"train": [], "val": []}
+  # train/val: (step, loss); step_ms: (step, ms per step of the log window ending there, the
+  # first, compiling step left out), the spread behind metrics' step_time_ms.
+  history: dict[str, list] = {"train": [], "val": [], "step_ms": []}
   start_step = 0
   latest = manager.latest_step()
   if latest is not None:
@@ -495,7 +497,10 @@ def train_and_evaluate(config: Config, workdir: str,
       if not boundary:
         continue
       losses = [float(x) for x in jax.device_get(pending)]  # waits for the steps
-      train_time += time.perf_counter() - tick
+      window_s = time.perf_counter() - tick
+      train_time += window_s
+      if window_steps:
+        history["step_ms"].append((done, window_s * 1e3 / window_steps))
       timed_steps += window_steps
       window_steps = 0
       pending = []
