@@ -414,6 +414,37 @@ def _gather_run_gpus() -> None:
   _RUN_GPUS = [tuple(g) for every in gather_json(mine) for g in every]
 
 
+def refuse_shared_gpus() -> None:
+  """Exits with a message where two processes of the run drive one GPU (``--share_gpu``).
+
+  NCCL, behind ``lax.psum`` (the benchmarks' baselines, the barrier before
+  each timed run, the training example's collectives), refuses two ranks on
+  one GPU ("Duplicate GPU detected"), after waiting 60 s for a communicator
+  at every collective; and processes that share a GPU time nothing worth
+  keeping. Every process runs the same check on the same gathered data, so
+  all of them exit together. Nothing happens where the GPUs are unknown.
+
+  Raises:
+    SystemExit: two processes drive one GPU; the message names them.
+  """
+  import jax
+
+  if not _RUN_GPUS:
+    return
+  first: dict[tuple[str, str], int] = {}
+  for dev, (host, bus) in zip(jax.devices(), _RUN_GPUS):
+    if bus is None:
+      continue
+    owner = first.setdefault((host, bus), dev.process_index)
+    if owner != dev.process_index:
+      script = os.path.basename(sys.argv[0]) or "benchmark"
+      raise SystemExit(
+          f"{script}: processes {owner} and {dev.process_index} both drive GPU {bus} on {host} "
+          "(the launcher's --share_gpu or --num_gpus): NCCL, behind lax.psum (the baselines "
+          "and the barrier before each timed run), refuses two processes on one GPU, and "
+          "shared GPUs time nothing worth keeping; run one process per GPU")
+
+
 def _one_host() -> bool:
   """Whether every process of this run is on this host (launcher, one SLURM node, one process)."""
   import jax
@@ -663,6 +694,7 @@ def start(axis: str | None = None, *, nvshmem: bool | None = None) -> Run:
   mesh = None if axis is None else jax.make_mesh(
       (world,), (axis,), axis_types=(jax.sharding.AxisType.Auto,))
   _gather_run_gpus()  # which physical GPUs the processes use (machine_name)
+  refuse_shared_gpus()
   return Run(rank=info["process_id"], world=world, mesh=mesh,
              platform=jax.devices()[0].platform, ranks_per_node=int(rpn),
              num_nodes=world // int(rpn), runtime=rt, processes=jax.process_count())
@@ -863,6 +895,7 @@ def start_training_example(*, distributed: bool, cuda: bool, host_devices: int):
 
     jaxoverlap.initialize()  # one process: it must own exactly one GPU
   _gather_run_gpus()  # which physical GPUs the processes use (machine_name)
+  refuse_shared_gpus()
   if TRAIN_DIR not in sys.path:
     sys.path.insert(0, TRAIN_DIR)
   return tuple(importlib.import_module(m) for m in ("config", "data", "train"))

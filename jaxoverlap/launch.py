@@ -734,8 +734,9 @@ def main(argv: list[str] | None = None) -> int:
       epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--nproc", type=int, required=True, help="number of processes (GPUs)")
   parser.add_argument("--share_gpu", action="store_true",
-                      help="all processes use GPU 0 (correctness checks on a 1-GPU machine; "
-                           "never for timing)")
+                      help="all processes use GPU 0 (correctness checks of jaxoverlap's "
+                           "kernels on a 1-GPU machine; never for timing; NCCL, behind XLA's "
+                           "own collectives, refuses two processes on one GPU)")
   parser.add_argument("--num_gpus", type=int, default=None,
                       help="GPUs to spread the processes over, rank %% num_gpus, at least 1 "
                            "(default: one GPU per process); more processes than GPUs is for "

@@ -606,6 +606,30 @@ def test_bus_ids_and_gpu_count_come_from_one_driver_opener(monkeypatch):
   assert launch._driver_gpu_count() is None
 
 
+def test_processes_sharing_a_gpu_are_refused_before_any_collective(monkeypatch):
+  """Seen on one H200: all_reduce.py under --share_gpu waited 60 s for NCCL at every size
+  ("Duplicate GPU detected") and rejected every implementation, exit status 1."""
+  class Dev:
+    def __init__(self, process_index):
+      self.process_index = process_index
+
+  monkeypatch.setattr(jax, "devices", lambda: [Dev(0), Dev(1), Dev(2)])
+  monkeypatch.setattr(harness, "_RUN_GPUS", [("h", "0000:19:00.0"), ("h", "0000:3b:00.0"),
+                                             ("h", "0000:19:00.0")])
+  with pytest.raises(SystemExit, match="processes 0 and 2 both drive GPU 0000:19:00.0 on h"):
+    harness.refuse_shared_gpus()
+  for fine in ([("h", "0000:19:00.0"), ("h", "0000:3b:00.0"), ("h", "0000:5d:00.0")],
+               [("a", "0000:19:00.0"), ("b", "0000:19:00.0"), ("c", "0000:19:00.0")],  # hosts
+               [("h", None), ("h", None), ("h", None)],  # unknown: nothing to say
+               None):  # not gathered (CPU)
+    monkeypatch.setattr(harness, "_RUN_GPUS", fine)
+    harness.refuse_shared_gpus()
+  # One process driving two GPUs that the driver reports alike is not two processes.
+  monkeypatch.setattr(jax, "devices", lambda: [Dev(0), Dev(0)])
+  monkeypatch.setattr(harness, "_RUN_GPUS", [("h", "0000:19:00.0"), ("h", "0000:19:00.0")])
+  harness.refuse_shared_gpus()
+
+
 def test_results_record_their_provenance(tmp_path, monkeypatch):
   """Trial 36: most files had no commit, no environment (XLA_FLAGS, NCCL_NVLS_ENABLE) and
   nothing on the GPUs, clocks or the libraries loaded."""
