@@ -113,3 +113,16 @@ def test_cmake_args_that_turn_cuda_off_are_heard(settings, env):
   passes on, but the backend still downloaded the CUDA build requirements."""
   assert backend.off_reason(settings, env, NVCC, NO_FILE) == "requested"
   assert backend.off_reason(None, {"CMAKE_ARGS": "-DJAXOVERLAP_CUDA=ON"}, NVCC, NO_FILE) is None
+
+
+def test_a_build_without_scikit_build_core_says_which_python_lacks_it():
+  """Seen on the GPU machine: the `pip` on PATH belonged to another Python than `python3`, and
+  --no-build-isolation failed with pip's bare "Cannot import 'jaxoverlap_build'"."""
+  import subprocess
+
+  code = ("import sys; sys.modules['scikit_build_core'] = None; "
+          f"sys.path.insert(0, {os.path.dirname(backend.__file__)!r}); import jaxoverlap_build")
+  run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+  assert run.returncode == 1
+  assert "RuntimeError: jaxoverlap's build backend needs scikit-build-core" in run.stderr
+  assert f"{sys.executable} -m pip install 'scikit-build-core>=0.10'" in run.stderr
