@@ -524,8 +524,17 @@ _RECORDED_ENV = ("XLA_FLAGS", "NCCL_", "NVSHMEM_", "CUDA_", "JAX_", "JAXOVERLAP_
 
 
 def _git_commit() -> dict[str, Any] | None:
-  """{"commit", "dirty"} of this checkout (dirty: tracked files changed), or None."""
+  """{"commit", "dirty", "tree"} of this checkout, or None outside one.
+
+  ``dirty``: tracked files changed. ``tree``: git's tree hash of the files as
+  they are (tracked, and untracked that git does not ignore), or None where
+  git could not say. It equals ``git rev-parse <commit>^{tree}`` of the commit
+  whose files ran, so ``git log --all --format='%H %T' | grep <tree>`` finds
+  that commit even where the run's ``.git`` was older than its files (a
+  working tree copied onto a test machine).
+  """
   import subprocess
+  import tempfile
 
   try:
     head = subprocess.run(["git", "-C", _ROOT, "rev-parse", "HEAD"], capture_output=True,
@@ -536,7 +545,19 @@ def _git_commit() -> dict[str, Any] | None:
     return None
   if head.returncode != 0:
     return None
-  return {"commit": head.stdout.strip(), "dirty": bool(status.stdout.strip())}
+  tree = None
+  with tempfile.TemporaryDirectory() as scratch:   # a scratch index: the checkout's is untouched
+    env = dict(os.environ, GIT_INDEX_FILE=os.path.join(scratch, "index"))
+    try:
+      added = subprocess.run(["git", "-C", _ROOT, "add", "-A"], env=env, capture_output=True,
+                             timeout=30)
+      written = subprocess.run(["git", "-C", _ROOT, "write-tree"], env=env, capture_output=True,
+                               text=True, timeout=30)
+      if added.returncode == 0 and written.returncode == 0:
+        tree = written.stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+      pass
+  return {"commit": head.stdout.strip(), "dirty": bool(status.stdout.strip()), "tree": tree}
 
 
 def _loaded_versions() -> dict[str, Any]:

@@ -650,6 +650,13 @@ def test_results_record_their_provenance(tmp_path, monkeypatch):
   if head.returncode == 0:  # a git checkout (CI's clean clone is one)
     assert prov["git"]["commit"] == head.stdout.strip()
     assert isinstance(prov["git"]["dirty"], bool)
+    # The files' tree hash: HEAD's tree where nothing differs from HEAD (CI's clean clone).
+    clean = subprocess.run(["git", "-C", root, "status", "--porcelain"], capture_output=True,
+                           text=True).stdout.strip() == ""
+    tree = subprocess.run(["git", "-C", root, "rev-parse", "HEAD^{tree}"], capture_output=True,
+                          text=True).stdout.strip()
+    assert len(prov["git"]["tree"]) == 40
+    assert (prov["git"]["tree"] == tree) == clean, (prov["git"], clean)
   assert prov["environment"]["XLA_FLAGS"] == "--xla_force_host_platform_device_count=8"
   assert prov["environment"]["NCCL_NVLS_ENABLE"] == "0"
   assert "SOME_SECRET_TOKEN" not in prov["environment"]
