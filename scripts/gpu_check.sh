@@ -102,6 +102,10 @@ FILTER='GRPC|WatchTasks|coordination_service|Connection refused|CANCELLED|Source
 
 too_few "$WHAT" && exit 2  # before the build, rather than build and then run nothing
 nvidia-smi -L | tee "$OUT/gpus.txt"
+# The files that run, as git's tree hash: the machine's .git may lag behind its copied files;
+# their commit is the one `git log --all --format='%H %T' | grep <hash>` prints.
+idx=$(mktemp -u); { GIT_INDEX_FILE=$idx git add -A && GIT_INDEX_FILE=$idx git write-tree; } \
+  >"$OUT/tree.txt" 2>/dev/null || echo "unknown (no git checkout)" >"$OUT/tree.txt"; rm -f "$idx"
 if [ -z "${SKIP_BUILD:-}" ] || [ "$WHAT" = build ]; then
   echo "== build ($NGPU GPUs)"
   start=$(date +%s)
