@@ -157,7 +157,8 @@ def make_record(preset: str, metrics: Mapping[str, Any], history: Mapping[str, A
   Args:
     preset: the preset's name.
     metrics: the run's metrics (``config``, ``mesh``, ``backend``, ``step_time_ms``, ...).
-    history: the run's ``history.json`` (``train``: ``(step, loss)`` points).
+    history: the run's ``history.json`` (``train``: ``(step, loss)`` points;
+      ``step_ms``: the windows' ms per step, see ``window_spread_us``).
     fused: the distinct fused-kernel plans of the run (``harness.fused_choices``).
 
   Returns:

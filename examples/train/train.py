@@ -411,8 +411,9 @@ def train_and_evaluate(config: Config, workdir: str,
   manager = ocp.CheckpointManager(
       os.path.join(workdir, CHECKPOINT_DIR),
       options=ocp.CheckpointManagerOptions(max_to_keep=2, create=True))
-  # train/val: (step, loss); step_ms: (step, ms per step of the log window ending there, the
-  # first, compiling step left out), the spread behind metrics' step_time_ms.
+  # train/val: (step, loss); step_ms: (step, ms per step of the window of timed steps ending
+  # there), whose steps make metrics' step_time_ms (this call's; a resumed run keeps the
+  # windows of the calls before it too).
   history: dict[str, list] = {"train": [], "val": [], "step_ms": []}
   start_step = 0
   latest = manager.latest_step()
@@ -481,7 +482,6 @@ def train_and_evaluate(config: Config, workdir: str,
       if first_step_s is None:  # includes compilation: timed apart
         loss.block_until_ready()
         first_step_s = time.perf_counter() - tick
-        tick = time.perf_counter()
         backends = _ran_backends(config)  # the step's plans, made when it compiled
         if is_main:
           print(f"first step (compilation included) {first_step_s:.1f} s; ops ran on: "
@@ -489,6 +489,7 @@ def train_and_evaluate(config: Config, workdir: str,
                 flush=True)
         bar = tqdm.tqdm(total=config.steps, initial=step, disable=not is_main,
                         dynamic_ncols=True, desc="train")
+        tick = time.perf_counter()  # the timed steps start here
       else:
         window_steps += 1
       boundary = (done % config.log_every == 0 or done % config.eval_every == 0
@@ -498,8 +499,8 @@ def train_and_evaluate(config: Config, workdir: str,
         continue
       losses = [float(x) for x in jax.device_get(pending)]  # waits for the steps
       window_s = time.perf_counter() - tick
-      train_time += window_s
-      if window_steps:
+      if window_steps:  # not the fetch right after the compiling step: no timed step in it
+        train_time += window_s
         history["step_ms"].append((done, window_s * 1e3 / window_steps))
       timed_steps += window_steps
       window_steps = 0
