@@ -524,14 +524,18 @@ _RECORDED_ENV = ("XLA_FLAGS", "NCCL_", "NVSHMEM_", "CUDA_", "JAX_", "JAXOVERLAP_
 
 
 def _git_commit() -> dict[str, Any] | None:
-  """{"commit", "dirty", "tree"} of this checkout, or None outside one.
+  """{"commit", "dirty", "tree", "subtrees"} of this checkout, or None outside one.
 
   ``dirty``: tracked files changed. ``tree``: git's tree hash of the files as
   they are (tracked, and untracked that git does not ignore), or None where
   git could not say. It equals ``git rev-parse <commit>^{tree}`` of the commit
   whose files ran, so ``git log --all --format='%H %T' | grep <tree>`` finds
   that commit even where the run's ``.git`` was older than its files (a
-  working tree copied onto a test machine).
+  working tree copied onto a test machine). Any untracked file changes it,
+  results written into ``benchmarks/results`` among them: ``subtrees`` gives
+  the hashes of the library's folders alone (``ffi``, ``jaxoverlap``; compare
+  with ``git rev-parse <commit>:ffi``). Hashing stores the changed files'
+  contents in ``.git`` as loose objects (``git gc`` prunes them).
   """
   import subprocess
   import tempfile
@@ -545,19 +549,22 @@ def _git_commit() -> dict[str, Any] | None:
     return None
   if head.returncode != 0:
     return None
-  tree = None
+  trees: dict[str, str | None] = {"": None, "ffi": None, "jaxoverlap": None}
   with tempfile.TemporaryDirectory() as scratch:   # a scratch index: the checkout's is untouched
     env = dict(os.environ, GIT_INDEX_FILE=os.path.join(scratch, "index"))
     try:
       added = subprocess.run(["git", "-C", _ROOT, "add", "-A"], env=env, capture_output=True,
                              timeout=30)
-      written = subprocess.run(["git", "-C", _ROOT, "write-tree"], env=env, capture_output=True,
-                               text=True, timeout=30)
-      if added.returncode == 0 and written.returncode == 0:
-        tree = written.stdout.strip()
+      for folder in trees if added.returncode == 0 else ():
+        written = subprocess.run(
+            ["git", "-C", _ROOT, "write-tree"] + ([f"--prefix={folder}/"] if folder else []),
+            env=env, capture_output=True, text=True, timeout=30)
+        if written.returncode == 0:
+          trees[folder] = written.stdout.strip()
     except (OSError, subprocess.SubprocessError):
       pass
-  return {"commit": head.stdout.strip(), "dirty": bool(status.stdout.strip()), "tree": tree}
+  return {"commit": head.stdout.strip(), "dirty": bool(status.stdout.strip()),
+          "tree": trees.pop(""), "subtrees": trees}
 
 
 def _loaded_versions() -> dict[str, Any]:

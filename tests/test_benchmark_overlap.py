@@ -657,6 +657,13 @@ def test_results_record_their_provenance(tmp_path, monkeypatch):
                           text=True).stdout.strip()
     assert len(prov["git"]["tree"]) == 40
     assert (prov["git"]["tree"] == tree) == clean, (prov["git"], clean)
+    # The library's folders alone: an untracked results file does not change them.
+    for folder in ("ffi", "jaxoverlap"):
+      head_folder = subprocess.run(["git", "-C", root, "rev-parse", f"HEAD:{folder}"],
+                                   capture_output=True, text=True).stdout.strip()
+      same = subprocess.run(["git", "-C", root, "status", "--porcelain", "--", folder],
+                            capture_output=True, text=True).stdout.strip() == ""
+      assert (prov["git"]["subtrees"][folder] == head_folder) == same, (folder, prov["git"])
   assert prov["environment"]["XLA_FLAGS"] == "--xla_force_host_platform_device_count=8"
   assert prov["environment"]["NCCL_NVLS_ENABLE"] == "0"
   assert "SOME_SECRET_TOKEN" not in prov["environment"]
