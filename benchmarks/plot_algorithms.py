@@ -29,14 +29,17 @@ before anything is drawn (an ``AssertionError`` says what is wrong).
   per partial it adds, and transfers do not slow the GEMMs. Measured times:
   docs/results.md ("Fused ops").
 
-The figures' PNG metadata ("Description") holds the drawn model as JSON, so a
-test can tell a stale figure from the model.
+The figures' PNG metadata ("Description") holds the drawn model as JSON and
+this script's hash, so a test can tell a figure drawn by another version of the
+model or of the drawing code.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
+import math
 import os
 
 from absl import app, flags
@@ -46,8 +49,10 @@ flags.DEFINE_string("all_reduce_png", "docs/all_reduce_algorithms.png",
 flags.DEFINE_string("fused_png", "docs/fused_schedule.png", "where the fused-ops figure goes")
 flags.DEFINE_float("transfer", 0.8, "a shard's transfer time, in shard GEMMs (> 0)")
 flags.DEFINE_float("add", 0.15, "GEMM+RS's add kernel, per partial it adds, in shard GEMMs (>= 0)")
-flags.register_validator("transfer", lambda v: v > 0, "--transfer must be above 0")
-flags.register_validator("add", lambda v: v >= 0, "--add must be at least 0")
+flags.register_validator("transfer", lambda v: math.isfinite(v) and v > 0,
+                         "--transfer must be a finite number above 0")
+flags.register_validator("add", lambda v: math.isfinite(v) and v >= 0,
+                         "--add must be a finite number of at least 0")
 FLAGS = flags.FLAGS
 
 # The fused-ops figure: (ranks, chunks a shard) of its two rows.
@@ -261,8 +266,7 @@ def draw_all_reduce(path: str) -> None:
   fig.suptitle("all_reduce: what each GPU holds after each phase (\u03a3k: the shard sums k "
                "GPUs' inputs; hatched: not needed until rewritten)", fontsize=FONT + 1)
   fig.tight_layout()
-  fig.savefig(path, dpi=100,
-              metadata={"Description": json.dumps(all_reduce_summary(algos))})
+  fig.savefig(path, dpi=100, metadata=_metadata(all_reduce_summary(algos)))
   plt.close(fig)
 
 
@@ -577,8 +581,18 @@ def draw_fused(path: str, transfer: float, add: float) -> None:
   fig.suptitle("Fused ops: each rank's compute stream (shard GEMMs) and copy stream "
                "(transfers), against the collective then one GEMM", fontsize=FONT + 1)
   fig.tight_layout(rect=(0, 0.08, 1, 0.94))
-  fig.savefig(path, dpi=100, metadata={"Description": json.dumps(fused_summary(panels))})
+  fig.savefig(path, dpi=100, metadata=_metadata(fused_summary(panels)))
   plt.close(fig)
+
+
+def script_hash() -> str:
+  """SHA-256 of this script: the figures record which drawing code made them."""
+  with open(__file__, "rb") as f:
+    return hashlib.sha256(f.read()).hexdigest()
+
+
+def _metadata(summary) -> dict[str, str]:
+  return {"Description": json.dumps({"model": summary, "script_sha256": script_hash()})}
 
 
 def main(argv):

@@ -40,7 +40,8 @@ except ImportError as e:  # pip would say only "Cannot import 'jaxoverlap_build'
       f"runs the build, {sys.executable}, which lacks it. pip installs it into an isolated "
       f"build environment; with --no-build-isolation install it there first ({sys.executable} "
       f"-m pip install 'scikit-build-core>=0.10' 'nanobind>=2.4'), and run pip as "
-      f"'python -m pip' from the Python you mean: a 'pip' on PATH may belong to another") from e
+      f"'python -m pip' from the Python you mean: a 'pip' on PATH may belong to another "
+      f"Python") from e
 
 CUDA_BUILD_REQUIRES = ("jax>=0.11.2,<0.13", "jaxlib>=0.11.2,<0.13", "nvidia-nvshmem-cu13>=3.4",
                        "nvidia-cublas>=13,<14")

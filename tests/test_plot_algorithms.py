@@ -102,7 +102,8 @@ def test_reduce_scatter_times_where_transfers_are_slower_than_gemms():
 
 def test_two_ranks_need_chunks_to_hide_the_partial():
   """At 2 ranks the own GEMM adds the peer's partial in its epilogue: with one chunk the whole
-  transfer shows; with two only the first chunk's can."""
+  transfer shows; with two, chunk 0 of the own GEMM waits for chunk 0 of the partial alone,
+  and at these speeds nothing shows."""
   one = pa.matmul_reduce_scatter_ops(2, 1.0, 0.8, 0.15)
   assert max(o.end for o in one) == pytest.approx(1.0 + 0.8 + 1.0)
   two = pa.matmul_reduce_scatter_ops(2, 1.0, 0.8, 0.15, chunks=2)
@@ -181,15 +182,19 @@ def _script(*args):
 
 
 def test_committed_figures_show_the_models_of_today():
-  """The PNGs' metadata holds the model they were drawn from: a stale figure fails here."""
+  """The PNGs' metadata holds the model they were drawn from and the script's hash: a figure
+  left stale by a change to the model or to the drawing code fails here (run the script)."""
   from PIL import Image
 
   drawn = {png: json.loads(Image.open(os.path.join(_ROOT, png)).text["Description"])
            for png in ("docs/all_reduce_algorithms.png", "docs/fused_schedule.png")}
-  assert drawn["docs/all_reduce_algorithms.png"] == json.loads(
+  assert drawn["docs/all_reduce_algorithms.png"]["model"] == json.loads(
       json.dumps(pa.all_reduce_summary(pa.algorithms())))
-  assert drawn["docs/fused_schedule.png"] == json.loads(
+  assert drawn["docs/fused_schedule.png"]["model"] == json.loads(
       json.dumps(pa.fused_summary(pa.fused_panels(0.8, 0.15))))
+  for png, meta in drawn.items():
+    assert meta["script_sha256"] == pa.script_hash(), (
+        f"{png} was drawn by another version of benchmarks/plot_algorithms.py: run it")
   readme = open(os.path.join(_ROOT, "README.md")).read()
   for png in drawn:
     assert f"]({png})" in readme, png
@@ -201,8 +206,9 @@ def test_script_writes_both_figures_and_refuses_bad_flags(tmp_path):
   assert run.returncode == 0, run.stderr[-2000:]
   for path in (ar, fs):
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-  for bad, says in (("--transfer=0", "--transfer must be above 0"),
-                    ("--add=-1", "--add must be at least 0")):
+  for bad, says in (("--transfer=0", "--transfer must be a finite number above 0"),
+                    ("--transfer=inf", "--transfer must be a finite number above 0"),
+                    ("--add=-1", "--add must be a finite number of at least 0")):
     ar.unlink(missing_ok=True)
     run = _script(f"--all_reduce_png={ar}", f"--fused_png={fs}", bad)
     assert run.returncode != 0 and says in run.stderr, run.stderr[-2000:]
