@@ -530,7 +530,9 @@ def draw_fused(path: str, transfer: float, add: float) -> None:
   panels = fused_panels(transfer, add)
   colour = {"gemm": "tab:blue", "transfer": "tab:orange", "add": "tab:green"}
   fig, axes = plt.subplots(len(FUSED_ROWS), 2, figsize=(14, 9.5))
-  horizon = max(o.end for pn in panels for o in pn["fused"] + pn["unfused"])
+  # One time axis per row (its two panels alike), so the short 2-rank row is not half empty.
+  horizon = {pn["p"]: max(o.end for q in panels if q["p"] == pn["p"]
+                          for o in q["fused"] + q["unfused"]) for pn in panels}
   for ax, pn in zip(axes.flat, panels, strict=True):
     p = pn["p"]
     shown = range(min(p, 2))   # the other ranks run the same schedule, rotated
@@ -561,7 +563,7 @@ def draw_fused(path: str, transfer: float, add: float) -> None:
     ax.set_title(f"{pn['op']}, {p} ranks, {pn['chunks']} chunk{'s' if pn['chunks'] > 1 else ''} "
                  f"a shard{rest}\nmodel: fused {end_fused:.2f}, unfused {end_base:.2f}",
                  fontsize=FONT)
-    ax.set_xlim(0, horizon * 1.02)
+    ax.set_xlim(0, horizon[p] * 1.02)
     ax.tick_params(axis="x", labelsize=FONT - 1)
   for ax in axes[-1]:
     ax.set_xlabel("time, in shard GEMMs (model)", fontsize=FONT)
