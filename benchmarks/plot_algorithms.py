@@ -578,11 +578,12 @@ def draw_fused(path: str, transfer: float, add: float) -> None:
            "block, with rank r-1's partial added in its epilogue; + = one kernel adding the "
            "other partials. A gap on a compute stream: a GEMM waiting\nfor its data (or for a "
            f"staging buffer a transfer still reads). Model: a shard's transfer takes {transfer:g} "
-           "shard GEMMs, transfers do not slow the GEMMs; measured: docs/results.md.",
-           fontsize=FONT - 1.5, va="bottom")
+           "shard GEMMs, and transfers do not slow the GEMMs (on GPUs they do: that is why\n"
+           "all_gather_matmul's chunks pay at 2 ranks); measured: docs/results.md.",
+           fontsize=FONT - 1, va="bottom")
   fig.suptitle("Fused ops: each rank's compute stream (shard GEMMs) and copy stream "
-               "(transfers), against the collective then one GEMM", fontsize=FONT + 1)
-  fig.tight_layout(rect=(0, 0.08, 1, 0.94))
+               "(transfers), against the collective and one GEMM unfused", fontsize=FONT + 1)
+  fig.tight_layout(rect=(0, 0.1, 1, 0.94))
   fig.savefig(path, dpi=100, metadata=_metadata(fused_summary(panels)))
   plt.close(fig)
 

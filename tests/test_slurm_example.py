@@ -110,6 +110,8 @@ def test_gpus_per_node_from_the_job(tmp_path, env, gpus):
     (dict(GPUS_PER_NODE="0"), "GPUS_PER_NODE must be a count of GPUs, 1 or more, not '0'"),
     (dict(GPUS_PER_NODE="2x"), "not '2x'"),
     (dict(GPUS_PER_NODE="2", PLACEMENT="rack"), "PLACEMENT must be gpu or node, not 'rack'"),
+    (dict(GPUS_PER_NODE="2", CONFIG="gpu_smal"), "CONFIG: config.ConfigError: unknown config "
+                                                 "'gpu_smal'; presets are"),
     (dict(GPUS_PER_NODE="2", PYTHON="/bin/false"),
      "/bin/false cannot import jaxoverlap: set PYTHON"),
 ])
