@@ -17,10 +17,9 @@ Algorithm:
   warning names (CMakeLists.txt); that wheel is pure Python (``wheel.platlib=false``: tagged
   ``py3-none-any``, not with this machine's platform). An nvcc found only in
   ``/usr/local/cuda/bin`` is handed to CMake as ``CMAKE_CUDA_COMPILER``, which does not look
-  there itself. ``JAXOVERLAP_CUDA=ON``
-  asked for explicitly where no nvcc is found is an error before anything is downloaded, not
-  a pure-Python install. Everything else is scikit-build-core's (PEP 517 hooks passed
-  through, ``pyproject.toml``'s ``backend-path``).
+  there itself. ``JAXOVERLAP_CUDA=ON`` asked for explicitly where no nvcc is found is an error
+  before anything is downloaded, not a pure-Python install. Everything else is
+  scikit-build-core's (PEP 517 hooks passed through, ``pyproject.toml``'s ``backend-path``).
 """
 
 from __future__ import annotations
