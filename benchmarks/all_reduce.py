@@ -26,7 +26,9 @@ under which every psum splits XLA's CUDA graphs, and ``xla:psum_graphs`` with
 do. Every implementation is first checked against a float32
 lax.psum of the same input, three calls with different inputs in a row, and
 then as the timed chain calls it, 8 calls back to back in one jit against the
-same chain of lax.psum, on every element of every rank (``harness.close``);
+same chain of float32 psums, on every element of every rank, within the
+rounding of a float32 sum rounded once into the dtype (psum and auto: once
+per hop of a ring) (``jaxoverlap.tuning.check``, the tuner's check);
 one that fails is listed under "rejected" and not timed (floor:launch, one
 kernel launch and no all-reduce, is not checked; xla:psum_graphs, the same
 program as xla:psum, is checked without its XLA options). Ours and
@@ -88,50 +90,26 @@ def cuda_missing(platform: str) -> str | None:
   return _ffi.unavailable_reason()
 
 
-def check_op(op, x, mesh) -> str | None:
+def check_op(op, x, mesh, *, roundings: int = 1) -> str | None:
   """None when ``op`` (per shard, inside ``shard_map`` over ``AXIS``) sums ``x`` as psum does.
 
-  Three calls with different inputs in a row (x, 2x, 3x) against a float32
-  ``lax.psum``: each slot parity is used twice, so a stale slot (or a Lamport
-  slot left unemptied) shows up. Then ``CHECK_CHAIN`` calls back to back in
-  one jit, as the timed chain makes them, against the same chain of
-  ``lax.psum`` in x's dtype. Every element of every rank (``harness.close``).
+  ``jaxoverlap.tuning.check.all_reduce_mismatch``, the tuner's check: three
+  calls with different inputs in a row (x, 2x, 3x; each slot parity is used
+  twice, so a stale slot or a Lamport slot left unemptied shows up), then
+  ``CHECK_CHAIN`` calls back to back in one jit, as the timed chain makes them,
+  each against a float32 ``lax.psum``, on every element of every rank, within
+  the rounding of a float32 sum rounded ``roundings`` times into x's dtype.
 
   Returns:
     None, or why not: the first difference, or the exception the op raised.
   """
-  import jax
-  import jax.numpy as jnp
-  from jax.sharding import PartitionSpec as P
-
-  from jaxoverlap import _xla
-
-  varying = lambda y: _xla.to_varying(y, AXIS)  # noqa: E731  (as the timed chain's links)
-  psum = lambda y: jax.lax.psum(y, AXIS)  # noqa: E731
-
-  def chained(f, y):
-    for _ in range(CHECK_CHAIN):
-      y = varying(f(y))
-    return y
+  from jaxoverlap.tuning.check import all_reduce_mismatch
 
   try:
-    pair = jax.jit(jax.shard_map(
-        lambda y: (varying(op(y)), varying(psum(y.astype(jnp.float32)))),
-        mesh=mesh, in_specs=P(AXIS), out_specs=(P(AXIS), P(AXIS))))
-    for k in range(3):
-      ok, err, atol = harness.close(*pair(x * (k + 1)))
-      if not ok:
-        return (f"differs from lax.psum (call {k + 1} of 3): max |diff| {err:.3g} "
-                f"(atol {atol:.3g}, rtol {harness.RTOL})")
-    chains = jax.jit(jax.shard_map(lambda y: (chained(op, y), chained(psum, y)), mesh=mesh,
-                                   in_specs=P(AXIS), out_specs=(P(AXIS), P(AXIS))))
-    ok, err, atol = harness.close(*chains(x))
-    if not ok:
-      return (f"differs from a chain of lax.psum ({CHECK_CHAIN} calls back to back in one "
-              f"jit): max |diff| {err:.3g} (atol {atol:.3g}, rtol {harness.RTOL})")
+    return all_reduce_mismatch(op, [x * (k + 1) for k in range(3)], x, mesh=mesh,
+                               axis_name=AXIS, links=CHECK_CHAIN, roundings=roundings)
   except Exception as e:  # noqa: BLE001: a refusal is a rejection, recorded with its reason
     return f"{type(e).__name__}: {e}".splitlines()[0][:300]
-  return None
 
 
 def main(argv):
@@ -188,7 +166,11 @@ def main(argv):
   def check(impl: str, nbytes: int) -> str | None:
     if impl == harness.LAUNCH_FLOOR:
       return None
-    return check_op(harness.all_reduce_fn(impl, AXIS), inputs(nbytes)["x"], run.mesh)
+    # One kernel sums in float32 and rounds once; psum (and auto, which may hand the call to
+    # it) may add in the dtype at every hop of NCCL's ring.
+    kernel = tuning.parse_impl(impl) not in (None, (tuning.PSUM, None))
+    return check_op(harness.all_reduce_fn(impl, AXIS), inputs(nbytes)["x"], run.mesh,
+                    roundings=1 if kernel else max(run.world - 1, 1))
 
   records, rejected = tuning.run_tuning(
       None, check, impls, sizes, dtype=dtype.name,
@@ -219,7 +201,8 @@ def main(argv):
                 "xla:psum_graphs with COLLECTIVES added (xla_options); every impl first "
                 "checked against a float32 lax.psum (three inputs in a row) and, as "
                 f"{CHECK_CHAIN} calls back to back in one jit, against the same chain of "
-                "lax.psum"),
+                "float32 psums, within a float32 sum's rounding into the dtype "
+                "(jaxoverlap.tuning.check.all_reduce_mismatch)"),
         extra={"params": {}, "auto_choices": harness.auto_choices()})  # params: as tuning tables
     run.log(f"wrote {path}")
   return 1 if rejected else 0

@@ -51,6 +51,7 @@ import sys
 from absl import app, flags, logging
 
 from jaxoverlap import names, runtime, tuning
+from jaxoverlap.tuning.check import all_reduce_mismatch
 from jaxoverlap.tuning.results import parse_bytes
 
 flags.DEFINE_string("out", "", "tuning table path (default: tuning.default_tuning_path())")
@@ -152,97 +153,31 @@ class _Bench:
                                        axis_name=_AXIS, length=length, reps=FLAGS.reps,
                                        warmup=FLAGS.warmup)
 
-  def _check_chain(self, op, nbytes: int, eps: float) -> str | None:
-    """None when ``CHECK_CHAIN`` calls of ``op`` back to back in one jit (as the timed chain
-    makes them) equal the same chain of float32 psums, else what differs."""
-    import jax.numpy as jnp
-    import numpy as np
-    from jax.sharding import PartitionSpec as P
-
-    jax = self.jax
-    from jaxoverlap import _xla
-
-    varying = lambda y: _xla.to_varying(y, _AXIS)  # noqa: E731
-
-    def chains(y):
-      got, want = y, y.astype(jnp.float32)
-      for _ in range(CHECK_CHAIN):
-        got, want = varying(op(got)), varying(jax.lax.psum(want, _AXIS))
-      scale = jax.lax.psum(jnp.abs(y.astype(jnp.float32)), _AXIS)
-      return got, want, varying(scale * float(self.num_ranks) ** (CHECK_CHAIN - 1))
-
-    fn = jax.jit(jax.shard_map(chains, mesh=self.mesh, in_specs=P(_AXIS),
-                               out_specs=(P(_AXIS),) * 3))
-    # No outliers: the chain multiplies by the group size at every link, and 100x
-    # outliers would overflow float16 at 8 ranks (the single calls test them).
-    outs = fn(self._array(nbytes, [self.rank, nbytes, 3, 1], outliers=False))
-    bound = _chain_check_bound(eps, self.num_ranks)
-    for got, want, scale in zip(*(o.addressable_shards for o in outs)):
-      g, w, s = (np.asarray(a.data, np.float32) for a in (got, want, scale))
-      bad = ~(np.abs(g - w) <= bound * s)
-      if bad.any():
-        i = int(np.argmax(bad))
-        return (f"wrong result on device {got.device} ({CHECK_CHAIN} calls back to back in one "
-                f"jit): {bad.sum()} of {bad.size} elements differ from a chain of psums, first "
-                f"at {i}: {g[i]} vs {w[i]}")
-    return None
-
   def check(self, impl: str, nbytes: int) -> str | None:
     """None when ``impl`` equals a float32 psum on every element of every rank, called alone
-    (three inputs in a row) and ``CHECK_CHAIN`` times back to back in one jit."""
-    import jax.numpy as jnp
+    (three inputs in a row) and ``CHECK_CHAIN`` times back to back in one jit
+    (``tuning.check.all_reduce_mismatch``)."""
     import numpy as np
     from jax.experimental import multihost_utils
-    from jax.sharding import PartitionSpec as P
-
-    from jaxoverlap import _xla
 
     if impl == "xla:psum":
       return None
-    jax = self.jax
-    reason = None
     try:
-      op = _op(impl)
-
-      def pair(y):
-        y32 = y.astype(jnp.float32)
-        got = _xla.to_varying(op(y), _AXIS)
-        want = _xla.to_varying(jax.lax.psum(y32, _AXIS), _AXIS)
-        scale = _xla.to_varying(jax.lax.psum(jnp.abs(y32), _AXIS), _AXIS)
-        return got, want, scale
-
-      fn = jax.jit(jax.shard_map(pair, mesh=self.mesh, in_specs=P(_AXIS),
-                                 out_specs=(P(_AXIS),) * 3))
-      eps = float(jnp.finfo(self.dtype).eps)
-      # Three inputs in a row: each slot parity is used twice, so stale
-      # buffers, epochs or a Lamport slot left unemptied show up. Every call and
-      # the chain below run on every process whatever this one found: they are
-      # collectives, and a process that skipped one would leave its peers waiting.
-      for step in range(3):
-        outs = fn(self._array(nbytes, [self.rank, nbytes, step, 1], outliers=True))
-        for got, want, scale in zip(*(o.addressable_shards for o in outs)):
-          g, w, s = (np.asarray(a.data, np.float32) for a in (got, want, scale))
-          # A sum accumulated in fp32 and rounded once is within half an ulp of
-          # the dtype, plus fp32 reordering error; eps * sum|x| bounds both.
-          bad = ~(np.abs(g - w) <= (eps + self.num_ranks * 2.0**-24) * s)
-          if bad.any() and reason is None:
-            i = int(np.argmax(bad))
-            reason = (f"wrong result on device {got.device} (input {step}): {bad.sum()} of "
-                      f"{bad.size} elements differ from psum, first at {i}: {g[i]} vs {w[i]}")
-      chain_reason = self._check_chain(op, nbytes, eps)
-      reason = reason or chain_reason
+      # No outliers in the chain: it multiplies by the group size at every link, and 100x
+      # outliers would overflow float16 at 8 ranks (the single calls test them).
+      reason = all_reduce_mismatch(
+          _op(impl), [self._array(nbytes, [self.rank, nbytes, step, 1], outliers=True)
+                      for step in range(3)],
+          self._array(nbytes, [self.rank, nbytes, 3, 1], outliers=False),
+          mesh=self.mesh, axis_name=_AXIS, links=CHECK_CHAIN)
     except Exception as e:  # pylint: disable=broad-except  # recorded, never silent
       reason = f"{type(e).__name__}: {e}".splitlines()[0][:300]
-    # Every process must reject the same configurations.
+    # Every process must reject the same configurations (the verdict is the same on every
+    # process; an exception may not be).
     ok = multihost_utils.process_allgather(np.array([reason is None]))
     if reason is None and not np.all(ok):
       reason = "failed its correctness check on another process"
     return reason
-
-
-def _chain_check_bound(eps: float, num_ranks: int) -> float:
-  """The tolerance of ``_check_chain``, relative to ``num_ranks**(links-1) * sum|x|``."""
-  return (CHECK_CHAIN + 1) * (eps + num_ranks * 2.0**-24)
 
 
 def _broadcast_json(obj, rank: int):

@@ -520,14 +520,77 @@ def test_tuner_check_rejects_wrong_kernel(bench, monkeypatch, variant, ok):
   reason = bench.check("jaxoverlap:two_shot_ll", nbytes)
   assert (reason is None) == ok, reason
   if variant == "stale":  # right on the first input, wrong on the second
-    assert reason.startswith("wrong result on device") and "(input 1)" in reason, reason
-  if variant == "last_element":
-    assert reason.startswith("wrong result on device") and "first at 2050" in reason, reason
+    assert reason.startswith("call 2 of 3: ") and "differ from a float32 psum" in reason, reason
+  if variant == "last_element":  # every rank's last element: the first on rank 0
+    assert reason.startswith("call 1 of 3: 8 of 16408 elements differ") and (
+        "first on rank 0 at element 2050" in reason), reason
   if variant == "skips_when_equal":  # right on every single call: the chain of calls shows it
     assert "calls back to back in one jit" in reason, reason
   if variant == "raises":
     assert reason == ("ValueError: all_reduce: algorithm 'two_shot' is not available in this "
                       "build")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+@pytest.mark.parametrize("roundings", [1, 7])
+def test_all_reduce_check_bound_is_tight(dtype, roundings):
+  """The shared check (tuner and benchmark) passes an op off by half its bound on one element of
+  one rank and rejects one off by twice the bound there, naming that rank and element; in a
+  single call and in the chain. A NaN is rejected."""
+  import jax
+  import jax.numpy as jnp
+  from jax.sharding import NamedSharding, PartitionSpec as P
+
+  from jaxoverlap.tuning import check
+
+  from _helpers import make_mesh
+
+  mesh = make_mesh((8,), ("x",))
+  rng = np.random.default_rng()
+  n = 64
+  local = (rng.standard_normal(8 * n) * 1e-3).astype(dtype)
+  x = jax.device_put(local, NamedSharding(mesh, P("x")))
+  rank, index = int(rng.integers(8)), int(rng.integers(n))
+
+  def off_by(factor, links, every_rank=False):
+    bound = check.element_bound(jnp.dtype(dtype), 8, links, roundings)
+
+    def op(y):  # exact in float32, rounded once; one element moved by factor * its bound
+      y32 = y.astype(jnp.float32)
+      scale = jax.lax.psum(jnp.abs(y32), "x")
+      out = jax.lax.psum(y32, "x")
+      hit = ((jax.lax.axis_index("x") == rank) | every_rank) & (jnp.arange(n) == index)
+      return jnp.where(hit, out + factor * bound * scale, out).astype(y.dtype)
+
+    return op
+
+  ok = check.all_reduce_mismatch(off_by(0.5, 1), [x, 2 * x], x, mesh=mesh, axis_name="x",
+                                 links=1, roundings=roundings)
+  assert ok is None, ok
+  bad = check.all_reduce_mismatch(off_by(2.0, 1), [x], x, mesh=mesh, axis_name="x", links=1,
+                                  roundings=roundings)
+  assert bad and bad.startswith("call 1 of 1: 1 of 512 elements differ from a float32 psum, "
+                                f"first on rank {rank} at element {index}: "), bad
+  # In the chain, an error of the first link on every rank is multiplied by 8 at every later
+  # link, as the values are: half the chain's bound passes, twice it fails.
+  links = 3
+  for factor, want_ok in ((0.5, True), (2.0, False)):
+    calls = iter(range(links))
+
+    def first_link_off(y, factor=factor):  # only the chain's first call is off (at tracing)
+      return off_by(factor, links, every_rank=True)(y) if next(calls) == 0 else off_by(0.0, 1)(y)
+
+    why = check.all_reduce_mismatch(first_link_off, [], x, mesh=mesh, axis_name="x",
+                                    links=links, roundings=roundings)
+    assert (why is None) == want_ok, why
+    if not want_ok:
+      assert why.startswith(f"{links} calls back to back in one jit: 8 of 512 elements differ "
+                            f"from a float32 psum, first on rank 0 at element {index}: "), why
+  nan = check.all_reduce_mismatch(lambda y: jax.lax.psum(y, "x") * jnp.nan, [x], x, mesh=mesh,
+                                  axis_name="x", links=1)
+  assert nan and "512 of 512 elements differ" in nan, nan
+  with pytest.raises(ValueError, match="links and roundings must be at least 1"):
+    check.all_reduce_mismatch(off_by(0.0, 1), [x], x, mesh=mesh, axis_name="x", links=0)
 
 
 def test_parse_bytes(monkeypatch):

@@ -1,4 +1,4 @@
-"""Measurements and models behind ``auto``, in five parts.
+"""Measurements and models behind ``auto``, in six parts.
 
 * ``jaxoverlap.tuning.cost_model``: the alpha-beta model of the all-reduce
   algorithms and of ``lax.psum`` (NCCL's ring and tree across nodes), for
@@ -13,6 +13,8 @@
   tables share (load, save, validate).
 * ``jaxoverlap.tuning.timing``: the timing harness of the tuner
   (``python -m jaxoverlap.tune``) and the benchmarks.
+* ``jaxoverlap.tuning.check``: the correctness check they run before timing an
+  all-reduce (against a float32 psum, single calls and calls back to back).
 
 The names below are re-exported for convenience; ``jaxoverlap.dispatch`` is
 the only caller of the policy inside the package.
