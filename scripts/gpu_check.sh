@@ -19,6 +19,8 @@
 #       | decode | decodefloor (one GPU: the TP=2 rank's decode step against its weights-read
 #       roofline, with and without XLA's CUDA graphs; a profile)
 #       | procbench (one process driving both GPUs beside two processes)
+#       | procrepeat (auto and psum from 8 KiB to 1 MiB in one process driving both GPUs, then in
+#       two processes, alternating, four times; PROC_REPEATS)
 #       | pallasbench (AG+GEMM: ours against JAX's Pallas collective matmul, one process)
 #       | contention (how much the fused ops' transfers slow their concurrent GEMMs, from
 #       profiler traces) | ovrepeat (AG and RS at 16384x4096x4096 three times, one process, auto's
@@ -64,7 +66,8 @@ mkdir -p "$OUT"
 PY=${PYTHON:-python3}
 WHAT=${1:-}
 VERBS=" build suite bench bench2 autobench quickbench tune ovbench ovbenchfull ovwindowed"
-VERBS="$VERBS ovcalibrate train cmdbufcost profile ovprofilegraphs decode procbench multigpu_bench"
+VERBS="$VERBS ovcalibrate train cmdbufcost profile ovprofilegraphs decode procbench procrepeat"
+VERBS="$VERBS multigpu_bench"
 VERBS="$VERBS multigpu_fused normbench decodefloor pallasbench retune lamportab contention"
 VERBS="$VERBS ovrepeat ovrepeat2 pdlfloor epochab epochab2 tune1process localcost l2prefetch"
 VERBS="$VERBS childgraph hierab hbmprobe "
@@ -180,6 +183,18 @@ if [ "$WHAT" = procbench ] && [ "$NGPU" -ge 2 ]; then
   run procbench_fused_1process 240 $PY benchmarks/overlap.py --out "$OUT/processes1" --quick
   run procbench_fused_2processes 240 $PY -m jaxoverlap.launch --nproc 2 --timeout_s 230 \
     benchmarks/overlap.py --out "$OUT/processes2" --quick
+fi
+
+if [ "$WHAT" = procrepeat ] && [ "$NGPU" -ge 2 ]; then
+  # The process models' repeats of results.md ("With the retuned table"): one process, then
+  # two, PROC_REPEATS times, so that a slow spell of the machine falls on both alike.
+  AR_ARGS=(--impls jaxoverlap:auto,xla:psum --sizes 8K,64K,256K,512K,1M --reps 50)
+  for i in $(seq "${PROC_REPEATS:-4}"); do
+    run "procrepeat_1process_run$i" 120 $PY benchmarks/all_reduce.py --out "$OUT/p1_run$i" \
+      "${AR_ARGS[@]}"
+    run "procrepeat_2processes_run$i" 120 $PY -m jaxoverlap.launch --nproc 2 --timeout_s 110 \
+      benchmarks/all_reduce.py --out "$OUT/p2_run$i" "${AR_ARGS[@]}"
+  done
 fi
 
 if [ "$WHAT" = pallasbench ] && [ "$NGPU" -ge 2 ]; then
