@@ -108,9 +108,12 @@ def vma_checked(axis_name) -> bool:
   """True inside ``shard_map(check_vma=True)`` over ``axis_name``.
 
   ``lax.axis_index`` is typed varying over its axis when types are checked,
-  and has no varying axes when ``check_vma=False``.
+  and has no varying axes when ``check_vma=False``. It is typed inside
+  ``jax.eval_shape``, so the probe leaves no equation in the caller's jaxpr.
   """
-  return set(names.axis_names(axis_name)) <= varying_axes(lax.axis_index(axis_name))
+  found = []
+  jax.eval_shape(lambda: found.append(varying_axes(lax.axis_index(axis_name))))
+  return set(names.axis_names(axis_name)) <= found[0]
 
 
 def to_varying(x, axis_name):

@@ -153,7 +153,10 @@ def all_reduce(x, axis_name, *, backend="auto", algorithm="auto", protocol="auto
     TP all-reduces occur.
   """
   _checks.refuse_forward_mode(names.ALL_REDUCE, x)
-  return _all_reduce(x, _checked_config(x, axis_name, backend, algorithm, protocol, transport))
+  cfg = _checked_config(x, axis_name, backend, algorithm, protocol, transport)
+  # The scope names the op in HLO metadata and profiles ("jaxoverlap.all_reduce/...").
+  with jax.named_scope("jaxoverlap." + names.ALL_REDUCE):
+    return _all_reduce(x, cfg)
 
 
 def _checked_config(x, axis_name, backend, algorithm, protocol, transport) -> _Config:
@@ -337,6 +340,24 @@ def all_reduce_rms_norm(p, residual, weight, axis_name, *, eps=1e-6, backend="au
     the pure expression; the cotangent of h (its own plus the norm's) goes
     to the residual and, as the transpose of ``psum``, to every rank's p.
 
+  Example:
+    In a pre-norm decoder each call takes the norm that follows it: the
+    attention's all-reduce brings the MLP's norm weight, the MLP's brings
+    the next layer's attention norm (the final norm after the last layer).
+    Only the first layer's attention norm stays a plain RMSNorm. Per rank,
+    inside ``shard_map`` over "tp", with ``weights`` stacked over layers:
+
+    >>> def layer(carry, l):  # carry: (h, the normed input of this attention)
+    ...   h, y = carry
+    ...   h, y = all_reduce_rms_norm(attention_partial(y, l), h, l["mlp_norm"], "tp")
+    ...   h, y = all_reduce_rms_norm(mlp_partial(y, l), h, l["next_norm"], "tp")
+    ...   return (h, y), None
+    >>> # l["next_norm"]: layer i + 1's attention norm; the final norm for the last
+    >>> (h, y), _ = jax.lax.scan(layer, (h0, rms_norm(h0) * attn_norm_0), weights)
+
+    ``jaxoverlap.nnx.apply_blocks`` does this for ``TransformerBlock`` layers
+    (``ParallelConfig(fuse_norm=True)``).
+
   Source:
     RMSNorm: Zhang & Sennrich, "Root Mean Square Layer Normalization",
     NeurIPS 2019 (arXiv 1910.07467). The one-shot all-reduce: TensorRT-LLM's
@@ -354,4 +375,5 @@ def all_reduce_rms_norm(p, residual, weight, axis_name, *, eps=1e-6, backend="au
   cfg = _NormConfig(request, num_ranks, float(eps), _xla.vma_checked(axis_name),
                     (_xla.varying_axes(p), _xla.varying_axes(residual),
                      _xla.varying_axes(weight)))
-  return _all_reduce_rms_norm(p, residual, weight, cfg)
+  with jax.named_scope("jaxoverlap." + names.ALL_REDUCE_RMS_NORM):
+    return _all_reduce_rms_norm(p, residual, weight, cfg)

@@ -237,7 +237,9 @@ def all_gather_matmul(x, w, axis_name, *, gather_dimension=0, backend="auto",
         f"contracted dimension k (x.shape={tuple(x.shape)}); gather a leading "
         f"dimension instead")
   cfg = _config(op, x, w, axis_name, g, backend, algorithm, transport, chunks)
-  return _all_gather_matmul(x, w, cfg)
+  # The scope names the op in HLO metadata and profiles.
+  with jax.named_scope("jaxoverlap." + names.ALL_GATHER_MATMUL):
+    return _all_gather_matmul(x, w, cfg)
 
 
 # ----------------------------------------------------------------------------
@@ -362,7 +364,8 @@ def matmul_reduce_scatter(x, w, axis_name, *, scatter_dimension=0, backend="auto
   _checks.check_divisible(op, "scatter_dimension", scatter_dimension, out_shape[s], axis_name,
                           num_ranks, f"the output x @ w (shape {out_shape})")
   cfg = _config(op, x, w, axis_name, s, backend, algorithm, transport, chunks)
-  return _matmul_reduce_scatter(x, w, cfg)
+  with jax.named_scope("jaxoverlap." + names.MATMUL_REDUCE_SCATTER):
+    return _matmul_reduce_scatter(x, w, cfg)
 
 
 # ----------------------------------------------------------------------------
@@ -407,6 +410,13 @@ def matmul_all_reduce(x, w, axis_name, *, backend="auto", algorithm="auto", tran
   ``matmul_reduce_scatter``); the result has psum's
   type (invariant over ``axis_name``). Call inside ``jax.shard_map``. This is
   Megatron's row-parallel linear layer without sequence parallelism.
+
+  In decode at batch 1, a local ``x @ w`` padded to two rows, then
+  ``all_reduce`` (or ``all_reduce_rms_norm``), was faster: XLA reads the
+  weights of a one-row product well below the HBM roofline and those of a
+  two-row one at it, and this op does not pad (docs/decode.md, "The one-row
+  GEMM, and padding it"; ``jaxoverlap.nnx.ParallelConfig(row_reduction=
+  "all_reduce", min_matmul_rows=2)`` does both).
 
   Args:
     x: ``[..., k_local]`` float32, bfloat16 or float16, any leading
@@ -471,4 +481,5 @@ def matmul_all_reduce(x, w, axis_name, *, backend="auto", algorithm="auto", tran
   op = names.MATMUL_ALL_REDUCE
   _check_operands(op, x, w, axis_name)
   cfg = _config(op, x, w, axis_name, None, backend, algorithm, transport, chunks)
-  return _matmul_all_reduce(x, w, cfg)
+  with jax.named_scope("jaxoverlap." + names.MATMUL_ALL_REDUCE):
+    return _matmul_all_reduce(x, w, cfg)

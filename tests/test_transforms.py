@@ -367,3 +367,28 @@ def test_unreduced_and_reduced_inputs_are_refused_naming_the_op():
   h = jax.jit(jax.shard_map(body, mesh=_mesh(), in_specs=P("tp"), out_specs=P()))
   with pytest.raises(ValueError, match=r"all_reduce: x is typed reduced over mesh axes \['tp'\]"):
     h(jnp.ones((2 * R, 3), F32))
+
+
+# ---------------------------------------------------------------------------- names in programs
+
+
+@pytest.mark.parametrize("op", ["all_reduce", "all_reduce_rms_norm", "all_gather_matmul",
+                                "matmul_reduce_scatter", "matmul_all_reduce"])
+@pytest.mark.parametrize("check_vma", [True, False])
+def test_programs_name_the_op_and_carry_no_probe(op, check_vma):
+  """Trial 44: profiles and HLO named the ops' XLA parts only (``psum_invariant``), and every
+  call left a dead ``axis_index`` in the jaxpr (the check_vma probe)."""
+  x, w = jnp.ones((R * 8, 16)), jnp.ones((16, R * 4))
+  call = {
+      "all_reduce": lambda x, w: jaxoverlap.all_reduce(x, "tp"),
+      "all_reduce_rms_norm": lambda x, w: jaxoverlap.all_reduce_rms_norm(x, x, x[0], "tp")[1],
+      "all_gather_matmul": lambda x, w: jaxoverlap.all_gather_matmul(x, w, "tp"),
+      "matmul_reduce_scatter": lambda x, w: jaxoverlap.matmul_reduce_scatter(x, w[:, :4], "tp"),
+      "matmul_all_reduce": lambda x, w: jaxoverlap.matmul_all_reduce(x, w[:, :4], "tp"),
+  }[op]
+  fn = jax.jit(jax.shard_map(call, mesh=_mesh(), in_specs=(P("tp"), P()), out_specs=P("tp"),
+                             check_vma=check_vma))
+  eqns = jax.make_jaxpr(fn)(x, w).eqns[0].params["jaxpr"].eqns[0].params["jaxpr"].eqns
+  assert "axis_index" not in {e.primitive.name for e in eqns}, [e.primitive.name for e in eqns]
+  hlo = fn.lower(x, w).compile().as_text()
+  assert f"/jaxoverlap.{op}/" in hlo, "the op's scope is missing from the HLO metadata"
