@@ -82,6 +82,11 @@ def axis_size(op: str, axis_name) -> int:
   manual = {a for a, t in zip(mesh_axes, getattr(mesh, "axis_types", ()) or ())
             if t == jax.sharding.AxisType.Manual}
   missing = [a for a in names_ if a not in mesh_axes]
+  if missing and not mesh_axes:
+    raise ValueError(
+        f"{op}: axis_name={axis_name!r}, but no mesh is in scope: {op} must be called inside "
+        "jax.shard_map (a per-rank function over a mesh with that axis), not under jit alone "
+        "or eagerly")
   if missing:
     raise ValueError(
         f"{op}: axis_name={axis_name!r} names {tuple(missing)}, which the mesh in scope "

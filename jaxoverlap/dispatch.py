@@ -243,7 +243,11 @@ def decisions(op: str | None = None) -> list[Plan]:
     transport, chunks) and why. A plan is made when a call is lowered (once per
     compilation), not at every execution; identical calls in one program (the
     same op, shapes and options, e.g. in every layer) may be lowered once and
-    leave one plan.
+    leave one plan. A program JAX takes from its caches (a jitted function
+    called again, or a new ``jax.jit`` of the same function and arguments) is
+    not lowered again and adds no plan: after ``clear_decisions()`` only new
+    compilations appear. To see a compiled function's plans again, call
+    ``jax.clear_caches()``, then lower or call it again (which recompiles it).
 
   Raises:
     ValueError: ``op`` is not None and not an op's name.

@@ -64,7 +64,11 @@ def all_reduce_rms_norm(p, residual, weight, axis_name, *, eps=1e-6):
   """``h = residual + lax.psum(p, axis_name)``, ``y = rms_norm(h) * weight``; returns ``(h, y)``.
 
   The norm is over the last dimension, in float32, rounded to h's dtype:
-  ``h * rsqrt(mean(h^2, -1) + eps) * weight``.
+  ``h * rsqrt(mean(h^2, -1) + eps) * weight``. Looser than the op about
+  dtypes: it takes a weight of any float dtype (e.g. float32 beside bfloat16
+  activations), where ``jaxoverlap.all_reduce_rms_norm`` raises unless p,
+  residual and weight share one dtype (cast the weight to p's dtype, as Flax
+  layers do with their parameters).
   """
   h = residual + lax.psum(p, axis_name)
   h32 = h.astype(jnp.float32)

@@ -581,6 +581,24 @@ def test_names_table_lists_every_protocol_of_the_cuda_all_reduce():
   assert only == ["one_shot", "two_shot"] and "lamport: one_shot and two_shot" in table, table
 
 
+def test_decisions_come_from_compilations_not_calls():
+  """As decisions() says (trial 44): a program from JAX's caches adds no plan, and
+  jax.clear_caches() brings its plans back at the next call."""
+  mesh = make_mesh((4,), ("tp",))
+  fn = jax.jit(jax.shard_map(lambda x: jaxoverlap.all_reduce(x, "tp"), mesh=mesh,
+                             in_specs=P("tp"), out_specs=P()))
+  x = jnp.asarray(np.random.default_rng().standard_normal(8), jnp.float32)
+  jaxoverlap.clear_decisions()
+  fn(x)
+  assert [p.op for p in jaxoverlap.decisions()] == ["all_reduce"]
+  jaxoverlap.clear_decisions()
+  fn(x)
+  assert jaxoverlap.decisions() == []
+  jax.clear_caches()
+  fn(x)
+  assert [p.op for p in jaxoverlap.decisions()] == ["all_reduce"]
+
+
 def test_decisions_of_an_unknown_op_raise():
   """A misspelt op is an error naming the ops, not an empty list that reads as "nothing ran"."""
   for bad in ("all_gather_mamtul", "allreduce", "psum", ""):

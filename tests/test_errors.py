@@ -202,11 +202,18 @@ def test_unknown_axis_name_every_op(op):
     trace(lambda x, w: fn(x, w, ("tp", "sp")), ((8, 64), F32), ((64, 16), F32))
 
 
-def test_axis_name_outside_shard_map():
-  with pytest.raises(ValueError, match=re.escape(
-      "all_reduce: axis_name='tp' names ('tp',), which the mesh in scope (axes ()) does not "
-      "have")):
-    jax.eval_shape(lambda x: collectives.all_reduce(x, "tp"), jax.ShapeDtypeStruct((8,), F32))
+@pytest.mark.parametrize("how", ["jit", "eager"])
+def test_axis_name_outside_shard_map(how):
+  """No mesh at all (trial 44: the message spoke of a mesh with axes ())."""
+  want = re.escape("all_reduce: axis_name='tp', but no mesh is in scope: all_reduce must be "
+                   "called inside jax.shard_map (a per-rank function over a mesh with that "
+                   "axis), not under jit alone or eagerly")
+  x = jnp.ones((8,), F32)
+  with pytest.raises(ValueError, match=want):
+    if how == "jit":
+      jax.jit(lambda x: collectives.all_reduce(x, "tp"))(x)
+    else:
+      collectives.all_reduce(x, "tp")
 
 
 def test_axis_name_under_set_mesh_but_outside_shard_map():
