@@ -13,6 +13,7 @@ unsharded module and against the full-sequence forward pass.
 
 import itertools
 import re
+import zlib
 
 import jax
 import jax.numpy as jnp
@@ -38,6 +39,14 @@ from jaxoverlap.nnx import (
 AUTO = jax.sharding.AxisType.Auto
 B, S, D, H, F = 4, 8, 32, 4, 64
 _seed = itertools.count(1000)
+
+
+@pytest.fixture(autouse=True)
+def _seed_from_test_id(request):
+  """Each test's draws start from its own id, whatever ran before it (trial 45: a module-wide
+  counter made a test's inputs depend on how many tests came first)."""
+  global _seed
+  _seed = itertools.count(zlib.crc32(request.node.nodeid.encode()))
 
 
 def _key():
@@ -153,15 +162,36 @@ def test_transformer_block_matches_unsharded(mesh_id, sp, algorithm):
 
 
 def test_transformer_block_bf16():
+  """bf16 compute, sharded against unsharded, each leaf against bf16's own error.
+
+  The two differ by the order of float32 sums and by where bf16 rounds, so neither is exact:
+  each leaf of the sharded run (output, input and parameter gradients) must be within twice
+  the unsharded bf16 run's own distance from the same model in float32, plus half a bf16 ulp
+  of the leaf's largest value. A fixed atol/rtol failed a quarter of the seeds on gradients
+  that cancel (a bias's gradient, a sum over 32 rows: trial 45).
+  """
   mesh = _mesh(2, 2)
   config = ParallelConfig(mesh=mesh, sequence_parallel=True, backend="xla",
                           algorithm="ppermute")
-  build = lambda c: TransformerBlock(D, H, F, config=c, dtype=jnp.bfloat16, use_bias=True,
-                                     rngs=nnx.Rngs(0))
-  # bf16 compute: sharded and unsharded differ by the order of fp32 sums and
-  # by where bf16 rounding happens, so compare at a bf16 tolerance.
-  _check_against_reference(build, config, (B, S, D), dtype=jnp.bfloat16,
-                           tol=dict(rtol=5e-2, atol=5e-2))
+  build = lambda c, dtype=jnp.bfloat16: TransformerBlock(D, H, F, config=c, dtype=dtype,
+                                                         use_bias=True, rngs=nnx.Rngs(0))
+  sharded, ref = _make_pair(build, config)
+  exact = build(ParallelConfig(mesh=None), jnp.float32)
+  _load(exact, nnx.to_pure_dict(_params(ref)))
+  x = jax.random.normal(_key(), (B, S, D), jnp.float32).astype(jnp.bfloat16)
+  x = x.at[0, 0, 0].set(8.0).at[-1, -1, -1].set(-8.0)
+  r = jax.random.normal(_key(), (B, S, D), jnp.float32)
+  got, want, exact = (jax.tree.leaves(_forward_and_grads(m, x, r))
+                      for m in (sharded, ref, exact))
+  assert len(got) == len(want) == len(exact) == 2 + len(jax.tree.leaves(_params(ref)))
+  ulp = float(jnp.finfo(jnp.bfloat16).eps)
+  for i, (g, w, e) in enumerate(zip(got, want, exact)):
+    g, w, e = (np.asarray(a, np.float64) for a in (g, w, e))
+    own = np.max(np.abs(w - e))  # what bf16 costs the unsharded model
+    err = np.max(np.abs(g - w))
+    assert err <= 2 * own + 0.5 * ulp * np.max(np.abs(e)), (
+        f"leaf {i} {g.shape}: sharded differs from unsharded by {err:.3g}, where bf16 alone "
+        f"moves the unsharded model {own:.3g} from float32")
 
 
 # ----------------------------------------------------------------------------
