@@ -27,9 +27,17 @@ Algorithm:
     of ``psum`` (invariant over the axis).
   * AllReduce: flatten, zero-pad to a multiple of the number of ranks, ring
     reduce-scatter by ``ppermute``, then ``lax.all_gather(...,
-    to="invarying")`` as above. A ring all-gather by ``ppermute`` would type
-    the result as varying, which ``out_specs=P()`` rejects under
-    ``check_vma=True``.
+    to="invarying")`` as above, so that the ring returns psum's type too.
+
+  Types: each function returns what its ``lax`` expression types, psum's
+  invariance included. The primitives' lowerings (``jaxoverlap._primitives``,
+  via ``mlir.lower_fun``) take the output type from the primitive's abstract
+  evaluation, so there a mistyped result would pass unnoticed; but the JVP
+  rules call these functions (with "collective") outside any lowering, and the
+  tests compare the types of both algorithms, so keep them right.
+
+  The ops branch on the two names alone (``_ring``) and raise on any other: an
+  algorithm added to ``names`` needs its own branch here.
 
   Accumulators travel in float32 and round to the input dtype once, at the
   end: for bfloat16 and float16 inputs the ring sends twice the bytes of
@@ -203,9 +211,23 @@ def _ring_reduce_scatter(partial, dtype, axis_name, num_ranks, mesh_axes=None):
 # Ops. Arguments are validated and dimensions normalised by the callers.
 
 
+def _ring(op: str, algorithm: str) -> bool:
+  """Whether ``algorithm`` is the ring ("ppermute") rather than the collective.
+
+  Raises:
+    ValueError: any other name. Each op below branches on these two names
+      alone, so a name added to ``names`` without its own branch here would
+      otherwise run the ring while the plan names it.
+  """
+  if algorithm not in (names.COLLECTIVE, names.PPERMUTE):
+    raise ValueError(f"_xla.{op}: no branch for algorithm {algorithm!r}; the xla backend "
+                     f"implements {(names.COLLECTIVE, names.PPERMUTE)} (add one here)")
+  return algorithm == names.PPERMUTE
+
+
 def all_reduce(x, axis_name, algorithm: str, mesh_axes=None):
   """``psum(x)``; "ppermute": ring reduce-scatter of the flattened, padded x + all-gather."""
-  if algorithm == "collective" or x.size == 0:
+  if not _ring(names.ALL_REDUCE, algorithm) or x.size == 0:
     return lax.psum(x, axis_name)
   num_ranks = lax.axis_size(axis_name)
   x = to_varying(x, axis_name)
@@ -238,7 +260,7 @@ def all_gather_matmul(x, w, axis_name, gather_dimension: int, algorithm: str, me
   """
   g = gather_dimension
   # XLA rejects an all-gather along an empty dimension; the ring moves nothing.
-  if algorithm == "collective" and x.shape[g] != 0:
+  if not _ring(names.ALL_GATHER_MATMUL, algorithm) and x.shape[g] != 0:
     xg = lax.all_gather(x, axis_name, axis=g, tiled=True)
     return matmul(xg, w).astype(x.dtype), xg
   num_ranks = lax.axis_size(axis_name)
@@ -278,7 +300,7 @@ def matmul_reduce_scatter(x, w, axis_name, scatter_dimension: int, algorithm: st
   s = scatter_dimension
   last = s == x.ndim - 1
   size = w.shape[1] if last else x.shape[s]
-  if algorithm == "collective" and size != 0:
+  if not _ring(names.MATMUL_REDUCE_SCATTER, algorithm) and size != 0:
     return lax.psum_scatter(matmul(x, w).astype(x.dtype), axis_name, scatter_dimension=s,
                             tiled=True)
   num_ranks = lax.axis_size(axis_name)
@@ -300,7 +322,7 @@ def matmul_all_reduce(x, w, axis_name, algorithm: str, mesh_axes=None):
   "ppermute" runs the psum: XLA rejects an all-gather along an empty
   dimension, and there is nothing to overlap.
   """
-  if algorithm == "collective" or x.size == 0 or w.shape[1] == 0:
+  if not _ring(names.MATMUL_ALL_REDUCE, algorithm) or x.size == 0 or w.shape[1] == 0:
     return lax.psum(matmul(x, w).astype(x.dtype), axis_name)
   num_ranks = lax.axis_size(axis_name)
   lead = x.shape[:-1]

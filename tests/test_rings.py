@@ -117,3 +117,33 @@ def test_low_precision_ring_no_worse_than_the_collective(rng, dtype):
     return _rel_rms(f(v), exact)
 
   assert run_ar("ppermute") <= run_ar("collective") * 1.05
+
+
+@pytest.mark.parametrize("op", ["all_reduce", "all_gather_matmul", "matmul_reduce_scatter",
+                                "matmul_all_reduce", "all_reduce_rms_norm"])
+def test_an_xla_algorithm_without_its_branch_raises(monkeypatch, op):
+  """Trial 45: a name added to names._ALGORITHMS[XLA] alone ran the ring while the plan named
+  it. Each _xla op branches on "collective" and "ppermute" only and raises on any other."""
+  from jaxoverlap import names
+
+  table = dict(names._ALGORITHMS)
+  table[names.XLA] = {o: (*a, "tree") for o, a in names._ALGORITHMS[names.XLA].items()}
+  monkeypatch.setattr(names, "_ALGORITHMS", table)
+  mesh = make_mesh((4,), ("tp",))
+  x, w = jnp.ones((4 * 8, 16)), jnp.ones((16, 16))
+  call = {
+      "all_reduce": lambda x, w: jaxoverlap.all_reduce(x, "tp", algorithm="tree"),
+      "all_gather_matmul": lambda x, w: jaxoverlap.all_gather_matmul(x, w, "tp",
+                                                                     algorithm="tree"),
+      "matmul_reduce_scatter": lambda x, w: jaxoverlap.matmul_reduce_scatter(
+          x, w, "tp", algorithm="tree"),
+      "matmul_all_reduce": lambda x, w: jaxoverlap.matmul_all_reduce(x, w, "tp",
+                                                                     algorithm="tree"),
+      "all_reduce_rms_norm": lambda x, w: jaxoverlap.all_reduce_rms_norm(
+          x, x, x[0], "tp", algorithm="tree")[1],
+  }[op]
+  fn = jax.jit(jax.shard_map(call, mesh=mesh, in_specs=(P("tp"), P()), out_specs=P("tp"),
+                             check_vma=False))
+  inner = "all_reduce" if op == "all_reduce_rms_norm" else op
+  with pytest.raises(ValueError, match=f"_xla.{inner}: no branch for algorithm 'tree'"):
+    fn(x, w)
