@@ -84,9 +84,9 @@ def axis_size(op: str, axis_name) -> int:
   missing = [a for a in names_ if a not in mesh_axes]
   if missing and not mesh_axes:
     raise ValueError(
-        f"{op}: axis_name={axis_name!r}, but no mesh is in scope: {op} must be called inside "
-        "jax.shard_map (a per-rank function over a mesh with that axis), not under jit alone "
-        "or eagerly")
+        f"{op}: axis_name={axis_name!r}, but no jax.shard_map mesh axis is in scope: {op} "
+        "must be called inside jax.shard_map (a per-rank function over a mesh with that axis), "
+        "not under jit alone, eagerly or in jax.vmap(axis_name=...)")
   if missing:
     raise ValueError(
         f"{op}: axis_name={axis_name!r} names {tuple(missing)}, which the mesh in scope "

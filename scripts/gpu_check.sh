@@ -104,6 +104,10 @@ status=0
 FILTER='GRPC|WatchTasks|coordination_service|Connection refused|CANCELLED|Source Location|grpc_util|^\[rank .\] $|^\[rank .\] [WI][0-9]{4}'
 
 too_few "$WHAT" && exit 2  # before the build, rather than build and then run nothing
+if [ "$WHAT" = procrepeat ] && ! [[ "${PROC_REPEATS:-4}" =~ ^[1-9][0-9]*$ ]]; then
+  echo "gpu_check.sh: PROC_REPEATS='${PROC_REPEATS}' is not a positive whole number" >&2
+  exit 2
+fi
 nvidia-smi -L | tee "$OUT/gpus.txt"
 # The files that run, as git's tree hash: the machine's .git may lag behind its copied files;
 # their commit is the one `git log --all --format='%H %T' | grep <hash>` prints.

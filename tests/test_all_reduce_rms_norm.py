@@ -275,8 +275,9 @@ def test_scalar_p_is_refused():
 
 
 def test_outside_shard_map_is_refused():
-  with pytest.raises(ValueError, match=r"all_reduce_rms_norm: axis_name=.tp., but no mesh is in "
-                                       r"scope: all_reduce_rms_norm must be called inside "
+  with pytest.raises(ValueError, match=r"all_reduce_rms_norm: axis_name=.tp., but no "
+                                       r"jax.shard_map mesh axis is in scope: "
+                                       r"all_reduce_rms_norm must be called inside "
                                        r"jax.shard_map"):
     jaxoverlap.all_reduce_rms_norm(R, R, W, "tp")
 

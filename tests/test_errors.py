@@ -205,9 +205,10 @@ def test_unknown_axis_name_every_op(op):
 @pytest.mark.parametrize("how", ["jit", "eager"])
 def test_axis_name_outside_shard_map(how):
   """No mesh at all (trial 44: the message spoke of a mesh with axes ())."""
-  want = re.escape("all_reduce: axis_name='tp', but no mesh is in scope: all_reduce must be "
-                   "called inside jax.shard_map (a per-rank function over a mesh with that "
-                   "axis), not under jit alone or eagerly")
+  want = re.escape("all_reduce: axis_name='tp', but no jax.shard_map mesh axis is in scope: "
+                   "all_reduce must be called inside jax.shard_map (a per-rank function over a "
+                   "mesh with that axis), not under jit alone, eagerly or in "
+                   "jax.vmap(axis_name=...)")
   x = jnp.ones((8,), F32)
   with pytest.raises(ValueError, match=want):
     if how == "jit":

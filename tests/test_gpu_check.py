@@ -91,3 +91,24 @@ def test_build_and_suite_run_without_gpu(tmp_path):
   assert proc.returncode == 0, proc.stdout + proc.stderr
   assert len(calls) == 2 and calls[1].startswith("-m pytest -m gpu tests/gpu")
   assert calls[1].endswith("-k nosuch")
+
+
+def test_procrepeat_alternates_the_process_models(tmp_path):
+  """procrepeat: one process, then two through the launcher, PROC_REPEATS times, each with the
+  command results.md's repeats name; a count that is not a positive number stops before the
+  build."""
+  proc, calls = _gpu_check(tmp_path, "procrepeat", gpus=2, PROC_REPEATS="2")
+  assert proc.returncode == 0, proc.stdout + proc.stderr
+  args = "--impls jaxoverlap:auto,xla:psum --sizes 8K,64K,256K,512K,1M --reps 50"
+  out = tmp_path / "out"
+  assert calls[1:] == [
+      f"benchmarks/all_reduce.py --out {out}/p1_run1 {args}",
+      f"-m jaxoverlap.launch --nproc 2 --timeout_s 110 benchmarks/all_reduce.py --out "
+      f"{out}/p2_run1 {args}",
+      f"benchmarks/all_reduce.py --out {out}/p1_run2 {args}",
+      f"-m jaxoverlap.launch --nproc 2 --timeout_s 110 benchmarks/all_reduce.py --out "
+      f"{out}/p2_run2 {args}"]
+  for bad in ("0", "abc", "-1"):
+    proc, calls = _gpu_check(tmp_path / bad, "procrepeat", gpus=2, PROC_REPEATS=bad)
+    assert proc.returncode == 2 and "is not a positive whole number" in proc.stderr
+    assert calls == []

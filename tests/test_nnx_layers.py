@@ -186,6 +186,7 @@ def test_transformer_block_bf16():
   assert len(got) == len(want) == len(exact) == 2 + len(jax.tree.leaves(_params(ref)))
   ulp = float(jnp.finfo(jnp.bfloat16).eps)
   for i, (g, w, e) in enumerate(zip(got, want, exact)):
+    assert g.shape == w.shape and g.dtype == w.dtype, (i, g.shape, g.dtype, w.shape, w.dtype)
     g, w, e = (np.asarray(a, np.float64) for a in (g, w, e))
     own = np.max(np.abs(w - e))  # what bf16 costs the unsharded model
     err = np.max(np.abs(g - w))

@@ -533,7 +533,7 @@ def test_tuner_check_rejects_wrong_kernel(bench, monkeypatch, variant, ok):
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
 @pytest.mark.parametrize("roundings", [1, 7])
-def test_all_reduce_check_bound_is_tight(dtype, roundings):
+def test_all_reduce_check_bound_is_tight(dtype, roundings, rng):
   """The shared check (tuner and benchmark) passes an op off by half its bound on one element of
   one rank and rejects one off by twice the bound there, naming that rank and element; in a
   single call and in the chain. A NaN is rejected."""
@@ -546,7 +546,6 @@ def test_all_reduce_check_bound_is_tight(dtype, roundings):
   from _helpers import make_mesh
 
   mesh = make_mesh((8,), ("x",))
-  rng = np.random.default_rng()
   n = 64
   local = (rng.standard_normal(8 * n) * 1e-3).astype(dtype)
   x = jax.device_put(local, NamedSharding(mesh, P("x")))
@@ -591,6 +590,47 @@ def test_all_reduce_check_bound_is_tight(dtype, roundings):
   assert nan and "512 of 512 elements differ" in nan, nan
   with pytest.raises(ValueError, match="links and roundings must be at least 1"):
     check.all_reduce_mismatch(off_by(0.0, 1), [x], x, mesh=mesh, axis_name="x", links=0)
+
+
+def test_all_reduce_check_bound_by_hand():
+  """The bounds written out (trial 46: the test above plants errors in units of the module's
+  own bound, so a wrong formula would pass it): one rounding into the dtype plus float32
+  reordering of P terms, 2(P-1) * 2^-24 at most, allowed as 2P * 2^-24; k roundings; and the
+  chain's L + 1 calls' worth."""
+  import jax.numpy as jnp
+
+  from jaxoverlap.tuning import check
+
+  u32 = 2.0**-24
+  assert check.element_bound(jnp.bfloat16, 8) == 2.0**-7 + 16 * u32
+  assert check.element_bound(jnp.float16, 2) == 2.0**-10 + 4 * u32
+  assert check.element_bound(jnp.float32, 8) == 2.0**-23 + 16 * u32
+  assert check.element_bound(jnp.bfloat16, 8, roundings=7) == 7 * 2.0**-7 + 16 * u32
+  assert check.element_bound(jnp.bfloat16, 8, links=4) == 5 * (2.0**-7 + 16 * u32)
+  assert check.element_bound(jnp.float16, 4, links=8, roundings=3) == 9 * (3 * 2.0**-10
+                                                                           + 8 * u32)
+
+
+def test_all_reduce_check_passes_psum_in_every_dtype(rng):
+  """lax.psum in the dtype itself (XLA's ring on CPU adds in the dtype) passes the check with
+  P - 1 roundings, on inputs with outliers, single calls and the chain."""
+  import jax
+  from jax.sharding import NamedSharding, PartitionSpec as P
+
+  from jaxoverlap.tuning import check
+
+  from _helpers import make_mesh
+
+  mesh = make_mesh((8,), ("x",))
+  for dtype in ("float32", "bfloat16", "float16"):
+    local = rng.standard_normal(8 * 4096) * 1e-3
+    local[rng.integers(0, local.size, 40)] *= 100.0
+    x = jax.device_put(local.astype(dtype), NamedSharding(mesh, P("x")))
+    small = jax.device_put((rng.standard_normal(8 * 4096) * 1e-3).astype(dtype),
+                           NamedSharding(mesh, P("x")))
+    why = check.all_reduce_mismatch(lambda y: jax.lax.psum(y, "x"), [x, 2 * x, 3 * x], small,
+                                    mesh=mesh, axis_name="x", links=4, roundings=7)
+    assert why is None, (dtype, why)
 
 
 def test_parse_bytes(monkeypatch):

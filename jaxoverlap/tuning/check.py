@@ -13,10 +13,11 @@ Algorithm:
   twice), then ``links`` calls back to back in one jit against the same chain of
   float32 psums. A sum accumulated in float32 and rounded once into the dtype
   (as jaxoverlap's kernels sum) is within ``eps`` (the dtype's) plus float32
-  reordering error, ``P * 2**-24`` for P ranks, of the exact sum, relative to
-  ``sum_r |x_r|``; one that rounds into the dtype at each of ``k`` steps (a
-  ring that adds in the dtype at every hop, as NCCL's bf16 psum may) within
-  ``k * eps`` plus the same. A chain of L links multiplies the values by P at
+  reordering error of the reference's float32 sum, relative to
+  ``sum_r |x_r|``: two orders of P float32 additions differ by at most
+  ``2 (P - 1) * 2**-24``, allowed as ``2 P * 2**-24``. One that rounds into
+  the dtype at each of ``k`` steps (a ring that adds in the dtype at every
+  hop, as NCCL's bf16 psum may) is within ``k * eps`` plus the same. A chain of L links multiplies the values by P at
   every link after the first, and each link adds its own rounding, so the
   chain's bound is ``(L + 1)`` times one call's, relative to
   ``P**(L - 1) * sum_r |x_r|``. The verdict is computed on the devices over the
@@ -41,7 +42,7 @@ def element_bound(dtype: Any, num_ranks: int, links: int = 1, roundings: int = 1
   """
   import jax.numpy as jnp
 
-  one = roundings * float(jnp.finfo(dtype).eps) + num_ranks * 2.0**-24
+  one = roundings * float(jnp.finfo(dtype).eps) + 2 * num_ranks * 2.0**-24
   return one if links == 1 else (links + 1) * one
 
 
