@@ -109,6 +109,7 @@ def test_procrepeat_alternates_the_process_models(tmp_path):
       f"-m jaxoverlap.launch --nproc 2 --timeout_s 110 benchmarks/all_reduce.py --out "
       f"{out}/p2_run2 {args}"]
   for bad in ("0", "abc", "-1"):
+    (tmp_path / bad).mkdir()
     proc, calls = _gpu_check(tmp_path / bad, "procrepeat", gpus=2, PROC_REPEATS=bad)
     assert proc.returncode == 2 and "is not a positive whole number" in proc.stderr
     assert calls == []
