@@ -211,17 +211,27 @@ def _ring_reduce_scatter(partial, dtype, axis_name, num_ranks, mesh_axes=None):
 # Ops. Arguments are validated and dimensions normalised by the callers.
 
 
-def _ring(op: str, algorithm: str) -> bool:
-  """Whether ``algorithm`` is the ring ("ppermute") rather than the collective.
+# The algorithms the ops below branch on. dispatch._xla_plan checks a plan's algorithm
+# against them before the plan is logged, so decisions() never shows a program that cannot lower.
+IMPLEMENTED = (names.COLLECTIVE, names.PPERMUTE)
+
+
+def check_algorithm(op: str, algorithm: str) -> None:
+  """Raises unless ``algorithm`` is one this module implements.
 
   Raises:
-    ValueError: any other name. Each op below branches on these two names
-      alone, so a name added to ``names`` without its own branch here would
-      otherwise run the ring while the plan names it.
+    ValueError: any name but those of ``IMPLEMENTED``. Each op below branches
+      on these two names alone, so a name added to ``names`` without its own
+      branch here would otherwise run the ring while the plan names it.
   """
-  if algorithm not in (names.COLLECTIVE, names.PPERMUTE):
+  if algorithm not in IMPLEMENTED:
     raise ValueError(f"_xla.{op}: no branch for algorithm {algorithm!r}; the xla backend "
-                     f"implements {(names.COLLECTIVE, names.PPERMUTE)} (add one here)")
+                     f"implements {IMPLEMENTED} (add one in jaxoverlap/_xla.py)")
+
+
+def _ring(op: str, algorithm: str) -> bool:
+  """Whether ``algorithm`` is the ring ("ppermute") rather than the collective (checked)."""
+  check_algorithm(op, algorithm)
   return algorithm == names.PPERMUTE
 
 

@@ -52,7 +52,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxoverlap import names, runtime
+from jaxoverlap import _xla, names, runtime
 from jaxoverlap.tuning import policy as _policy
 
 __all__ = ["Request", "Plan", "Geometry", "make_plan", "plan_lowering", "decisions",
@@ -452,6 +452,7 @@ def _xla_plan(r: Request, base: dict, why_backend: str, chunks_ok: bool = False)
     algorithm, why_algorithm = names.COLLECTIVE, "default of backend 'xla'"
   else:
     algorithm, why_algorithm = r.algorithm, "requested"
+  _xla.check_algorithm(r.op, algorithm)  # before the plan is logged
   # CUDA choices that a call with nothing to communicate leaves unused: said, not dropped
   # silently (the other ways to backend 'xla' refuse them, or the caller asked for 'xla').
   unused = [(key, f"{spelled} requested, not used: the call runs on backend 'xla' "

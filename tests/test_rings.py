@@ -123,7 +123,9 @@ def test_low_precision_ring_no_worse_than_the_collective(rng, dtype):
                                 "matmul_all_reduce", "all_reduce_rms_norm"])
 def test_an_xla_algorithm_without_its_branch_raises(monkeypatch, op):
   """Trial 45: a name added to names._ALGORITHMS[XLA] alone ran the ring while the plan named
-  it. Each _xla op branches on "collective" and "ppermute" only and raises on any other."""
+  it. Each _xla op branches on "collective" and "ppermute" only and raises on any other.
+  Trial 46: decisions() then showed the plan of a program that never lowered; the name is now
+  refused while planning, before the plan is logged."""
   from jaxoverlap import names
 
   table = dict(names._ALGORITHMS)
@@ -144,6 +146,13 @@ def test_an_xla_algorithm_without_its_branch_raises(monkeypatch, op):
   }[op]
   fn = jax.jit(jax.shard_map(call, mesh=mesh, in_specs=(P("tp"), P()), out_specs=P("tp"),
                              check_vma=False))
-  inner = "all_reduce" if op == "all_reduce_rms_norm" else op
-  with pytest.raises(ValueError, match=f"_xla.{inner}: no branch for algorithm 'tree'"):
+  jaxoverlap.clear_decisions()
+  with pytest.raises(ValueError, match=f"_xla.{op}: no branch for algorithm 'tree'"):
     fn(x, w)
+  assert jaxoverlap.decisions() == []
+  for algorithm in ("tree", "collective", "ppermute"):  # the ops' own check, below the plan's
+    if algorithm == "tree":
+      with pytest.raises(ValueError, match="_xla.all_reduce: no branch for algorithm 'tree'"):
+        _xla._ring(names.ALL_REDUCE, algorithm)
+    else:
+      assert _xla._ring(names.ALL_REDUCE, algorithm) == (algorithm == "ppermute")
