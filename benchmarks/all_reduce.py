@@ -27,8 +27,9 @@ do. Every implementation is first checked against a float32
 lax.psum of the same input, three calls with different inputs in a row, and
 then as the timed chain calls it, 8 calls back to back in one jit against the
 same chain of float32 psums, on every element of every rank, within the
-rounding of a float32 sum rounded once into the dtype (psum and auto: once
-per hop of a ring) (``jaxoverlap.tuning.check``, the tuner's check);
+rounding of a float32 sum rounded once into the dtype (psum, and auto where
+its plan runs XLA's collective: once per hop of a ring) (``jaxoverlap.tuning.check``,
+the tuner's check);
 one that fails is listed under "rejected" and not timed (floor:launch, one
 kernel launch and no all-reduce, is not checked; xla:psum_graphs, the same
 program as xla:psum, is checked without its XLA options). Ours and
@@ -90,7 +91,7 @@ def cuda_missing(platform: str) -> str | None:
   return _ffi.unavailable_reason()
 
 
-def check_op(op, x, mesh, *, roundings: int = 1) -> str | None:
+def check_op(op, x, mesh) -> str | None:
   """None when ``op`` (per shard, inside ``shard_map`` over ``AXIS``) sums ``x`` as psum does.
 
   ``jaxoverlap.tuning.check.all_reduce_mismatch``, the tuner's check: three
@@ -98,7 +99,9 @@ def check_op(op, x, mesh, *, roundings: int = 1) -> str | None:
   twice, so a stale slot or a Lamport slot left unemptied shows up), then
   ``CHECK_CHAIN`` calls back to back in one jit, as the timed chain makes them,
   each against a float32 ``lax.psum``, on every element of every rank, within
-  the rounding of a float32 sum rounded ``roundings`` times into x's dtype.
+  the rounding of a float32 sum rounded into x's dtype once, or at every hop of
+  a ring where the op's plan runs XLA's collective or the op makes none (psum;
+  ``all_reduce_mismatch``'s ``roundings=None``).
 
   Returns:
     None, or why not: the first difference, or the exception the op raised.
@@ -107,7 +110,7 @@ def check_op(op, x, mesh, *, roundings: int = 1) -> str | None:
 
   try:
     return all_reduce_mismatch(op, [x * (k + 1) for k in range(3)], x, mesh=mesh,
-                               axis_name=AXIS, links=CHECK_CHAIN, roundings=roundings)
+                               axis_name=AXIS, links=CHECK_CHAIN, roundings=None)
   except Exception as e:  # noqa: BLE001: a refusal is a rejection, recorded with its reason
     return f"{type(e).__name__}: {e}".splitlines()[0][:300]
 
@@ -166,11 +169,9 @@ def main(argv):
   def check(impl: str, nbytes: int) -> str | None:
     if impl == harness.LAUNCH_FLOOR:
       return None
-    # One kernel sums in float32 and rounds once; psum (and auto, which may hand the call to
-    # it) may add in the dtype at every hop of NCCL's ring.
-    kernel = tuning.parse_impl(impl) not in (None, (tuning.PSUM, None))
-    return check_op(harness.all_reduce_fn(impl, AXIS), inputs(nbytes)["x"], run.mesh,
-                    roundings=1 if kernel else max(run.world - 1, 1))
+    # A kernel sums in float32 and rounds once; psum may add in the dtype at every hop of
+    # NCCL's ring. Which one runs (auto's choice included) comes from the call's plan.
+    return check_op(harness.all_reduce_fn(impl, AXIS), inputs(nbytes)["x"], run.mesh)
 
   records, rejected = tuning.run_tuning(
       None, check, impls, sizes, dtype=dtype.name,

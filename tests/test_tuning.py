@@ -633,6 +633,42 @@ def test_all_reduce_check_passes_psum_in_every_dtype(rng):
     assert why is None, (dtype, why)
 
 
+def test_all_reduce_check_takes_the_roundings_from_the_plan(monkeypatch, rng):
+  """Trial 46: the benchmark checked every implementation it could not parse (auto among them)
+  with P - 1 roundings, so a kernel run through auto was checked 7x looser at 8 ranks than under
+  its own name. roundings=None reads the plan the op's lowering makes: XLA's collective or no
+  jaxoverlap op, P - 1; the xla ring (float32 carried, rounded once) or a kernel, 1."""
+  import types
+
+  import jax
+  from jax.sharding import NamedSharding, PartitionSpec as P
+
+  import jaxoverlap
+  from jaxoverlap import dispatch
+  from jaxoverlap.tuning import check
+
+  from _helpers import make_mesh
+
+  mesh = make_mesh((8,), ("x",))
+  x = jax.device_put((rng.standard_normal(8 * 512) * 1e-3).astype("bfloat16"),
+                     NamedSharding(mesh, P("x")))
+  of = lambda op: check.roundings_of(op, x, mesh=mesh, axis_name="x")  # noqa: E731
+  assert of(lambda y: jax.lax.psum(y, "x")) == 7
+  assert of(lambda y: jaxoverlap.all_reduce(y, "x")) == 7  # auto on CPU: XLA's collective
+  assert of(lambda y: jaxoverlap.all_reduce(y, "x", algorithm="ppermute")) == 1
+  assert of(lambda y: jaxoverlap.all_reduce(y, "x", algorithm="ppermute") +
+            jaxoverlap.all_reduce(y, "x", algorithm="collective")) == 7  # any collective: P - 1
+  # The ring passes at one rounding, single calls and the chain.
+  ring = lambda y: jaxoverlap.all_reduce(y, "x", algorithm="ppermute")  # noqa: E731
+  assert check.all_reduce_mismatch(ring, [x, 2 * x], x, mesh=mesh, axis_name="x", links=4,
+                                   roundings=None) is None
+  # A kernel's plan (backend "cuda"; none can be lowered on CPU): the log is read around the
+  # lowering.
+  logs = iter([[], [types.SimpleNamespace(backend="cuda", algorithm="one_shot")]])
+  monkeypatch.setattr(dispatch, "decisions", lambda op=None: next(logs))
+  assert of(lambda y: jax.lax.psum(y, "x")) == 1
+
+
 def test_parse_bytes(monkeypatch):
   """One grammar for the tuner's --sizes, the planner's and JAXOVERLAP_*_HEAP_BYTES (the
   tuner's own parser failed on '1MiB' with a traceback the runtime's accepted)."""

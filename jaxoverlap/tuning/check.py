@@ -30,7 +30,7 @@ import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
-__all__ = ["all_reduce_mismatch", "element_bound"]
+__all__ = ["all_reduce_mismatch", "element_bound", "roundings_of"]
 
 
 def element_bound(dtype: Any, num_ranks: int, links: int = 1, roundings: int = 1) -> float:
@@ -44,6 +44,30 @@ def element_bound(dtype: Any, num_ranks: int, links: int = 1, roundings: int = 1
 
   one = roundings * float(jnp.finfo(dtype).eps) + 2 * num_ranks * 2.0**-24
   return one if links == 1 else (links + 1) * one
+
+
+def roundings_of(op: Callable[[Any], Any], x: Any, *, mesh: Any, axis_name: str) -> int:
+  """How many times one call of ``op`` may round into x's dtype, from the plans it makes.
+
+  ``op`` (per shard, inside ``jax.shard_map`` over ``axis_name``) is lowered once
+  on ``x`` and the plans that lowering logs (``jaxoverlap.decisions()``) are
+  read: 1 when every plan runs a jaxoverlap kernel (backend "cuda") or the xla
+  ring ("ppermute"), which carry float32 and round once; ``P - 1`` (at least 1)
+  when one runs XLA's collective (``lax.psum``, which may round at every hop of
+  NCCL's ring), or when ``op`` makes no plan (it is not a jaxoverlap op, or its
+  program was lowered before and came from JAX's cache). So ``algorithm="auto"``
+  is checked by what it chose, not by what it might have chosen.
+  """
+  import jax
+  from jax.sharding import PartitionSpec as P
+
+  from jaxoverlap import dispatch, names
+
+  before = {id(p) for p in dispatch.decisions(names.ALL_REDUCE)}
+  jax.jit(jax.shard_map(op, mesh=mesh, in_specs=P(axis_name), out_specs=P(axis_name))).lower(x)
+  plans = [p for p in dispatch.decisions(names.ALL_REDUCE) if id(p) not in before]
+  once = plans and all(p.backend == names.CUDA or p.algorithm == names.PPERMUTE for p in plans)
+  return 1 if once else max(mesh.shape[axis_name] - 1, 1)
 
 
 @functools.cache
@@ -79,7 +103,7 @@ def _first_difference(what: str, num_ranks: int, got, want, scale, bound: float)
 
 def all_reduce_mismatch(op: Callable[[Any], Any], calls: Sequence[Any], chain_input: Any, *,
                         mesh: Any, axis_name: str, links: int,
-                        roundings: int = 1) -> str | None:
+                        roundings: int | None = 1) -> str | None:
   """None when ``op`` sums as a float32 ``lax.psum`` does, else the first difference.
 
   Args:
@@ -95,7 +119,9 @@ def all_reduce_mismatch(op: Callable[[Any], Any], calls: Sequence[Any], chain_in
     roundings: how many times one call may round into the dtype: 1 (the default)
       for jaxoverlap's kernels, which sum in float32 and round once; P - 1 for
       an implementation that may add in the dtype at every hop of a ring
-      (``lax.psum``, or ``algorithm="auto"``, which may hand the call to it).
+      (``lax.psum``); None: from the plan ``op``'s lowering makes
+      (``roundings_of``, for ``algorithm="auto"`` and any op whose path is not
+      known in advance).
 
   Returns:
     None, or which call or chain differed, how many elements, and the first
@@ -113,9 +139,11 @@ def all_reduce_mismatch(op: Callable[[Any], Any], calls: Sequence[Any], chain_in
 
   from jaxoverlap import _xla
 
-  if links < 1 or roundings < 1:
+  if links < 1 or (roundings is not None and roundings < 1):
     raise ValueError(f"links and roundings must be at least 1, got {links} and {roundings}")
   num_ranks = mesh.shape[axis_name]
+  if roundings is None:
+    roundings = roundings_of(op, chain_input, mesh=mesh, axis_name=axis_name)
   varying = lambda y: _xla.to_varying(y, axis_name)  # noqa: E731  (as the timed chain's links)
 
   def single(y):
