@@ -56,11 +56,11 @@ import threading
 import time
 from typing import Any
 
-from jaxoverlap.tuning.cost_model import PARAM_KEYS as _PARAM_KEYS
+from jaxoverlap import _settings
 
 __all__ = ["main", "initialize_from_env", "slurm_local_devices", "free_port"]
 
-_ENV_PREFIX = "JAXOVERLAP_"
+_ENV_PREFIX = _settings.PREFIX
 # What the launcher gives each process; initialize_from_env() needs all four.
 _LAUNCH_VARIABLES = ("COORDINATOR", "NUM_PROCESSES", "PROCESS_ID", "LOCAL_DEVICE")
 
@@ -84,15 +84,9 @@ def launched() -> bool:
       "SLURM_PROCID" in env and _slurm_num_tasks(env) > 1)
 
 
-# Settings that change what a run measures; recorded in results' commands: the
-# runtime's and the kernels' (docs/design.md), then every cost-model override
-# (jaxoverlap.tuning.cost_model.params_from_env reads JAXOVERLAP_<KEY>).
-SETTINGS = ("FUSED_CMD_BUFFER", "GEMM_ALIGNMENT_CAP", "OVERLAP_HEAP_BYTES", "HEAP_BYTES",
-            "RANKS_PER_NODE", "FORCE_NVSHMEM_PUT", "TUNING_FILE", "TIMEOUT_S",
-            # the kernels' measurement knobs (docs/design.md)
-            "LAMPORT_BLOCKS_PER_SM", "LAMPORT_BLOCK_BYTES", "LAMPORT_MAX_BLOCKS",
-            "LAMPORT_POLL_NS", "NORM_CLUSTER", "EPOCH_AT_START", "HIERARCHICAL_LL",
-            ) + tuple(key.upper() for key in _PARAM_KEYS)
+# Settings that change what a run measures, recorded in results' commands (names without
+# the prefix; jaxoverlap._settings, every cost-model override included).
+SETTINGS = _settings.names(recorded=True, prefix=False)
 
 
 def reproduce_command(script: str, argv: list[str] | None = None) -> str:

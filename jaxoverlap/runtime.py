@@ -90,16 +90,6 @@ DEFAULT_TIMEOUT_S = 100.0
 DEFAULT_INIT_TIMEOUT_S = 120.0  # every wait of initialize(): peers, rank 0's table and id, NVSHMEM
 HEAP_ALIGNMENT = 256  # heap_bytes and overlap_heap_bytes are multiples of this (bytes)
 MIN_TIMEOUT_S, MAX_TIMEOUT_S = 1e-3, 1e9  # the range of timeout_s (seconds); init_timeout_s <= max
-# What must be equal on every process, besides the heap sizes and ranks per node: the
-# measurement knobs that pick the kernel, protocol or grid on both ends of a transfer
-# (docs/design.md), and the cost model's overrides (JAXOVERLAP_<KEY> of
-# tuning.cost_model.PARAM_KEYS, added in _shared_settings): they steer algorithm="auto",
-# and two ranks of a group that chose differently would run different collectives.
-_SHARED_KNOBS = ("JAXOVERLAP_HIERARCHICAL_LL", "JAXOVERLAP_EPOCH_AT_START",
-                 "JAXOVERLAP_NORM_CLUSTER", "JAXOVERLAP_TEST_PAIR_EPOCH",
-                 "JAXOVERLAP_TEST_LL_STALE",
-                 "JAXOVERLAP_LAMPORT_BLOCKS_PER_SM", "JAXOVERLAP_LAMPORT_BLOCK_BYTES",
-                 "JAXOVERLAP_LAMPORT_MAX_BLOCKS", "JAXOVERLAP_LAMPORT_POLL_NS")
 # NVSHMEM's own heap must hold ours plus its internal allocations.
 _NVSHMEM_HEAP_SLACK_BYTES = 256 << 20
 
@@ -303,11 +293,17 @@ def _check_same_on_every_process(settings: dict[str, Any], rank: int, num_ranks:
 
 def _shared_settings(params: dict[str, Any], ranks_per_node: int) -> dict[str, Any]:
   """The settings ``_check_same_on_every_process`` compares."""
-  from jaxoverlap.tuning.cost_model import PARAM_KEYS
+  from jaxoverlap import _settings  # its table of which settings are compared, and how
 
-  knobs = _SHARED_KNOBS + tuple(f"JAXOVERLAP_{key.upper()}" for key in PARAM_KEYS)
-  return {"heap_bytes": params["heap_bytes"], "overlap_heap_bytes": params["overlap_heap_bytes"],
-          "ranks_per_node": ranks_per_node, **{k: os.environ.get(k) or None for k in knobs}}
+  # The resolved values, then the variables as set: the measurement knobs that pick the
+  # kernel, protocol or grid on both ends of a transfer, and the cost model's overrides,
+  # which steer algorithm="auto" (two ranks of a group that chose differently would run
+  # different collectives).
+  resolved = {"heap_bytes": params["heap_bytes"],
+              "overlap_heap_bytes": params["overlap_heap_bytes"],
+              "ranks_per_node": ranks_per_node}
+  return {**resolved, **{k: os.environ.get(k) or None
+                         for k in _settings.names(compared=_settings.VARIABLE)}}
 
 
 def _ranks_per_node_of_hosts(hosts: list[str], rank: int) -> tuple[int | None, str | None]:
