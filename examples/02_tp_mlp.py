@@ -6,7 +6,7 @@ parallel, and the forward all-reduce is ``matmul_all_reduce``. The same
 module with ``ParallelConfig(mesh=None)`` runs unsharded; with the same
 parameters both give the same output and the same gradients.
 
-  python examples/02_tp_mlp.py
+  python examples/02_tp_mlp.py      # needs Flax: pip install ".[nnx]"
 """
 
 import argparse
