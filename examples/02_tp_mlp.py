@@ -18,9 +18,9 @@ def main(dp: int = 2, tp: int = 4, batch: int = 4, seq: int = 16, d: int = 64,
   """Returns the max abs differences (output, gradients) to the unsharded MLP."""
   import jax
   import jax.numpy as jnp
-  from flax import nnx
 
-  from jaxoverlap.nnx import ParallelConfig, ParallelMLP
+  from jaxoverlap.nnx import ParallelConfig, ParallelMLP  # first: says what to install
+  from flax import nnx
 
   mesh = jax.make_mesh((dp, tp), ("dp", "tp"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
   sharded_config = ParallelConfig(mesh=mesh)

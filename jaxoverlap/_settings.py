@@ -1,9 +1,9 @@
 """Every ``JAXOVERLAP_*`` environment variable the package reads, in one table.
 
-Each variable is read in one place (``read_by``); this table says, for each,
-whether ``initialize()`` compares it across processes, whether a results file
-records it in its command (``launch.reproduce_command``), and where users find
-it. ``runtime._shared_settings`` and ``launch.SETTINGS`` are derived from it, and
+For each variable this table names the file that acts on it (``read_by``; the
+runtime also validates some of ``ffi/``'s at start-up) and says whether
+``initialize()`` compares it across processes, whether a results file records
+it in its command (``launch.reproduce_command``), and where users find it. ``runtime._shared_settings`` and ``launch.SETTINGS`` are derived from it, and
 ``tests/test_settings.py`` checks it against the sources (every variable that
 ``jaxoverlap/``, ``ffi/`` and ``CMakeLists.txt`` read is here) and the docs
 (each is in the README's variables table or in docs/design.md's "Settings for
@@ -33,7 +33,7 @@ class Setting:
 
   Attributes:
     name: the variable without ``PREFIX``.
-    read_by: the file that reads it.
+    read_by: the file that acts on it.
     compared: ``VARIABLE`` or ``VALUE`` when processes that differ in it would
       lay out the heap, send or wait differently (``initialize()`` raises
       naming it), else "". Compared once, at start-up.

@@ -211,8 +211,9 @@ def _ring_reduce_scatter(partial, dtype, axis_name, num_ranks, mesh_axes=None):
 # Ops. Arguments are validated and dimensions normalised by the callers.
 
 
-# The algorithms the ops below branch on. dispatch._xla_plan checks a plan's algorithm
-# against them before the plan is logged, so decisions() never shows a program that cannot lower.
+# The algorithms the ops below branch on (every op both). Every dispatch.Plan on backend "xla"
+# checks its algorithm against them when it is made, before it is logged, so decisions() never
+# shows a program that cannot lower.
 IMPLEMENTED = (names.COLLECTIVE, names.PPERMUTE)
 
 

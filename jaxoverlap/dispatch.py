@@ -62,6 +62,7 @@ logger = logging.getLogger("jaxoverlap")
 
 _MAX_DECISIONS = 1000
 _log: collections.deque = collections.deque(maxlen=_MAX_DECISIONS)
+_logged = 0  # plans ever appended to _log (a mark for _plans_since; clear_decisions keeps it)
 _warned: set[str] = set()
 _lock = threading.Lock()
 # (path, table, policy) of the last table seen; the table itself is kept, so that a
@@ -188,6 +189,8 @@ class Plan:
     unknown = [k for k, _ in self.why if k not in self.CHOICES]
     if unknown:  # a planner's bug: reason() could not return these
       raise ValueError(f"Plan: reasons for unknown choices {unknown}; one of {self.CHOICES}")
+    if self.backend == names.XLA:  # an algorithm _xla has no branch for: raises, unlogged
+      _xla.check_algorithm(self.op, self.algorithm)
 
   def reason(self, choice: str) -> str | None:
     """Why ``choice`` (one of ``Plan.CHOICES``) was made; None where this plan made no such
@@ -256,6 +259,19 @@ def decisions(op: str | None = None) -> list[Plan]:
     raise ValueError(f"decisions: op={op!r} is not an op; expected None or one of {names.OPS}")
   with _lock:
     return [p for p in _log if op is None or p.op == op]
+
+
+def _decision_mark() -> int:
+  """How many plans were ever logged; ``_plans_since`` takes it."""
+  with _lock:
+    return _logged
+
+
+def _plans_since(mark: int) -> list[Plan]:
+  """The plans logged since ``_decision_mark()`` returned ``mark`` that are still in the log."""
+  with _lock:
+    new = min(_logged - mark, len(_log))
+    return list(_log)[len(_log) - new:] if new > 0 else []
 
 
 def clear_decisions() -> None:
@@ -452,7 +468,6 @@ def _xla_plan(r: Request, base: dict, why_backend: str, chunks_ok: bool = False)
     algorithm, why_algorithm = names.COLLECTIVE, "default of backend 'xla'"
   else:
     algorithm, why_algorithm = r.algorithm, "requested"
-  _xla.check_algorithm(r.op, algorithm)  # before the plan is logged
   # CUDA choices that a call with nothing to communicate leaves unused: said, not dropped
   # silently (the other ways to backend 'xla' refuse them, or the caller asked for 'xla').
   unused = [(key, f"{spelled} requested, not used: the call runs on backend 'xla' "
@@ -827,8 +842,10 @@ def plan_lowering(ctx, request: Request, num_ranks: int) -> Plan:
   """
   plan = make_plan(request, ctx.avals_in, _concrete_mesh(ctx), runtime.facts(),
                    num_ranks=num_ranks)
+  global _logged
   with _lock:
     _log.append(plan)
+    _logged += 1
   why_backend = plan.reason("backend") or ""
   if request.backend == names.AUTO and why_backend.startswith("auto: ") and \
       plan.backend == names.XLA:

@@ -1,5 +1,6 @@
 """Cost model, tuning table, policy and the tuner's loop (no timing, no GPU)."""
 
+import collections
 import dataclasses
 import json
 import math
@@ -662,10 +663,29 @@ def test_all_reduce_check_takes_the_roundings_from_the_plan(monkeypatch, rng):
   ring = lambda y: jaxoverlap.all_reduce(y, "x", algorithm="ppermute")  # noqa: E731
   assert check.all_reduce_mismatch(ring, [x, 2 * x], x, mesh=mesh, axis_name="x", links=4,
                                    roundings=None) is None
-  # A kernel's plan (backend "cuda"; none can be lowered on CPU): the log is read around the
-  # lowering.
-  logs = iter([[], [types.SimpleNamespace(backend="cuda", algorithm="one_shot")]])
-  monkeypatch.setattr(dispatch, "decisions", lambda op=None: next(logs))
+  # With the log full, every plan of the lowering is still seen (trial 47: comparing id()s of
+  # the plans could miss one whose memory a freed plan had held).
+  monkeypatch.setattr(dispatch, "_log", collections.deque(maxlen=4))
+  for _ in range(3):
+    of(lambda y: jaxoverlap.all_reduce(y, "x", algorithm="ppermute"))
+  assert of(lambda y: sum(jaxoverlap.all_reduce(y, "x", algorithm="ppermute") for _ in range(3))
+            + jaxoverlap.all_reduce(y, "x", algorithm="collective")) == 7
+  # Per shape (trial 47: auto's choice depends on the size): an op that takes the ring for
+  # small inputs and the collective for large ones, checked with the calls' own roundings.
+  by_size = lambda y: jaxoverlap.all_reduce(  # noqa: E731
+      y, "x", algorithm="ppermute" if y.size <= 512 else "collective")
+  big = jax.device_put((rng.standard_normal(8 * 4096) * 1e-3).astype("bfloat16"),
+                       NamedSharding(mesh, P("x")))
+  assert of(by_size) == 1 and check.roundings_of(by_size, big, mesh=mesh, axis_name="x") == 7
+  seen = []
+  monkeypatch.setattr(check, "element_bound",
+                      lambda dtype, p, links=1, roundings=1: seen.append(roundings) or 1.0)
+  check.all_reduce_mismatch(by_size, [big, x], x, mesh=mesh, axis_name="x", links=2,
+                            roundings=None)
+  assert seen == [7, 1, 1], seen
+  # A kernel's plan (backend "cuda"; none can be lowered on CPU) counts once.
+  monkeypatch.setattr(dispatch, "_plans_since", lambda mark: [types.SimpleNamespace(
+      op="all_reduce", backend="cuda", algorithm="one_shot")])
   assert of(lambda y: jax.lax.psum(y, "x")) == 1
 
 

@@ -50,22 +50,25 @@ def roundings_of(op: Callable[[Any], Any], x: Any, *, mesh: Any, axis_name: str)
   """How many times one call of ``op`` may round into x's dtype, from the plans it makes.
 
   ``op`` (per shard, inside ``jax.shard_map`` over ``axis_name``) is lowered once
-  on ``x`` and the plans that lowering logs (``jaxoverlap.decisions()``) are
-  read: 1 when every plan runs a jaxoverlap kernel (backend "cuda") or the xla
-  ring ("ppermute"), which carry float32 and round once; ``P - 1`` (at least 1)
-  when one runs XLA's collective (``lax.psum``, which may round at every hop of
-  NCCL's ring), or when ``op`` makes no plan (it is not a jaxoverlap op, or its
-  program was lowered before and came from JAX's cache). So ``algorithm="auto"``
-  is checked by what it chose, not by what it might have chosen.
+  on ``x`` and the all-reduce plans that lowering logs (``jaxoverlap.decisions()``)
+  are read: 1 when every plan runs a jaxoverlap kernel (backend "cuda") or the
+  xla ring ("ppermute"), which carry float32 and round once; ``P - 1`` (at least
+  1) when one runs XLA's collective (``lax.psum``, which may round at every hop
+  of NCCL's ring), or when ``op`` makes no plan (it is not a jaxoverlap op, or its
+  program came from JAX's cache). So ``algorithm="auto"`` is checked by what it
+  chose, not by what it might have chosen. Only jaxoverlap's plans are seen: a
+  ``lax.psum`` of its own inside an op that also makes a kernel's plan is
+  counted as the kernel (stricter than it needs).
   """
   import jax
   from jax.sharding import PartitionSpec as P
 
   from jaxoverlap import dispatch, names
 
-  before = {id(p) for p in dispatch.decisions(names.ALL_REDUCE)}
+  mark = dispatch._decision_mark()  # pylint: disable=protected-access
   jax.jit(jax.shard_map(op, mesh=mesh, in_specs=P(axis_name), out_specs=P(axis_name))).lower(x)
-  plans = [p for p in dispatch.decisions(names.ALL_REDUCE) if id(p) not in before]
+  plans = [p for p in dispatch._plans_since(mark)  # pylint: disable=protected-access
+           if p.op == names.ALL_REDUCE]
   once = plans and all(p.backend == names.CUDA or p.algorithm == names.PPERMUTE for p in plans)
   return 1 if once else max(mesh.shape[axis_name] - 1, 1)
 
@@ -119,9 +122,9 @@ def all_reduce_mismatch(op: Callable[[Any], Any], calls: Sequence[Any], chain_in
     roundings: how many times one call may round into the dtype: 1 (the default)
       for jaxoverlap's kernels, which sum in float32 and round once; P - 1 for
       an implementation that may add in the dtype at every hop of a ring
-      (``lax.psum``); None: from the plan ``op``'s lowering makes
-      (``roundings_of``, for ``algorithm="auto"`` and any op whose path is not
-      known in advance).
+      (``lax.psum``); None: from the plan ``op``'s lowering makes for each
+      input's shape and dtype (``roundings_of``, for ``algorithm="auto"`` and
+      any op whose path is not known in advance).
 
   Returns:
     None, or which call or chain differed, how many elements, and the first
@@ -142,8 +145,15 @@ def all_reduce_mismatch(op: Callable[[Any], Any], calls: Sequence[Any], chain_in
   if links < 1 or (roundings is not None and roundings < 1):
     raise ValueError(f"links and roundings must be at least 1, got {links} and {roundings}")
   num_ranks = mesh.shape[axis_name]
-  if roundings is None:
-    roundings = roundings_of(op, chain_input, mesh=mesh, axis_name=axis_name)
+  planned: dict[tuple, int] = {}
+
+  def rounds(x) -> int:  # roundings=None: the plan's, per shape and dtype (auto's choice varies)
+    if roundings is not None:
+      return roundings
+    key = (x.shape, x.dtype)
+    if key not in planned:
+      planned[key] = roundings_of(op, x, mesh=mesh, axis_name=axis_name)
+    return planned[key]
   varying = lambda y: _xla.to_varying(y, axis_name)  # noqa: E731  (as the timed chain's links)
 
   def single(y):
@@ -164,9 +174,10 @@ def all_reduce_mismatch(op: Callable[[Any], Any], calls: Sequence[Any], chain_in
   # Every call runs on every process whatever an earlier one found: each is a collective,
   # and a process that skipped one would leave its peers waiting.
   reasons = [_first_difference(f"call {k + 1} of {len(calls)}", num_ranks, *single_fn(x),
-                               element_bound(x.dtype, num_ranks, 1, roundings))
+                               element_bound(x.dtype, num_ranks, 1, rounds(x)))
              for k, x in enumerate(calls)]
   reasons.append(_first_difference(f"{links} calls back to back in one jit", num_ranks,
                                    *chain_fn(chain_input),
-                                   element_bound(chain_input.dtype, num_ranks, links, roundings)))
+                                   element_bound(chain_input.dtype, num_ranks, links,
+                                                 rounds(chain_input))))
   return next((r for r in reasons if r), None)
