@@ -3,12 +3,13 @@
 For each variable this table names the file that acts on it (``read_by``; the
 runtime also validates some of ``ffi/``'s at start-up) and says whether
 ``initialize()`` compares it across processes, whether a results file records
-it in its command (``launch.reproduce_command``), and where users find it. ``runtime._shared_settings`` and ``launch.SETTINGS`` are derived from it, and
+it in its command (``launch.reproduce_command``), and where users find it.
+``runtime._shared_settings`` and ``launch.SETTINGS`` are derived from it, and
 ``tests/test_settings.py`` checks it against the sources (every variable that
-``jaxoverlap/``, ``ffi/`` and ``CMakeLists.txt`` read is here) and the docs
-(each is in the README's variables table or in docs/design.md's "Settings for
-testing the kernels", as ``documented`` says). Adding a variable: docs/design.md,
-"Adding a setting".
+``jaxoverlap/``, ``ffi/``, ``CMakeLists.txt`` and ``cmake/`` read is here) and
+the docs (each is in the README's variables table or in docs/design.md's
+"Settings for testing the kernels", as ``documented`` says). Adding a variable:
+docs/design.md, "Adding a setting".
 """
 
 from __future__ import annotations
