@@ -50,7 +50,7 @@ import sys
 
 from absl import app, flags, logging
 
-from jaxoverlap import names, runtime, tuning
+from jaxoverlap import _cli, names, runtime, tuning
 from jaxoverlap.tuning.check import all_reduce_mismatch
 from jaxoverlap.tuning.results import parse_bytes
 
@@ -340,4 +340,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  _cli.run(main)

@@ -1095,3 +1095,18 @@ def test_tuner_check_passes_a_right_float16_kernel_at_8_ranks(monkeypatch):
   monkeypatch.setattr(tune, "_op", lambda impl: lambda y: jax.lax.psum(
       y.astype(jnp.float32), tune._AXIS).astype(y.dtype))
   assert bench16.check("jaxoverlap:one_shot_ll", 8192) is None
+
+
+@pytest.mark.parametrize("module", ["jaxoverlap.tune", "jaxoverlap.tuning.cluster"])
+def test_the_command_lines_exit_0_on_help_and_1_on_a_bad_flag(module):
+  """Trials 46-47: absl exits 1 after printing --help, as after a bad flag (jaxoverlap._cli)."""
+  import subprocess
+  import sys
+
+  for args, code, says in ((["--help"], 0, "Try --helpfull"), (["-?"], 0, "Try --helpfull"),
+                           (["--helpfull"], 0, "--sizes"),
+                           (["--bogus"], 1, "Unknown command line flag 'bogus'")):
+    out = subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True,
+                         timeout=120, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    assert out.returncode == code and says in out.stdout + out.stderr, (
+        args, out.returncode, out.stdout[-500:], out.stderr[-500:])

@@ -445,7 +445,9 @@ def _main(argv) -> int:
 
 
 if __name__ == "__main__":
-  from absl import app, flags
+  from absl import flags
+
+  from jaxoverlap import _cli
 
   flags.DEFINE_enum("preset", "h200_ndr", sorted(PRESETS), "the machine's parameters")
   flags.DEFINE_integer("nodes", 2, "nodes (N)", lower_bound=1)
@@ -454,4 +456,4 @@ if __name__ == "__main__":
                     + ", ".join(cost_model.PARAM_KEYS) + ")")
   flags.DEFINE_enum("dtype", "bfloat16", sorted(_ITEMSIZE), "element type")
   flags.DEFINE_list("sizes", [], "message sizes per rank (K/M/G suffixes; default 8K..16M)")
-  app.run(_main)
+  _cli.run(_main)
