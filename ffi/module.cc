@@ -176,6 +176,9 @@ NB_MODULE(_jaxoverlap_cuda, m) {
     d["overlap_heap_bytes"] = s.overlap_bytes;
     d["overlap_slot_bytes"] = s.overlap_slot_bytes;
     d["gemm_plans"] = gemm::CachedPlans();
+    nb::list unreachable;
+    for (int pe : all_reduce::UnreachableLocalPes(s)) unreachable.append(pe);
+    d["unreachable_local_pes"] = unreachable;
     return d;
   });
 

@@ -497,6 +497,27 @@ def _cuda_only_choice(r: Request) -> str | None:
   return choices[0][1] if choices else None
 
 
+def _check_reachable(groups, facts: runtime.Facts, axis_name) -> None:
+  """Raises _Fallback where two PEs of one node of a group cannot load/store each other.
+
+  Every kernel's intra-node steps store into the peers' heaps. Every group is
+  checked, not only this PE's, so that every process makes the same plan.
+  """
+  if not facts.unreachable_pairs:
+    return
+  node = lambda pe: pe // facts.ranks_per_node  # noqa: E731
+  for g in groups:
+    members = set(g)
+    for pe, peer in facts.unreachable_pairs:
+      if pe in members and peer in members and node(pe) == node(peer):
+        raise _Fallback(
+            f"PE {pe} cannot load/store PE {peer}'s memory (no NVLink or PCIe peer access "
+            f"between their GPUs), and both are on node {node(pe)} of the group {tuple(g)} over "
+            f"{axis_name!r} (ranks_per_node={facts.ranks_per_node}), whose intra-node steps "
+            "need it; set JAXOVERLAP_RANKS_PER_NODE to a size whose blocks of consecutive ranks "
+            "reach each other (1 on any machine)")
+
+
 def _cuda_plan(r, shapes, dtype, mesh, facts, num_ranks, base) -> Plan:
   """The plan on backend "cuda"; raises _Fallback where a requirement fails."""
   if facts.unavailable is not None:
@@ -510,6 +531,7 @@ def _cuda_plan(r, shapes, dtype, mesh, facts, num_ranks, base) -> Plan:
   except ValueError as e:
     raise _Fallback(str(e)) from None
   group, local_size, num_nodes = _topology(groups, facts.pe, facts.ranks_per_node, r.axis_name)
+  _check_reachable(groups, facts, r.axis_name)
   if r.op == names.ALL_REDUCE_RMS_NORM:
     return _norm_plan(r, shapes, dtype, group, local_size, num_nodes, facts,
                       dict(base, backend=names.CUDA, ranks_per_node=local_size,

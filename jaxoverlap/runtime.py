@@ -127,6 +127,10 @@ class Facts:
     fused_command_buffer: ``JAXOVERLAP_FUSED_CMD_BUFFER=1``: the fused ops
       lower to their command-buffer handlers.
     emulated_nodes: the runtime's nodes share hosts (``nodes_are_emulated``).
+    unreachable_pairs: every ``(pe, peer)`` of one node where ``pe`` cannot
+      load/store ``peer``'s memory (no NVLink or PCIe peer access), gathered
+      from every process at start-up; empty under the in-process runtime, whose
+      start-up requires peer access.
   """
 
   unavailable: str | None
@@ -141,6 +145,7 @@ class Facts:
   limits: Mapping[str, int] = dataclasses.field(default_factory=dict)
   fused_command_buffer: bool = False
   emulated_nodes: bool = False
+  unreachable_pairs: tuple[tuple[int, int], ...] = ()
 
 
 def nodes_are_emulated(hosts: Sequence[str], num_nodes: int) -> bool:
@@ -721,7 +726,30 @@ def _start(params: dict[str, Any]) -> None:
                                    params["overlap_heap_bytes"],
                                    int(params["timeout_s"] * 1e9), rpn),
             wait_s, f"PE {rank} of {num_ranks}", "NVSHMEM's start-up", ext.init_stage)
+  info["unreachable_pairs"] = _unreachable_pairs(ext, rank, num_ranks, wait_s)
   _commit(info, tuning, {}, from_hosts)
+
+
+def _unreachable_pairs(ext, rank: int, num_ranks: int,
+                       wait_s: float) -> tuple[tuple[int, int], ...]:
+  """Every ``(pe, peer)`` of one node where ``pe`` cannot load/store ``peer``'s heap.
+
+  Each process knows only its own pairs (the extension asks NVSHMEM for each
+  peer's address once the heap is up); every process gets them all, so that
+  every rank of a group plans alike (``dispatch``: such groups run on XLA).
+  A process that fails here shuts the native runtime down again.
+  """
+  mine = [int(pe) for pe in ext.info().get("unreachable_local_pes", ())]
+  try:
+    every = ([json.loads(v) for v in _gather("unreachable", json.dumps(mine), rank, num_ranks,
+                                             wait_s)] if num_ranks > 1 else [mine])
+  except BaseException:
+    try:
+      ext.finalize()
+    except Exception:  # noqa: BLE001  # the gather's error is the one to report
+      pass
+    raise
+  return tuple(sorted((pe, int(peer)) for pe, peers in enumerate(every) for peer in peers))
 
 
 def _commit(info: dict[str, Any], tuning: tuple[str, dict | None], pes: dict[int, int],
@@ -1038,7 +1066,8 @@ def facts() -> Facts:
         ranks_per_node=_info["ranks_per_node"], slot_bytes=native["slot_bytes"],
         ll_slot_bytes=native["ll_slot_bytes"], lamport_slot_bytes=native["lamport_slot_bytes"],
         overlap_slot_bytes=native["overlap_slot_bytes"],
-        limits=dict(ext.limits()), emulated_nodes=_info["emulated_nodes"])
+        limits=dict(ext.limits()), emulated_nodes=_info["emulated_nodes"],
+        unreachable_pairs=tuple(_info.get("unreachable_pairs", ())))
     with _lock:
       if _initialized:
         _facts = base
@@ -1052,7 +1081,9 @@ def runtime_info() -> dict[str, Any]:
     A dict with ``initialized``, ``extension`` ("loaded" or why not), and once
     initialised: ``transport``, ``pe``, ``num_pes``, ``ranks_per_node``,
     ``num_nodes``, ``hosts``, ``emulated_nodes`` (True when nodes share a
-    host: ``nodes_are_emulated``), ``heap_bytes``, ``slot_bytes`` (simple-protocol
+    host: ``nodes_are_emulated``), ``unreachable_pairs`` (one process per
+    GPU: the ``(pe, peer)`` pairs of one node without load/store access, whose
+    groups run on XLA under ``backend="auto"``), ``heap_bytes``, ``slot_bytes`` (simple-protocol
     capacity per sender, bytes), ``overlap_slot_bytes`` (the fused ops'
     capacity per sender, bytes), ``ll_slot_bytes`` (LL8 cells per sender,
     bytes), ``lamport_slot_bytes`` (Lamport payload per sender, bytes; 0

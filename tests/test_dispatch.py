@@ -91,6 +91,37 @@ def test_all_reduce_one_node_picks_a_kernel_and_protocol(one_process_per_device)
   assert p.reason("protocol") == "with the algorithm: " + p.reason("algorithm")
 
 
+@pytest.mark.parametrize("op,shapes", [
+    ("all_reduce", [(4096,)]), ("all_gather_matmul", [(64, 256), (256, 128)]),
+    ("matmul_reduce_scatter", [(256, 64), (64, 512)]),
+    ("all_reduce_rms_norm", [(2, 4096), (2, 4096), (4096,)])])
+def test_a_group_with_an_unreachable_pair_runs_on_xla(one_process_per_device, op, shapes):
+  """GPUs of one node without peer access (PCIe without P2P): the kernels raised when they
+  ran, even under backend="auto". The plan now leaves every such group to XLA (or raises under
+  backend="cuda") before any kernel runs, whichever group holds the pair."""
+  mesh_shape, axes = (2, 4), ("dp", "tp")
+  for pairs in (((1, 2),), ((6, 5),)):  # in this PE's group (0-3), in the other one (4-7)
+    p = plan(Request(op, "tp"), shapes, mesh_shape, axes, unreachable_pairs=pairs)
+    assert p.backend == "xla", p.summary()
+    a, b = pairs[0]
+    assert p.reason("backend") == (
+        f"auto: PE {a} cannot load/store PE {b}'s memory (no NVLink or PCIe peer access between "
+        f"their GPUs), and both are on node {a // 4} of the group "
+        f"{(0, 1, 2, 3) if a < 4 else (4, 5, 6, 7)} over 'tp' (ranks_per_node=4), whose "
+        "intra-node steps need it; set JAXOVERLAP_RANKS_PER_NODE to a size whose blocks of "
+        "consecutive ranks reach each other (1 on any machine)")
+    with pytest.raises(ValueError, match=f"backend='cuda' was requested, but PE {a} cannot"):
+      plan(Request(op, "tp", backend="cuda"), shapes, mesh_shape, axes, unreachable_pairs=pairs)
+  # A pair of two groups of the axis (and two nodes): the kernels run.
+  p = plan(Request(op, "tp"), shapes, mesh_shape, axes, unreachable_pairs=((0, 4),))
+  assert p.backend == "cuda", p.summary()
+  # A pair of one group on two nodes: not this check's (the inter-node steps use puts where a
+  # peer is not reachable; the fused ops refuse groups across nodes for their own reason).
+  p = plan(Request(op, "tp"), shapes, mesh_shape, axes, ranks_per_node=2,
+           unreachable_pairs=((1, 2),))
+  assert "cannot load/store" not in p.summary(), p.summary()
+
+
 def test_plan_reason_refuses_a_name_that_is_not_a_choice(one_process_per_device):
   p = plan(Request("all_reduce", "tp"), [(4096,)])
   with pytest.raises(ValueError, match="'bakend' is not a choice; one of"):

@@ -325,12 +325,15 @@ class _StrictStore(_FakeCoordinator):
   """jax.distributed's store: a key, once set, cannot be set again; every barrier passes.
 
   The other processes' settings (``runtime._check_same_on_every_process``) mirror
-  this process's, each changed by ``peer_settings[rank]`` where given.
+  this process's, each changed by ``peer_settings[rank]`` where given; their
+  unreachable peers (``runtime._unreachable_pairs``) are ``peer_unreachable[rank]``
+  (default none).
   """
 
-  def __init__(self, peer_settings=None):
+  def __init__(self, peer_settings=None, peer_unreachable=None):
     super().__init__(passes=True)
     self.peer_settings = peer_settings or {}
+    self.peer_unreachable = peer_unreachable or {}
 
   def key_value_set(self, key, value):
     if key in self.values:
@@ -343,6 +346,8 @@ class _StrictStore(_FakeCoordinator):
       mine = [v for k, v in self.values.items() if k.startswith(prefix + "/")]
       if mine:
         return json.dumps({**json.loads(mine[0]), **self.peer_settings.get(int(rank), {})})
+    if prefix.endswith("/unreachable") and key not in self.values:
+      return json.dumps(self.peer_unreachable.get(int(rank), []))
     return super().blocking_key_value_get(key, timeout_ms)
 
 
@@ -359,6 +364,7 @@ class _FakeRuntimeExtension(_FakeExtension):
   def __init__(self):
     super().__init__()
     self.started = []
+    self.unreachable_local_pes = []
 
   def get_unique_id(self):
     return b"uid"
@@ -372,7 +378,8 @@ class _FakeRuntimeExtension(_FakeExtension):
   def info(self):
     return dict(slot_bytes=1, ll_slot_bytes=1, lamport_slot_bytes=0, lamport_blocks_per_sm=2,
                 overlap_slot_bytes=1, force_nvshmem_put=0, hierarchical_ll_kernel="v4",
-                epochs_at_start=False, norm_blocks_per_row=0)
+                epochs_at_start=False, norm_blocks_per_row=0,
+                unreachable_local_pes=list(self.unreachable_local_pes))
 
   def limits(self):
     return {"max_group_size": 8}
@@ -646,6 +653,34 @@ def test_settings_that_differ_between_processes_are_refused(fake_gpu, peer, what
   with pytest.raises(RuntimeError, match=r"the processes resolved different settings.*" + what):
     runtime.initialize()
   assert not ext.started and not runtime.is_initialized()
+
+
+def test_unreachable_pairs_are_gathered_from_every_process(fake_gpu):
+  """Without peer access between two GPUs of a node, the kernels failed when they ran, even
+  under backend="auto". Each process reports the peers of its node it cannot reach; every
+  process gets them all (so every rank of a group plans alike)."""
+  ext, store = fake_gpu(0, ["a"] * 4, store=_StrictStore(peer_unreachable={2: [1, 3], 3: [0]}))
+  ext.unreachable_local_pes = [3]
+  runtime.initialize()
+  want = ((0, 3), (2, 1), (2, 3), (3, 0))
+  assert runtime.facts().unreachable_pairs == want
+  assert runtime.runtime_info()["unreachable_pairs"] == want
+  assert store.values[f"jaxoverlap/{runtime._generation - 1}/unreachable/0"] == "[3]"
+
+
+def test_a_failed_gather_of_unreachable_pairs_stops_the_native_runtime(fake_gpu, monkeypatch):
+  ext, _ = fake_gpu(0, ["a"] * 2)
+  real = runtime._gather
+
+  def gather(what, *args):
+    if what == "unreachable":
+      raise RuntimeError("jaxoverlap.initialize (rank 0 of 2): ranks [1] did not reach ...")
+    return real(what, *args)
+
+  monkeypatch.setattr(runtime, "_gather", gather)
+  with pytest.raises(RuntimeError, match="ranks \\[1\\] did not reach"):
+    runtime.initialize()
+  assert ext.started and ext.finalized == 1 and not runtime.is_initialized()
 
 
 def test_settings_compared_are_the_resolved_ones(fake_gpu, monkeypatch):

@@ -2042,6 +2042,16 @@ ffi::Error CheckLocalPeers(const RuntimeState& s, const Topology& t, const char*
   return ffi::Error::Success();
 }
 
+std::vector<int> UnreachableLocalPes(const RuntimeState& s) {
+  std::vector<int> out;
+  if (!s.initialized || s.ranks_per_node < 1) return out;
+  const int first = (s.my_pe / s.ranks_per_node) * s.ranks_per_node;
+  for (int pe = first; pe < std::min(first + s.ranks_per_node, s.num_pes); ++pe) {
+    if (pe != s.my_pe && PeerAddress(s.peers, s.heap, pe) == nullptr) out.push_back(pe);
+  }
+  return out;
+}
+
 ffi::Error MakeTopology(const char* op, const int64_t* groups, size_t num_entries,
                         int64_t group_size, int my_pe, int num_pes, int ranks_per_node,
                         Topology* topo) {

@@ -6,6 +6,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <vector>
 
 #include "jaxoverlap/runtime.h"
 #include "xla/ffi/api/ffi.h"
@@ -58,6 +59,12 @@ ffi::Error MakeTopology(const char* op, const int64_t* groups, size_t num_entrie
 // cannot be reached by load/store (the kernels store through PeerAddress; a
 // null address would be an illegal access on the device).
 ffi::Error CheckLocalPeers(const RuntimeState& s, const Topology& t, const char* op);
+
+// The PEs of this PE's node (node = pe / s.ranks_per_node) whose heap it cannot
+// reach by load/store (no NVLink or PCIe peer access), in PE order; empty
+// before start-up. initialize() gathers them from every process, so that
+// plans can leave such groups to XLA before any kernel runs.
+std::vector<int> UnreachableLocalPes(const RuntimeState& s);
 
 // All-reduce of `num_elements` elements of `dtype` from `in` to `out` over the
 // group, on `stream`, by the GPU whose runtime is `s`. Messages larger than

@@ -180,6 +180,16 @@ def test_sweep_quick(ar, kv, topology, nccl):
 
 
 @pytest.mark.quick
+def test_every_pe_of_a_node_reaches_the_others(topology):
+  """initialize() gathers the pairs of a node without load/store access (a PCIe machine
+  without P2P would list them, and plans would leave their groups to XLA); on these GPUs,
+  NVLink or one GPU shared, there are none, on every rank."""
+  if topology.info.get("transport") != "nvshmem":
+    pytest.skip("the in-process runtime requires peer access at start-up instead")
+  assert tuple(topology.info["unreachable_pairs"]) == ()
+
+
+@pytest.mark.quick
 def test_sweep_quick_16bit(ar, ops, kv, topology):
   if topology.num_nodes == 1:
     pytest.skip("one node: test_sweep covers 16-bit dtypes (world 2)")
