@@ -10,18 +10,16 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from absl import app
-
-# The help flags absl defines (app.define_help_flags), in the spellings absl accepts.
-_HELP = {f"{dash}{name}" for dash in ("-", "--")
-         for name in ("help", "helpshort", "helpfull", "helpxml", "?")}
+from absl import app, flags
 
 
 def _parse(argv: Sequence[str]) -> list[str]:
   try:
     return app.parse_flags_with_usage(argv)
   except SystemExit as e:
-    if e.code == 1 and any(a in _HELP for a in argv[1:]):  # absl printed the help asked for
+    # absl exits 1 both ways; a bad flag exits while it handles the flags.Error, the help
+    # (--help, --help=true, --helpfull, ... wherever they stand) with nothing being handled.
+    if e.code == 1 and not isinstance(e.__context__, flags.Error):
       raise SystemExit(0) from None
     raise
 

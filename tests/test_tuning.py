@@ -1104,8 +1104,12 @@ def test_the_command_lines_exit_0_on_help_and_1_on_a_bad_flag(module):
   import sys
 
   for args, code, says in ((["--help"], 0, "Try --helpfull"), (["-?"], 0, "Try --helpfull"),
-                           (["--helpfull"], 0, "--sizes"),
-                           (["--bogus"], 1, "Unknown command line flag 'bogus'")):
+                           (["--helpfull"], 0, "--sizes"), (["--help=true"], 0, "Try --helpfull"),
+                           (["--bogus"], 1, "Unknown command line flag 'bogus'"),
+                           # The help wins over an unknown flag beside it, as in argparse.
+                           (["--bogus", "--help"], 0, "Try --helpfull"),
+                           # Trial 48: "--help" as a flag's value is not a request for help.
+                           (["--sizes", "--help", "--bogus"], 1, "Unknown command line flag")):
     out = subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True,
                          timeout=120, env=dict(os.environ, JAX_PLATFORMS="cpu"))
     assert out.returncode == code and says in out.stdout + out.stderr, (
