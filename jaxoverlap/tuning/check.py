@@ -58,7 +58,9 @@ def roundings_of(op: Callable[[Any], Any], x: Any, *, mesh: Any, axis_name: str)
   program came from JAX's cache). So ``algorithm="auto"`` is checked by what it
   chose, not by what it might have chosen. Only jaxoverlap's plans are seen: a
   ``lax.psum`` of its own inside an op that also makes a kernel's plan is
-  counted as the kernel (stricter than it needs).
+  counted as the kernel (stricter than it needs). The plans are those logged
+  while ``op`` is lowered: another thread lowering at the same time would add
+  its own.
   """
   import jax
   from jax.sharding import PartitionSpec as P
