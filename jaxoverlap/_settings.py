@@ -6,8 +6,8 @@ runtime also validates some of ``ffi/``'s at start-up) and says whether
 it in its command (``launch.reproduce_command``), and where users find it.
 ``runtime._shared_settings`` and ``launch.SETTINGS`` are derived from it, and
 ``tests/test_settings.py`` checks it against the sources (every variable that
-``jaxoverlap/``, ``ffi/``, ``CMakeLists.txt`` and ``cmake/`` read is here) and
-the docs (each is in the README's variables table or in docs/design.md's
+``jaxoverlap/``, the C++, CUDA and CMake files and ``build_backend/`` read is
+here) and the docs (each is in the README's variables table or in docs/design.md's
 "Settings for testing the kernels", as ``documented`` says). Adding a variable:
 docs/design.md, "Adding a setting".
 """
