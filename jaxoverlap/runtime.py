@@ -737,18 +737,22 @@ def _unreachable_pairs(ext, rank: int, num_ranks: int,
   Each process knows only its own pairs (the extension asks NVSHMEM for each
   peer's address once the heap is up); every process gets them all, so that
   every rank of a group plans alike (``dispatch``: such groups run on XLA).
-  A process that fails here shuts the native runtime down again.
+
+  Raises:
+    RuntimeError: a process did not arrive within ``wait_s``. NVSHMEM, up on
+      this process, is then left to its exit, as ``finalize()`` leaves it when
+      a peer is gone: its shutdown is a barrier the missing ranks would never
+      join.
   """
   mine = [int(pe) for pe in ext.info().get("unreachable_local_pes", ())]
+  if num_ranks == 1:
+    return tuple((0, int(peer)) for peer in mine)
   try:
-    every = ([json.loads(v) for v in _gather("unreachable", json.dumps(mine), rank, num_ranks,
-                                             wait_s)] if num_ranks > 1 else [mine])
-  except BaseException:
-    try:
-      ext.finalize()
-    except Exception:  # noqa: BLE001  # the gather's error is the one to report
-      pass
-    raise
+    every = [json.loads(v) for v in _gather("unreachable", json.dumps(mine), rank, num_ranks,
+                                            wait_s)]
+  except RuntimeError as e:
+    raise RuntimeError(f"{e}. NVSHMEM started on this process and is left to its exit (its "
+                       "shutdown is a barrier that the missing ranks would never join)") from None
   return tuple(sorted((pe, int(peer)) for pe, peers in enumerate(every) for peer in peers))
 
 
