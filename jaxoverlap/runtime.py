@@ -599,7 +599,8 @@ def initialize(
       divide the number of processes; the hosts are not checked then (ranks
       placed round-robin, nodes of different sizes, hosts of one NVLink
       domain), and where two GPUs of one such node cannot reach each other,
-      the CUDA all-reduce raises when it runs, naming the pair. Setting 1 makes
+      the calls whose groups hold the pair run on XLA under backend="auto"
+      and raise under "cuda", naming it (``runtime_info()["unreachable_pairs"]``). Setting 1 makes
       each GPU its own "node" (on one host: the inter-node path; ranks placed
       round-robin across hosts: correct, without the intra-node steps). With
       the in-process runtime a process is a node of its GPUs, and only that
@@ -744,13 +745,13 @@ def _unreachable_pairs(ext, rank: int, num_ranks: int,
       a peer is gone: its shutdown is a barrier the missing ranks would never
       join.
   """
-  mine = [int(pe) for pe in ext.info().get("unreachable_local_pes", ())]
-  if num_ranks == 1:
-    return tuple((0, int(peer)) for peer in mine)
   try:
+    mine = [int(pe) for pe in ext.info().get("unreachable_local_pes", ())]
+    if num_ranks == 1:
+      return tuple((0, peer) for peer in mine)
     every = [json.loads(v) for v in _gather("unreachable", json.dumps(mine), rank, num_ranks,
                                             wait_s)]
-  except RuntimeError as e:
+  except Exception as e:  # noqa: BLE001  # said, with what it leaves behind
     raise RuntimeError(f"{e}. NVSHMEM started on this process and is left to its exit (its "
                        "shutdown is a barrier that the missing ranks would never join)") from None
   return tuple(sorted((pe, int(peer)) for pe, peers in enumerate(every) for peer in peers))
@@ -812,6 +813,7 @@ def _initialize_peer(ext, devices, params: dict[str, Any]) -> None:
       "num_nodes": num_processes,
       "hosts": hosts,
       "emulated_nodes": nodes_are_emulated(hosts, num_processes),
+      "unreachable_pairs": (),  # initialize_peer requires peer access between every pair
       "heap_bytes": params["heap_bytes"],
       "overlap_heap_bytes": params["overlap_heap_bytes"],
       "timeout_s": params["timeout_s"],
