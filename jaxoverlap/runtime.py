@@ -241,6 +241,29 @@ def _gather(what: str, value: str, rank: int, num_ranks: int, timeout_s: float) 
   return values
 
 
+def _first_line(e: BaseException) -> str:
+  text = str(e).strip()
+  return text.splitlines()[0] if text else type(e).__name__
+
+
+def _barrier_or_raise(what: str, rank: int, num_ranks: int, timeout_s: float) -> None:
+  """Waits until every rank reaches the start-up step ``what`` (bounded by ``timeout_s``).
+
+  Raises:
+    RuntimeError: the barrier failed (some rank did not reach it in time); it
+      fails on every rank alike.
+  """
+  try:
+    _client_or_raise().wait_at_barrier(f"jaxoverlap/{_generation}/{what}/done",
+                                       int(timeout_s * 1000))
+  except Exception as e:  # noqa: BLE001 - jax raises its own error types for a timeout
+    raise RuntimeError(
+        f"jaxoverlap.initialize (rank {rank} of {num_ranks}): not every process finished the "
+        f"start-up step '{what}' within {timeout_s:g} s ({_first_line(e)}); "
+        "every process fails at this step alike. Check the other processes' output, or raise "
+        "init_timeout_s (JAXOVERLAP_INIT_TIMEOUT_S)") from None
+
+
 def _exchange(key: str, value: bytes | None, rank: int, timeout_s: float) -> bytes:
   """Rank 0 (value given) publishes ``value`` under ``key``; others read it (bounded).
 
@@ -739,11 +762,15 @@ def _unreachable_pairs(ext, rank: int, num_ranks: int,
   peer's address once the heap is up); every process gets them all, so that
   every rank of a group plans alike (``dispatch``: such groups run on XLA).
 
+  A barrier ends the step, so the processes come up together or fail together
+  (without it, a rank whose gather timed out as the last value arrived would
+  fail while the others came up).
+
   Raises:
-    RuntimeError: a process did not arrive within ``wait_s``. NVSHMEM, up on
-      this process, is then left to its exit, as ``finalize()`` leaves it when
-      a peer is gone: its shutdown is a barrier the missing ranks would never
-      join.
+    RuntimeError: a process did not arrive within ``wait_s`` (at the gather or
+      at the barrier after it). NVSHMEM, up on this process, is then left to
+      its exit, as ``finalize()`` leaves it when a peer is gone: its shutdown
+      is a barrier the missing ranks would never join.
   """
   try:
     mine = [int(pe) for pe in ext.info().get("unreachable_local_pes", ())]
@@ -751,6 +778,8 @@ def _unreachable_pairs(ext, rank: int, num_ranks: int,
       return tuple((0, peer) for peer in mine)
     every = [json.loads(v) for v in _gather("unreachable", json.dumps(mine), rank, num_ranks,
                                             wait_s)]
+    # The coordination service's barrier passes or fails for every rank alike.
+    _barrier_or_raise("unreachable", rank, num_ranks, wait_s)
   except Exception as e:  # noqa: BLE001  # said, with what it leaves behind
     raise RuntimeError(f"{e}. NVSHMEM started on this process and is left to its exit (its "
                        "shutdown is a barrier that the missing ranks would never join)") from None

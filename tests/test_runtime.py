@@ -685,6 +685,26 @@ def test_a_failed_gather_of_unreachable_pairs_leaves_nvshmem_to_the_exit(fake_gp
   assert ext.started and ext.finalized == 0 and not runtime.is_initialized()
 
 
+def test_the_unreachable_pairs_step_ends_with_a_barrier_every_rank_passes_or_fails(fake_gpu):
+  """Trial 49: a rank whose gather timed out as the last value arrived failed while the others
+  came up. The step now ends with the coordination service's barrier, which fails for all."""
+  store = _StrictStore()
+  ext, _ = fake_gpu(0, ["a"] * 2, store=store)
+  runtime.initialize()
+  assert (f"jaxoverlap/{runtime._generation - 1}/unreachable/done",
+          int(runtime.DEFAULT_INIT_TIMEOUT_S * 1000)) in store.barriers
+
+  store = _StrictStore()
+  store.passes = False
+  runtime.finalize()
+  ext, _ = fake_gpu(0, ["a"] * 2, store=store)
+  with pytest.raises(RuntimeError, match=r"rank 0 of 2\): not every process finished the start-up "
+                     r"step 'unreachable' within .*DEADLINE_EXCEEDED: Barrier timed out.*"
+                     r"NVSHMEM started on this process and is left to its exit"):
+    runtime.initialize()
+  assert ext.started and ext.finalized == 0 and not runtime.is_initialized()
+
+
 def test_settings_compared_are_the_resolved_ones(fake_gpu, monkeypatch):
   ext, store = fake_gpu(0, ["a", "a"])
   monkeypatch.setenv("JAXOVERLAP_EPOCH_AT_START", "1")
