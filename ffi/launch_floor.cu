@@ -139,6 +139,21 @@ __global__ void CopyKernel(const uint4* in, uint4* out, size_t num_vectors, cons
   }
 }
 
+// The copies write x.size_bytes() into out, by 16-byte vectors: out must be as
+// large, and both 16-byte aligned (XLA's buffers are).
+ffi::Error CheckCopy(const char* op, const ffi::AnyBuffer& x, const ffi::AnyBuffer& out) {
+  if (out.size_bytes() != x.size_bytes()) {
+    return ffi::Error::InvalidArgument(std::string(op) + ": out has " +
+                                       std::to_string(out.size_bytes()) + " bytes, x " +
+                                       std::to_string(x.size_bytes()) + "; they must be equal");
+  }
+  if (reinterpret_cast<uintptr_t>(x.untyped_data()) % 16 != 0 ||
+      reinterpret_cast<uintptr_t>(out.untyped_data()) % 16 != 0) {
+    return ffi::Error::InvalidArgument(std::string(op) + ": x and out must be 16-byte aligned");
+  }
+  return ffi::Error::Success();
+}
+
 template <FloorMode kMode>
 ffi::Error LaunchFloorExecute(cudaStream_t stream, ffi::AnyBuffer x,
                               ffi::Result<ffi::AnyBuffer> out, int32_t parts) {
@@ -153,6 +168,7 @@ ffi::Error LaunchFloorExecute(cudaStream_t stream, ffi::AnyBuffer x,
       return ffi::Error::InvalidArgument("launch_floor: parts=" + std::to_string(parts) +
                                          " combines bookkeeping schemes that share a counter");
   }
+  JAXOVERLAP_RETURN_IF_ERROR(CheckCopy("launch_floor", x, *out));
   const size_t bytes = x.size_bytes();
   if (bytes == 0) return ffi::Error::Success();
   const size_t vectors = bytes / 16;
@@ -201,6 +217,7 @@ ffi::Error LaunchFloorShaped(cudaStream_t stream, ffi::AnyBuffer x, ffi::Result<
     return ffi::Error::InvalidArgument("launch_floor: threads=" + std::to_string(threads) +
                                        " is not a multiple of 32 in 32..1024");
   }
+  JAXOVERLAP_RETURN_IF_ERROR(CheckCopy("launch_floor", x, *out));
   const size_t bytes = x.size_bytes();
   if (bytes == 0) return ffi::Error::Success();
   const size_t vectors = bytes / 16;
@@ -220,6 +237,8 @@ constexpr int kPrefetchNone = 0;
 constexpr int kPrefetchBulk = 1;       // cp.async.bulk.prefetch.L2 (Hopper's TMA), chunks
 constexpr int kPrefetchLines = 2;      // prefetch.global.L2, one 128-byte line per thread
 constexpr int kPrefetchLinesLast = 3;  // prefetch.global.L2::evict_last
+// The stand-in wait for peers is a probe's microseconds; one second bounds it.
+constexpr int64_t kMaxPrefetchWaitNs = 1000000000;
 
 __global__ void CopyPrefetchKernel(const uint4* in, uint4* out, size_t num_vectors,
                                    const char* in_tail, char* out_tail, size_t tail_bytes,
@@ -274,13 +293,16 @@ ffi::Error LaunchFloorPrefetch(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBu
                                int64_t wait_ns) {
   if (method < kPrefetchNone || method > kPrefetchLinesLast || blocks < 1 || blocks > 1024 ||
       chunk < 16 || chunk % 16 != 0 || prefetch_bytes < 0 || wait_ns < 0 ||
+      wait_ns > kMaxPrefetchWaitNs ||
       reinterpret_cast<uintptr_t>(weight.untyped_data()) % 16 != 0) {
     return ffi::Error::InvalidArgument(
         "launch_floor_prefetch: method " + std::to_string(method) + ", blocks " +
         std::to_string(blocks) + ", chunk " + std::to_string(chunk) + ", prefetch_bytes " +
         std::to_string(prefetch_bytes) + ", wait_ns " + std::to_string(wait_ns) +
-        " (method 0-3, blocks 1-1024, chunk a positive multiple of 16, a 16-byte aligned weight)");
+        " (method 0-3, blocks 1-1024, chunk a positive multiple of 16, wait_ns 0-" +
+        std::to_string(kMaxPrefetchWaitNs) + ", a 16-byte aligned weight)");
   }
+  JAXOVERLAP_RETURN_IF_ERROR(CheckCopy("launch_floor_prefetch", x, *out));
   if (method == kPrefetchBulk) {  // Hopper's instruction: refuse it where it would do nothing
     int device = 0, major = 0;
     cudaError_t err = cudaGetDevice(&device);

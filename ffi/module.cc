@@ -149,7 +149,7 @@ NB_MODULE(_jaxoverlap_cuda, m) {
 
   m.def("finalize", []() { ThrowIfError(Finalize()); });
   m.def("init_stage", []() { return std::string(InitStage()); });
-  m.def("set_timeout_ns", &SetTimeout, nb::arg("timeout_ns"));
+  m.def("synchronize", []() { ThrowIfError(Synchronize()); });
 
   m.def("info", []() {
     const RuntimeState& s = State();

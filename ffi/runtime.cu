@@ -118,6 +118,20 @@ struct Layout {
 // (jaxoverlap/runtime.py checks it first).
 constexpr size_t kHeapAlignment = 256;
 
+// Every device wait is bounded by the timeout: 0 would trap each wait that does
+// not succeed at once. The range of jaxoverlap/runtime.py's timeout_s, in ns.
+constexpr uint64_t kMinTimeoutNs = 1000000, kMaxTimeoutNs = 1000000000000000000ull;
+
+ffi::Error CheckTimeout(uint64_t timeout_ns) {
+  if (timeout_ns < kMinTimeoutNs || timeout_ns > kMaxTimeoutNs) {
+    return Fail(ffi::ErrorCode::kInvalidArgument,
+                "timeout_ns " + std::to_string(timeout_ns) + " is outside [" +
+                    std::to_string(kMinTimeoutNs) + ", " + std::to_string(kMaxTimeoutNs) +
+                    "] (1 ms to 1e9 s)");
+  }
+  return ffi::Error::Success();
+}
+
 ffi::Error MakeLayout(int num_pes, int ranks_per_node, size_t heap_bytes, size_t overlap_bytes,
                       Layout* out) {
   if (num_pes < 1) {
@@ -393,10 +407,6 @@ int NumLocalDevices() { return g_num_devices; }
 
 const char* InitStage() { return g_init_stage.load(); }
 
-void SetTimeout(uint64_t timeout_ns) {
-  for (int i = 0; i < g_num_devices; ++i) g_states[g_devices[i]].timeout_ns = timeout_ns;
-}
-
 ffi::Error GetUniqueId(std::string* out) {
   nvshmemx_uniqueid_t id = NVSHMEMX_UNIQUEID_INITIALIZER;
   JAXOVERLAP_NVSHMEM_RETURN_IF_ERROR(nvshmemx_get_uniqueid(&id));
@@ -425,6 +435,7 @@ ffi::Error Initialize(const std::string& unique_id, int rank, int num_ranks, int
                 "NVSHMEM unique id has " + std::to_string(unique_id.size()) +
                     " bytes, expected " + std::to_string(sizeof(nvshmemx_uniqueid_t)));
   }
+  JAXOVERLAP_RETURN_IF_ERROR(CheckTimeout(timeout_ns));
   if (rank < 0 || rank >= num_ranks) {
     return Fail(ffi::ErrorCode::kInvalidArgument, "rank " + std::to_string(rank) +
                                                       " is outside [0, " +
@@ -493,11 +504,22 @@ ffi::Error Initialize(const std::string& unique_id, int rank, int num_ranks, int
     gemm::Shutdown();
     return e;
   }
-  JAXOVERLAP_CUDA_RETURN_IF_ERROR(cudaDeviceSynchronize());
+  // From here a failure frees what this PE made alone, as above.
+  const auto undo = [&](cudaError_t err, const char* what) {
+    ffi::Error e = CudaError(err, what, __FILE__, __LINE__);
+    TearDownDevice(st, device, nullptr);
+    gemm::Shutdown();
+    return e;
+  };
+  if (const cudaError_t err = cudaDeviceSynchronize(); err != cudaSuccess) {
+    return undo(err, "cudaDeviceSynchronize (after setting up the GPU)");
+  }
   DebugStep("nvshmem_barrier_all (every PE must have allocated its heap)");
   // Every PE has zeroed its signals before anyone may write them.
   nvshmem_barrier_all();
-  JAXOVERLAP_CUDA_RETURN_IF_ERROR(cudaDeviceSynchronize());
+  if (const cudaError_t err = cudaDeviceSynchronize(); err != cudaSuccess) {
+    return undo(err, "cudaDeviceSynchronize (after NVSHMEM's start-up barrier)");
+  }
   st.initialized = true;
   g_devices[0] = device;
   g_num_devices = 1;
@@ -516,11 +538,13 @@ ffi::Error InitializePeer(const int* devices, int num_devices, int first_pe, int
                 "the in-process runtime drives 1 to " + std::to_string(kMaxGroupSize) +
                     " GPUs, got " + std::to_string(num_devices));
   }
-  if (first_pe < 0 || first_pe + num_devices > num_pes) {
+  JAXOVERLAP_RETURN_IF_ERROR(CheckTimeout(timeout_ns));
+  if (first_pe < 0 || first_pe + num_devices > num_pes || first_pe % num_devices != 0) {
     return Fail(ffi::ErrorCode::kInvalidArgument,
                 "PEs " + std::to_string(first_pe) + ".." +
                     std::to_string(first_pe + num_devices - 1) + " are outside the job's " +
-                    std::to_string(num_pes));
+                    std::to_string(num_pes) + ", or do not start at a multiple of " +
+                    std::to_string(num_devices) + " (one node per process)");
   }
   for (int i = 0; i < num_devices; ++i) {
     if (devices[i] < 0 || devices[i] >= kMaxDevices) {
@@ -626,6 +650,24 @@ ffi::Error InitializePeer(const int* devices, int num_devices, int first_pe, int
   return ffi::Error::Success();
 }
 
+namespace {
+
+// Every driven GPU finishes its work; the first failure, or success.
+ffi::Error SynchronizeDevices(const char* when) {
+  FirstError first;
+  for (int i = 0; i < g_num_devices; ++i) {
+    const std::string on =
+        " (GPU " + std::to_string(g_devices[i]) + ", " + std::string(when) + ")";
+    first.Cuda(cudaSetDevice(g_devices[i]), "cudaSetDevice" + on);
+    first.Cuda(cudaDeviceSynchronize(), "cudaDeviceSynchronize" + on);
+  }
+  return first.Take();
+}
+
+}  // namespace
+
+ffi::Error Synchronize() { return SynchronizeDevices("before finalize"); }
+
 ffi::Error Finalize() {
   if (g_mode == Mode::kNone) return ffi::Error::Success();
   StopWatchdog();
@@ -633,12 +675,20 @@ ffi::Error Finalize() {
   FirstError first;
   // Every driven GPU finishes first: a fused op's last AckKernel on one GPU
   // stores into its peers' heaps, which must outlive it.
-  for (int i = 0; i < g_num_devices; ++i) {
-    const std::string on = " (GPU " + std::to_string(g_devices[i]) + ", at finalize)";
-    first.Cuda(cudaSetDevice(g_devices[i]), "cudaSetDevice" + on);
-    first.Cuda(cudaDeviceSynchronize(), "cudaDeviceSynchronize" + on);
+  ffi::Error synced = SynchronizeDevices("at finalize");
+  // A GPU that cannot finish (its context lost) would not take part in
+  // NVSHMEM's collective shutdown; NVSHMEM is then left to the process's exit.
+  // (Python's finalize() synchronises first and only then meets the other
+  // processes, so that they skip it alike.)
+  const bool nvshmem_collectives = mode == Mode::kNvshmem && synced.success();
+  if (synced.failure() && mode == Mode::kNvshmem) {
+    first.Add(Fail(ffi::ErrorCode::kInternal, synced.message() +
+                                      "; NVSHMEM's collective shutdown is skipped and left to "
+                                      "the process's exit"));
+  } else {
+    first.Add(std::move(synced));
   }
-  if (mode == Mode::kNvshmem) {
+  if (nvshmem_collectives) {
     first.Cuda(cudaSetDevice(State().device), "cudaSetDevice (at finalize)");
     nvshmem_barrier_all();  // every PE's GPU has finished before any heap goes
     nvshmem_free(State().heap);
@@ -648,7 +698,7 @@ ffi::Error Finalize() {
     first.Add(TearDownDevice(st, g_devices[i], mode == Mode::kPeer ? st.heap : nullptr));
   }
   first.Add(gemm::Shutdown());
-  if (mode == Mode::kNvshmem) nvshmem_finalize();
+  if (nvshmem_collectives) nvshmem_finalize();
   g_num_devices = 0;
   g_mode = Mode::kNone;
   return first.Take();

@@ -178,6 +178,18 @@ def is_initialized() -> bool:
   return _initialized
 
 
+# The kernels' integer measurement knobs (ffi/all_reduce/all_reduce.cu, LamportKnobs and
+# NormKnob): the values they accept, checked at initialize().
+_INTEGER_KNOBS = {
+    "JAXOVERLAP_LAMPORT_BLOCKS_PER_SM": (lambda v: v in (1, 2, 4), "1, 2 or 4"),
+    "JAXOVERLAP_LAMPORT_BLOCK_BYTES": (lambda v: v >= 16, "an integer of at least 16 (bytes)"),
+    "JAXOVERLAP_LAMPORT_MAX_BLOCKS": (lambda v: True, "a non-negative integer (0: what fits)"),
+    "JAXOVERLAP_LAMPORT_POLL_NS": (lambda v: v < 2**32, "an integer from 0 to 2**32 - 1 (ns)"),
+    "JAXOVERLAP_NORM_CLUSTER": (lambda v: v <= 8, "an integer from 0 to 8 (0: by the row's "
+                                                  "size)"),
+}
+
+
 def _valid_alignment_cap(text: str) -> bool:
   """JAXOVERLAP_GEMM_ALIGNMENT_CAP's rule (ffi/overlap/gemm.cc): a power of two in 1..256."""
   return text.isdigit() and 1 <= int(text) <= 256 and int(text) & (int(text) - 1) == 0
@@ -454,6 +466,13 @@ def _resolve(heap_bytes, overlap_heap_bytes, timeout_s, ranks_per_node,
   if cap is not None and not _valid_alignment_cap(cap):
     raise ValueError(f"JAXOVERLAP_GEMM_ALIGNMENT_CAP={cap!r}: expected a power of two "
                      "from 1 to 256 (bytes)")
+  for name, (valid, expected) in _INTEGER_KNOBS.items():
+    text = (env.get(name) or "").strip()
+    if text and not (text.isdigit() and valid(int(text))):
+      # ffi/ reads these once, at the first kernel, and could only say so on stderr.
+      raise ValueError(f"{name}={env[name]!r}: expected {expected} (a measurement knob, "
+                       "docs/design.md 'Settings for testing the kernels'); unset it for the "
+                       "default")
   if env.get("JAXOVERLAP_TEST_LL_STALE") == "1":
     # The stale cells carry flags 0 (even slots) and 1 (odd): the flags of the calls just after
     # the 32-bit wrap. A count that reaches such a call before both period-end calls have
@@ -955,6 +974,15 @@ def tuning_table() -> tuple[str, dict | None]:
 FINALIZE_WAIT_S = 30.0
 
 
+def _synchronize(ext) -> str | None:
+  """Waits for every GPU this process drives; why one failed (a lost context), or None."""
+  try:
+    ext.synchronize()
+  except RuntimeError as e:
+    return _first_line(e)
+  return None
+
+
 def _peers_gone_at_finalize() -> str | None:
   """Why NVSHMEM's finalising barrier would not return, or None when every process is there.
 
@@ -991,7 +1019,9 @@ def finalize() -> None:
   ``FINALIZE_WAIT_S`` seconds, whose outcome every process sees alike; where
   not every process arrived (one died, was killed, or is still busy), or a
   device wait failed, NVSHMEM is left to the processes' exit, with a warning,
-  instead of a barrier that would never return.
+  instead of a barrier that would never return. A process whose GPU cannot
+  finish its work (its context lost, say by a fault in another kernel) stays
+  away from that barrier, so the others skip NVSHMEM's shutdown too.
 
   XLA records the ops' kernels into CUDA graphs with the runtime's device
   addresses, and replays a graph without asking the op again. So
@@ -1003,8 +1033,9 @@ def finalize() -> None:
   compiled before ``finalize()`` after it.
 
   Raises:
-    RuntimeError: the native shutdown failed (the message names the GPU and the
-      CUDA call); the runtime is marked down all the same.
+    RuntimeError: the native shutdown failed, or a GPU of this process could
+      not finish its work (the message names the GPU and the CUDA call); the
+      runtime is marked down all the same.
   """
   _finalize(clear_caches=True)
 
@@ -1024,6 +1055,17 @@ def _finalize(clear_caches: bool) -> None:
     if ext.device_error() is not None:
       # A peer may be gone; the finalising barrier would never return.
       logger.warning("jaxoverlap: skipping the runtime's finalize after a device error")
+    elif (failed := _synchronize(ext)) is not None:
+      # This process stays away from the barrier below, so every other
+      # process skips NVSHMEM's collective shutdown too; the native finalize
+      # then frees what is this process's alone and raises the failure.
+      logger.warning("jaxoverlap: a GPU of this process did not finish its work, so no "
+                     "process runs NVSHMEM's collective shutdown: %s", failed)
+      try:
+        ext.finalize()
+      finally:
+        _mark_down(clear_caches)
+      return
     elif (gone := _peers_gone_at_finalize()) is not None:
       logger.warning("jaxoverlap: skipping the runtime's finalize, whose barrier would never "
                      "return: %s", gone)

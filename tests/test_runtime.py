@@ -258,12 +258,19 @@ def test_slurm_placement_that_names_no_visible_gpu():
 class _FakeExtension:
   def __init__(self):
     self.finalized = 0
+    self.sync_error = None  # what synchronize() and finalize() raise, if anything
 
   def device_error(self):
     return None
 
+  def synchronize(self):
+    if self.sync_error:
+      raise RuntimeError(self.sync_error)
+
   def finalize(self):
     self.finalized += 1
+    if self.sync_error:
+      raise RuntimeError(self.sync_error + "; NVSHMEM's collective shutdown is skipped")
 
 
 class _FakeCoordinator(FakeStore):
@@ -310,6 +317,21 @@ def test_finalize_runs_nvshmem_when_every_process_arrives(monkeypatch):
   ext = _up_with_nvshmem(monkeypatch, client)
   runtime.finalize()
   assert ext.finalized == 1 and not runtime.is_initialized() and len(client.barriers) == 1
+
+
+def test_finalize_after_a_gpu_failed_keeps_every_process_out_of_nvshmem(monkeypatch, caplog):
+  """Trial 50: a context lost by a fault outside jaxoverlap (no device error of ours) still
+  took this process to the finalize barrier, and the others into NVSHMEM's shutdown barrier,
+  which this process never joined. It now stays away, so the barrier fails for all."""
+  client = _FakeCoordinator(passes=True)
+  ext = _up_with_nvshmem(monkeypatch, client)
+  ext.sync_error = ("cudaDeviceSynchronize (GPU 0, before finalize) failed: "
+                    "cudaErrorIllegalAddress")
+  with caplog.at_level("WARNING", logger=runtime.logger.name):
+    with pytest.raises(RuntimeError, match="cudaErrorIllegalAddress; NVSHMEM's collective"):
+      runtime.finalize()
+  assert client.barriers == [] and ext.finalized == 1 and not runtime.is_initialized()
+  assert "no process runs NVSHMEM's collective shutdown" in caplog.text, caplog.text
 
 
 def test_finalize_without_jax_distributed_runs_nvshmem(monkeypatch):
@@ -751,6 +773,26 @@ def test_a_refused_value_names_the_variable_it_came_from(monkeypatch, var, value
   monkeypatch.setenv(var, value)
   with pytest.raises(ValueError, match=match):
     runtime._resolve(None, None, None, None, None)
+
+
+@pytest.mark.parametrize("var,value,expected", [
+    ("JAXOVERLAP_LAMPORT_BLOCKS_PER_SM", "3", "1, 2 or 4"),
+    ("JAXOVERLAP_LAMPORT_BLOCK_BYTES", "8", "at least 16"),
+    ("JAXOVERLAP_LAMPORT_MAX_BLOCKS", "-1", "a non-negative integer"),
+    ("JAXOVERLAP_LAMPORT_POLL_NS", str(2**32), "from 0 to 2\\*\\*32 - 1"),
+    ("JAXOVERLAP_NORM_CLUSTER", "16", "from 0 to 8"),
+    ("JAXOVERLAP_NORM_CLUSTER", "four", "from 0 to 8"),
+])
+def test_measurement_knobs_out_of_range_are_refused(monkeypatch, var, value, expected):
+  """Trial 50: the kernels changed such values silently (3 blocks an SM ran as 2, a cluster
+  of 16 as 8, -1 maximum blocks as 2**64 - 1), under a label that named the value set."""
+  for name in _PARAMETER_VARIABLES:
+    monkeypatch.delenv(name, raising=False)
+  monkeypatch.setenv(var, value)
+  with pytest.raises(ValueError, match=rf"{var}=.{value}.: expected .*{expected}"):
+    runtime._resolve(None, None, None, None, None)
+  monkeypatch.setenv(var, "4" if var != "JAXOVERLAP_LAMPORT_BLOCK_BYTES" else "4096")
+  runtime._resolve(None, None, None, None, None)  # an accepted value
 
 
 def test_finalize_clears_the_compilation_caches(fake_gpu, monkeypatch):

@@ -54,6 +54,8 @@
 #include <nvshmemx.h>
 
 #include <algorithm>
+#include <atomic>
+#include <cerrno>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -1649,13 +1651,23 @@ bool KnobIs(const char* name, const char* value, const char* what) {
   return set;
 }
 
-// The integer in the environment variable `name`, or `fallback` where it is
-// unset or empty; *set becomes true where it is set.
+// The non-negative integer in the environment variable `name`, or `fallback`
+// where it is unset or empty; *set becomes true where it is set. A value that
+// is not one is ignored, saying so on stderr (initialize() refuses it first:
+// jaxoverlap/runtime.py, _INTEGER_KNOBS).
 long long KnobInt(const char* name, long long fallback, bool* set) {
   const char* v = std::getenv(name);
   if (v == nullptr || *v == '\0') return fallback;
+  char* end = nullptr;
+  errno = 0;
+  const long long value = std::strtoll(v, &end, 10);
+  if (errno != 0 || end == v || *end != '\0' || value < 0) {
+    std::fprintf(stderr, "jaxoverlap: measurement knob %s=%s is not a non-negative integer; "
+                 "ignored\n", name, v);
+    return fallback;
+  }
   *set = true;
-  return std::atoll(v);
+  return value;
 }
 
 // The Lamport kernels' grid, for timing its variants side by side
@@ -1682,7 +1694,11 @@ const LamportKnobConfig& LamportKnobs() {
         16, static_cast<size_t>(KnobInt("JAXOVERLAP_LAMPORT_BLOCK_BYTES", k.block_bytes, &any)));
     k.max_blocks = static_cast<size_t>(KnobInt("JAXOVERLAP_LAMPORT_MAX_BLOCKS", 0, &any));
     k.poll_ns = static_cast<unsigned int>(KnobInt("JAXOVERLAP_LAMPORT_POLL_NS", 0, &any));
-    if (k.blocks_per_sm != 1 && k.blocks_per_sm != 4) k.blocks_per_sm = kLamportBlocksPerSm;
+    if (k.blocks_per_sm != 1 && k.blocks_per_sm != 2 && k.blocks_per_sm != 4) {
+      std::fprintf(stderr, "jaxoverlap: JAXOVERLAP_LAMPORT_BLOCKS_PER_SM=%d is not 1, 2 or 4; "
+                   "ignored\n", k.blocks_per_sm);
+      k.blocks_per_sm = kLamportBlocksPerSm;
+    }
     if (any) {
       std::fprintf(stderr, "jaxoverlap: Lamport measurement knobs set: %d blocks/SM, %zu B a "
                    "block, max %zu blocks (0: what fits), poll back-off %u ns\n",
@@ -2367,6 +2383,14 @@ ffi::Error AllReduceRmsNorm(const RuntimeState& s, cudaStream_t stream, ffi::Dat
                               : static_cast<int>(std::clamp<size_t>(
                                     CeilDiv(row_lines, kNormLinesPerBlock), 1, kMaxNormCluster));
   while (parts > 1 && s.norm_clusters_at_once[parts] == 0) --parts;
+  if (NormKnob() != 0 && parts != NormKnob()) {
+    static std::atomic<bool> said{false};
+    if (!said.exchange(true)) {
+      std::fprintf(stderr, "jaxoverlap: JAXOVERLAP_NORM_CLUSTER=%d: GPU %d holds no cluster of "
+                   "%d blocks; all_reduce_rms_norm runs with %d blocks a row\n", NormKnob(),
+                   s.device, NormKnob(), parts);
+    }
+  }
   const size_t at_once = static_cast<size_t>(s.norm_clusters_at_once[parts]);
   if (at_once == 0) {
     return ffi::Error(ffi::ErrorCode::kInternal,

@@ -6,7 +6,9 @@
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
+#include <initializer_list>
 #include <string>
+#include <utility>
 
 #include "jaxoverlap/all_reduce.h"
 #include "jaxoverlap/check.h"
@@ -19,6 +21,21 @@ namespace ffi = xla::ffi;
 
 namespace {
 
+// The kernels move `alignment`-byte vectors of XLA's buffers (16 bytes; the
+// norm kernel 8). XLA aligns its buffers to more than that, but a buffer that
+// is not would fault on the GPU and lose the context: refused here, by name.
+ffi::Error CheckAligned(const char* op,
+                        std::initializer_list<std::pair<const char*, const void*>> buffers,
+                        uintptr_t alignment) {
+  for (const auto& [name, data] : buffers) {
+    if (reinterpret_cast<uintptr_t>(data) % alignment != 0) {
+      return ffi::Error::InvalidArgument(std::string(op) + ": buffer " + name + " is not " +
+                                         std::to_string(alignment) + "-byte aligned");
+    }
+  }
+  return ffi::Error::Success();
+}
+
 ffi::Error AllReduceExecute(cudaStream_t stream, int32_t device, ffi::AnyBuffer x,
                             ffi::Result<ffi::AnyBuffer> out, Attrs attrs) {
   JAXOVERLAP_RETURN_IF_ERROR(CheckExecution("all_reduce", stream, device));
@@ -26,6 +43,8 @@ ffi::Error AllReduceExecute(cudaStream_t stream, int32_t device, ffi::AnyBuffer 
   if (x.element_type() != out->element_type() || x.element_count() != out->element_count()) {
     return ffi::Error::InvalidArgument("all_reduce: output type/shape differs from the input");
   }
+  JAXOVERLAP_RETURN_IF_ERROR(CheckAligned(
+      "all_reduce", {{"x", x.untyped_data()}, {"out", out->untyped_data()}}, 16));
   Topology topo;
   JAXOVERLAP_RETURN_IF_ERROR(MakeTopology("all_reduce", attrs.groups.begin(),
                                           attrs.groups.size(), attrs.group_size, s.my_pe,
@@ -51,6 +70,8 @@ ffi::Error StageExecute(cudaStream_t stream, int32_t device, ffi::AnyBuffer x,
   if (shard.element_type() != ffi::DataType::F32) {
     return ffi::Error::InvalidArgument(std::string(op) + ": the shard must be float32");
   }
+  JAXOVERLAP_RETURN_IF_ERROR(
+      CheckAligned(op, {{"x", x.untyped_data()}, {"out", out->untyped_data()}}, 16));
   Topology topo;
   JAXOVERLAP_RETURN_IF_ERROR(MakeTopology(op, groups.begin(), groups.size(), group_size,
                                           s.my_pe, s.num_pes, s.ranks_per_node, &topo));
@@ -86,6 +107,11 @@ ffi::Error AllReduceRmsNormExecute(cudaStream_t stream, int32_t device, ffi::Any
         std::string(kOp) + ": residual, h and y must have p's " + std::to_string(count) +
         " elements and weight the " + std::to_string(hidden) + " of its last dimension");
   }
+  JAXOVERLAP_RETURN_IF_ERROR(CheckAligned(
+      kOp,
+      {{"p", p.untyped_data()}, {"residual", residual.untyped_data()},
+       {"weight", weight.untyped_data()}, {"h", h->untyped_data()}, {"y", y->untyped_data()}},
+      8));
   Topology topo;
   JAXOVERLAP_RETURN_IF_ERROR(MakeTopology(kOp, groups.begin(), groups.size(), group_size,
                                           s.my_pe, s.num_pes, s.ranks_per_node, &topo));

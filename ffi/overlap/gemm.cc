@@ -317,6 +317,8 @@ ffi::Error Launch(cudaStream_t stream, const Gemm& g, When when) {
 
 ffi::Error Run(cudaStream_t stream, const Gemm& g) { return Launch(stream, g, When::kAlways); }
 
+ffi::Error Plan(const Gemm& g) { return Launch(nullptr, g, When::kNever); }
+
 ffi::Error Preload(cudaStream_t stream, const Gemm& g) {
   // Under stream capture (XLA's command buffers) nothing runs now, and a graph
   // loads its kernels when it is instantiated or updated, not half-way through

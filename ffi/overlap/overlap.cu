@@ -490,19 +490,23 @@ struct ReduceScatterGemms {
     g.c = Slot(c.s, c.g.local[first]) + q0 * n * es;
     return g;
   }
-  // Before the phase's first wait (gemm::Preload says why). Running them
-  // early is safe: the staging buffers and `own` are this rank's and the
-  // call rewrites them; C is only read.
-  ffi::Error Preload() const {
+  // fn(g) for every GEMM of the phase, up to the first failure.
+  template <typename Fn>
+  ffi::Error ForEach(Fn fn) const {
     for (int i = 1; i < c.g.size; ++i) {
-      for (int q = 0; q < chunks; ++q) {
-        JAXOVERLAP_RETURN_IF_ERROR(gemm::Preload(c.compute, Partial(i, q)));
-      }
+      for (int q = 0; q < chunks; ++q) JAXOVERLAP_RETURN_IF_ERROR(fn(Partial(i, q)));
     }
-    for (int q = 0; q < chunks; ++q) {
-      JAXOVERLAP_RETURN_IF_ERROR(gemm::Preload(c.compute, Own(q)));
-    }
+    for (int q = 0; q < chunks; ++q) JAXOVERLAP_RETURN_IF_ERROR(fn(Own(q)));
     return ffi::Error::Success();
+  }
+  // Every plan first, so that a GEMM cuBLASLt cannot run fails before any
+  // runs (no output left partly written); then the preloads, before the
+  // phase's first wait (gemm::Preload says why). Running them early is safe:
+  // the staging buffers and `own` are this rank's and the call rewrites them;
+  // C is only read.
+  ffi::Error Preload() const {
+    JAXOVERLAP_RETURN_IF_ERROR(ForEach([](const gemm::Gemm& g) { return gemm::Plan(g); }));
+    return ForEach([this](const gemm::Gemm& g) { return gemm::Preload(c.compute, g); });
   }
 };
 
@@ -670,14 +674,18 @@ ffi::Error AllGatherMatmul(const RuntimeState& s, cudaStream_t stream, const Gro
                      out + (p.out_offset + src * rows * n) * es, p.rows, k, n, p.batch, rows * k,
                      size * rows * n);
   };
-  // Nothing runs before the checks (no output left partly written). Then the
-  // preloads, all before the first wait (gemm::Preload says why); they write
-  // only `out`, which the call rewrites, and read slots that may be half-written.
+  // Nothing runs before the checks and every GEMM's plan (no output left
+  // partly written). Then the preloads, all before the first wait
+  // (gemm::Preload says why); they write only `out`, which the call rewrites,
+  // and read slots that may be half-written.
   JAXOVERLAP_RETURN_IF_ERROR(Precheck(c));
-  JAXOVERLAP_RETURN_IF_ERROR(gemm::Preload(stream, own));
-  for (int i = 1; i < size; ++i) {
-    for (int q = 0; q < chunks; ++q) {
-      JAXOVERLAP_RETURN_IF_ERROR(gemm::Preload(stream, chunk_gemm(i, q)));
+  for (const bool run : {false, true}) {
+    const auto prepare = [&](const gemm::Gemm& g) {
+      return run ? gemm::Preload(stream, g) : gemm::Plan(g);
+    };
+    JAXOVERLAP_RETURN_IF_ERROR(prepare(own));
+    for (int i = 1; i < size; ++i) {
+      for (int q = 0; q < chunks; ++q) JAXOVERLAP_RETURN_IF_ERROR(prepare(chunk_gemm(i, q)));
     }
   }
 

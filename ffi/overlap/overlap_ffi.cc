@@ -6,6 +6,7 @@
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
+#include <initializer_list>
 #include <string>
 
 #include "jaxoverlap/check.h"
@@ -35,6 +36,16 @@ ffi::Error Prepare(const char* op, cudaStream_t stream, int32_t device, const At
         std::to_string(attrs.chunks) + " (1.." + std::to_string(kMaxChunks) + ") precision=" +
         std::to_string(static_cast<int>(attrs.precision)));
   }
+  // Python plans empty operands on XLA; an empty dimension here would still
+  // run the row chunks' GEMMs (batch 1) past the empty buffers. The batch is
+  // cuBLASLt's int32 batch count.
+  if (attrs.outer < 1 || attrs.rows < 1 || attrs.k < 1 || attrs.n < 1 ||
+      attrs.outer > INT32_MAX) {
+    return ffi::Error::InvalidArgument(
+        std::string(op) + ": every dimension must be at least 1 (outer at most 2^31 - 1), got "
+        "outer=" + std::to_string(attrs.outer) + " rows=" + std::to_string(attrs.rows) +
+        " k=" + std::to_string(attrs.k) + " n=" + std::to_string(attrs.n));
+  }
   JAXOVERLAP_RETURN_IF_ERROR(MakeGroup(State(device), op, attrs.groups, attrs.group_size, group));
   opt->transport = attrs.transport;
   opt->chunks = static_cast<int>(attrs.chunks);
@@ -42,8 +53,17 @@ ffi::Error Prepare(const char* op, cudaStream_t stream, int32_t device, const At
   return ffi::Error::Success();
 }
 
+// `b` holds the product of `factors` elements of `dtype`; a product past
+// int64 (attributes no buffer can match) is refused as such.
 ffi::Error CheckBuffer(const char* op, const char* name, const ffi::AnyBuffer& b,
-                       ffi::DataType dtype, int64_t expected) {
+                       ffi::DataType dtype, std::initializer_list<int64_t> factors) {
+  int64_t expected = 1;
+  for (int64_t f : factors) {
+    if (__builtin_mul_overflow(expected, f, &expected)) {
+      return ffi::Error::InvalidArgument(std::string(op) + ": the element count of buffer " +
+                                         name + " overflows int64; bad shape attributes");
+    }
+  }
   if (b.element_type() != dtype || static_cast<int64_t>(b.element_count()) != expected) {
     return ffi::Error::InvalidArgument(
         std::string(op) + ": buffer " + name + " has " + std::to_string(b.element_count()) +
@@ -61,12 +81,12 @@ ffi::Error AllGatherMatmulImpl(cudaStream_t stream, int32_t device, ffi::AnyBuff
   Options opt;
   JAXOVERLAP_RETURN_IF_ERROR(Prepare(op, stream, device, a, &g, &opt));
   const ffi::DataType t = x.element_type();
-  JAXOVERLAP_RETURN_IF_ERROR(CheckBuffer(op, "x", x, t, a.outer * a.rows * a.k));
-  JAXOVERLAP_RETURN_IF_ERROR(CheckBuffer(op, "w", w, t, a.k * a.n));
-  JAXOVERLAP_RETURN_IF_ERROR(CheckBuffer(op, "out", *out, t, a.outer * g.size * a.rows * a.n));
+  JAXOVERLAP_RETURN_IF_ERROR(CheckBuffer(op, "x", x, t, {a.outer, a.rows, a.k}));
+  JAXOVERLAP_RETURN_IF_ERROR(CheckBuffer(op, "w", w, t, {a.k, a.n}));
+  JAXOVERLAP_RETURN_IF_ERROR(CheckBuffer(op, "out", *out, t, {a.outer, g.size, a.rows, a.n}));
   if (gathered != nullptr) {
     JAXOVERLAP_RETURN_IF_ERROR(
-        CheckBuffer(op, "gathered", *gathered, t, a.outer * g.size * a.rows * a.k));
+        CheckBuffer(op, "gathered", *gathered, t, {a.outer, g.size, a.rows, a.k}));
   }
   return AllGatherMatmul(State(device), stream, g, opt, t, x.untyped_data(), w.untyped_data(),
                          out->untyped_data(),
@@ -94,9 +114,9 @@ ffi::Error MatmulReduceScatterExecute(cudaStream_t stream, int32_t device, ffi::
   Options opt;
   JAXOVERLAP_RETURN_IF_ERROR(Prepare(op, stream, device, a, &g, &opt));
   const ffi::DataType t = x.element_type();
-  JAXOVERLAP_RETURN_IF_ERROR(CheckBuffer(op, "x", x, t, a.outer * g.size * a.rows * a.k));
-  JAXOVERLAP_RETURN_IF_ERROR(CheckBuffer(op, "w", w, t, a.k * a.n));
-  JAXOVERLAP_RETURN_IF_ERROR(CheckBuffer(op, "out", *out, t, a.outer * a.rows * a.n));
+  JAXOVERLAP_RETURN_IF_ERROR(CheckBuffer(op, "x", x, t, {a.outer, g.size, a.rows, a.k}));
+  JAXOVERLAP_RETURN_IF_ERROR(CheckBuffer(op, "w", w, t, {a.k, a.n}));
+  JAXOVERLAP_RETURN_IF_ERROR(CheckBuffer(op, "out", *out, t, {a.outer, a.rows, a.n}));
   return MatmulReduceScatter(State(device), stream, g, opt, t, x.untyped_data(),
                              w.untyped_data(),
                              out->untyped_data(), a.outer, a.rows, a.k, a.n);
@@ -113,9 +133,9 @@ ffi::Error MatmulAllReduceExecute(cudaStream_t stream, int32_t device, ffi::AnyB
                                        std::to_string(a.outer));
   }
   const ffi::DataType t = x.element_type();
-  JAXOVERLAP_RETURN_IF_ERROR(CheckBuffer(op, "x", x, t, g.size * a.rows * a.k));
-  JAXOVERLAP_RETURN_IF_ERROR(CheckBuffer(op, "w", w, t, a.k * a.n));
-  JAXOVERLAP_RETURN_IF_ERROR(CheckBuffer(op, "out", *out, t, g.size * a.rows * a.n));
+  JAXOVERLAP_RETURN_IF_ERROR(CheckBuffer(op, "x", x, t, {g.size, a.rows, a.k}));
+  JAXOVERLAP_RETURN_IF_ERROR(CheckBuffer(op, "w", w, t, {a.k, a.n}));
+  JAXOVERLAP_RETURN_IF_ERROR(CheckBuffer(op, "out", *out, t, {g.size, a.rows, a.n}));
   return MatmulAllReduce(State(device), stream, g, opt, t, x.untyped_data(),
                          w.untyped_data(),
                          out->untyped_data(), a.rows, a.k, a.n);

@@ -54,6 +54,10 @@ ffi::Error Shutdown();
 // batch 0 is a no-op; k must be positive (the ops handle empty operands before
 // any kernel).
 ffi::Error Run(cudaStream_t stream, const Gemm& g);
+// Checks `g` and finds or makes its plan, enqueuing nothing: a GEMM that
+// cuBLASLt cannot run fails here. The fused ops plan every GEMM of a call
+// before the first runs (a refused call leaves no output partly written).
+ffi::Error Plan(const Gemm& g);
 // Runs `g` now if its plan has never run on this GPU, so that cuBLASLt's
 // kernel for it is loaded; otherwise does nothing. CUDA loads kernels lazily
 // (CUDA_MODULE_LOADING=LAZY, the default since CUDA 12.2), and loading one may

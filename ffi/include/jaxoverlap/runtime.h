@@ -196,6 +196,11 @@ ffi::Error GetUniqueId(std::string* out);
 // the first failure (which GPU, which call) is returned. The runtime is down
 // afterwards either way.
 ffi::Error Finalize();
+// Waits until every driven GPU has finished its work; the first failure (which
+// GPU, which call). Python's finalize() runs it before the processes meet, so
+// that a GPU that cannot finish keeps every process out of NVSHMEM's collective
+// shutdown (Finalize() also skips it on the failing process).
+ffi::Error Synchronize();
 // The runtime of the GPU with CUDA ordinal `device` (not initialised for a
 // GPU the runtime does not drive); State() is the first driven GPU's.
 const RuntimeState& State(int device);
@@ -203,8 +208,6 @@ const RuntimeState& State();
 // The runtime's mode, and the number of GPUs it drives in this process.
 Mode RuntimeMode();
 int NumLocalDevices();
-// Sets the device-wait timeout (ns) used by kernels launched after this call.
-void SetTimeout(uint64_t timeout_ns);
 // The record of a device wait that timed out on any GPU of this process, or
 // code 0; `pe` receives the PE whose wait timed out.
 DeviceError LastDeviceError(int* pe = nullptr);
