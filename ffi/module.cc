@@ -182,10 +182,13 @@ NB_MODULE(_jaxoverlap_cuda, m) {
     return d;
   });
 
+  // A device wait that failed, else a call that failed half-way (RecordBrokenCall):
+  // either keeps every later call out, and finalize() from NVSHMEM's barrier.
   m.def("device_error", []() -> nb::object {
     int pe = -1;
     const DeviceError e = LastDeviceError(&pe);
-    if (e.code == 0) return nb::none();
-    return nb::str(DeviceErrorToFfi(e, pe).message().c_str());
+    if (e.code != 0) return nb::str(DeviceErrorToFfi(e, pe).message().c_str());
+    if (const std::string broken = BrokenCall(); !broken.empty()) return nb::str(broken.c_str());
+    return nb::none();
   });
 }

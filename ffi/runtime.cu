@@ -16,6 +16,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <mutex>
 #include <string>
 #include <thread>
 #include <vector>
@@ -39,6 +40,9 @@ const RuntimeState g_none;            // what State(d) returns for a GPU not dri
 // The start-up step in progress (InitStage), so that a start-up that does not
 // return can say where it stopped; JAXOVERLAP_DEBUG=1 also prints each step.
 std::atomic<const char*> g_init_stage{"not started"};
+// RecordBrokenCall's message (empty: none), under its mutex.
+std::mutex g_broken_mu;
+std::string g_broken_call;
 
 void DebugStep(const char* step) {
   g_init_stage.store(step);
@@ -668,6 +672,16 @@ ffi::Error SynchronizeDevices(const char* when) {
 
 ffi::Error Synchronize() { return SynchronizeDevices("before finalize"); }
 
+void RecordBrokenCall(const std::string& what) {
+  std::lock_guard<std::mutex> lock(g_broken_mu);
+  if (g_broken_call.empty()) g_broken_call = what;
+}
+
+std::string BrokenCall() {
+  std::lock_guard<std::mutex> lock(g_broken_mu);
+  return g_broken_call;
+}
+
 ffi::Error Finalize() {
   if (g_mode == Mode::kNone) return ffi::Error::Success();
   StopWatchdog();
@@ -699,6 +713,10 @@ ffi::Error Finalize() {
   }
   first.Add(gemm::Shutdown());
   if (nvshmem_collectives) nvshmem_finalize();
+  {
+    std::lock_guard<std::mutex> lock(g_broken_mu);
+    g_broken_call.clear();
+  }
   g_num_devices = 0;
   g_mode = Mode::kNone;
   return first.Take();
@@ -733,6 +751,10 @@ ffi::Error CheckExecution(const char* op, cudaStream_t stream, int device) {
   int pe = -1;
   const DeviceError last = LastDeviceError(&pe);
   if (last.code != 0) return DeviceErrorToFfi(last, pe);
+  if (const std::string broken = BrokenCall(); !broken.empty()) {
+    return Fail(ffi::ErrorCode::kFailedPrecondition,
+                std::string(op) + ": refused: " + broken);
+  }
   // The stream's device cannot be queried while XLA captures a CUDA graph;
   // it is checked on every uncaptured execution.
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;

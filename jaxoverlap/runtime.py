@@ -1172,7 +1172,8 @@ def runtime_info() -> dict[str, Any]:
     ``JAXOVERLAP_HIERARCHICAL_LL=v3``), ``epochs_at_start`` (True under
     ``JAXOVERLAP_EPOCH_AT_START=1``), ``norm_blocks_per_row``
     (``JAXOVERLAP_NORM_CLUSTER``, 0 when unset); ``timeout_s``,
-    ``device_error`` (None, or what a timed-out wait recorded); always
+    ``device_error`` (None, or what a timed-out wait recorded, or a call
+    that failed on the host half-way: either refuses every later call); always
     ``backends``: for each op, ``"cuda"`` or the reason it runs on ``"xla"``.
     What each lowered call chose is in ``jaxoverlap.decisions()``.
   """

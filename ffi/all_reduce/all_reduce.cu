@@ -2246,7 +2246,13 @@ ffi::Error AllReduce(const RuntimeState& s, cudaStream_t stream, Algorithm algor
                                std::to_string(n) + " elements of " + std::to_string(elem) +
                                " bytes from element " + std::to_string(offset) + ", " +
                                std::to_string(c.blocks) + " blocks)";
-      return CudaError(err, what.c_str(), __FILE__, __LINE__);
+      ffi::Error e = CudaError(err, what.c_str(), __FILE__, __LINE__);
+      if (offset > 0) {  // earlier chunks ran: their epochs moved on, this chunk's did not
+        RecordBrokenCall("all_reduce failed on PE " + std::to_string(s.my_pe) +
+                         " after its first chunks had run (" + e.message() +
+                         "); its epochs are out of step with its peers': restart the processes");
+      }
+      return e;
     }
   }
   return ffi::Error::Success();

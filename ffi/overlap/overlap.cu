@@ -338,6 +338,33 @@ ffi::Error Begin(const Call& c) {
   return Handoff(c.s.events[0], c.compute, c.s.comm_stream);  // fork
 }
 
+// From Begin on, a call that returns an error has enqueued part of its work:
+// its epochs moved on without its sends (the peers will time out waiting for
+// them), so the runtime refuses every later call (RecordBrokenCall). Declared
+// right before Begin; the call's last step passes through Passed().
+class BrokenUnlessPassed {
+ public:
+  explicit BrokenUnlessPassed(const Call& c) : c_(c) {}
+  BrokenUnlessPassed(const BrokenUnlessPassed&) = delete;
+  BrokenUnlessPassed& operator=(const BrokenUnlessPassed&) = delete;
+  ~BrokenUnlessPassed() {
+    if (!passed_) {
+      RecordBrokenCall(std::string("an earlier ") + c_.op + " call failed on PE " +
+                       std::to_string(c_.s.my_pe) + " after it had begun (that call's error "
+                       "says why); its epochs are out of step with its peers': restart the "
+                       "processes");
+    }
+  }
+  ffi::Error Passed(ffi::Error e) {
+    passed_ = e.success();
+    return e;
+  }
+
+ private:
+  const Call& c_;
+  bool passed_ = false;
+};
+
 ffi::Error End(const Call& c) {
   JAXOVERLAP_RETURN_IF_ERROR(Handoff(c.s.events[1], c.s.comm_stream, c.compute));  // join
   AckKernel<<<1, kMaxGroupSize, 0, c.compute>>>(c.s.peers, c.s.oacks + c.my_local(),
@@ -689,6 +716,7 @@ ffi::Error AllGatherMatmul(const RuntimeState& s, cudaStream_t stream, const Gro
     }
   }
 
+  BrokenUnlessPassed broken_unless_passed(c);
   JAXOVERLAP_RETURN_IF_ERROR(Begin(c));
   // Comm stream: this rank's shard to ranks r+1, r+2, ... chunk by chunk.
   for (int i = 1; i < size; ++i) {
@@ -722,7 +750,7 @@ ffi::Error AllGatherMatmul(const RuntimeState& s, cudaStream_t stream, const Gro
                                           outer));
     }
   }
-  return End(c);
+  return broken_unless_passed.Passed(End(c));
 }
 
 ffi::Error MatmulReduceScatter(const RuntimeState& s, cudaStream_t stream, const Group& group,
@@ -738,9 +766,10 @@ ffi::Error MatmulReduceScatter(const RuntimeState& s, cudaStream_t stream, const
                                  static_cast<char*>(out), outer, rows,  k, n, Chunks(opt, rows)};
   JAXOVERLAP_RETURN_IF_ERROR(Precheck(c));
   JAXOVERLAP_RETURN_IF_ERROR(gemms.Preload());
+  BrokenUnlessPassed broken_unless_passed(c);
   JAXOVERLAP_RETURN_IF_ERROR(Begin(c));
   JAXOVERLAP_RETURN_IF_ERROR(ReduceScatterPhase(c, gemms, 0));
-  return End(c);
+  return broken_unless_passed.Passed(End(c));
 }
 
 ffi::Error MatmulAllReduce(const RuntimeState& s, cudaStream_t stream, const Group& group,
@@ -761,6 +790,7 @@ ffi::Error MatmulAllReduce(const RuntimeState& s, cudaStream_t stream, const Gro
                                  1, rows, k, n, chunks};
   JAXOVERLAP_RETURN_IF_ERROR(Precheck(c));
   JAXOVERLAP_RETURN_IF_ERROR(gemms.Preload());
+  BrokenUnlessPassed broken_unless_passed(c);
   JAXOVERLAP_RETURN_IF_ERROR(Begin(c));
   // The reduce-scatter; each reduced chunk of this rank's block goes to every
   // peer as soon as it is final (acks were awaited before the first send).
@@ -779,7 +809,7 @@ ffi::Error MatmulAllReduce(const RuntimeState& s, cudaStream_t stream, const Gro
                           cudaMemcpyDeviceToDevice, stream));
     }
   }
-  return End(c);
+  return broken_unless_passed.Passed(End(c));
 }
 
 ffi::Error PreloadKernels() {

@@ -208,6 +208,13 @@ const RuntimeState& State();
 // The runtime's mode, and the number of GPUs it drives in this process.
 Mode RuntimeMode();
 int NumLocalDevices();
+// A call that failed on the host after it had enqueued part of its work (CUDA
+// refused a launch or copy half-way): this PE's epochs are then out of step with
+// its peers', so every later call of the runtime is refused with `what` (the
+// peers' waits time out: they name this PE). Cleared by Finalize().
+void RecordBrokenCall(const std::string& what);
+// What RecordBrokenCall recorded, or an empty string.
+std::string BrokenCall();
 // The record of a device wait that timed out on any GPU of this process, or
 // code 0; `pe` receives the PE whose wait timed out.
 DeviceError LastDeviceError(int* pe = nullptr);

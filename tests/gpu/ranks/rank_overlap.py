@@ -558,3 +558,67 @@ def test_shard_larger_than_the_slot_raises(fx, ops, topology):
              jax.ShapeDtypeStruct((fx.nproc, k, 8), jnp.bfloat16, sharding=fx.sharded))
   msg = str(e.value)
   assert "bytes of fused-op slot per sender" in msg and "overlap_heap_bytes" in msg, msg
+
+
+@pytest.mark.quick
+def test_handlers_refuse_calls_the_planner_would_not_make(fx, ops, mesh, topology, rank, nproc):
+  """Trial 50: the fused handlers checked the buffers only against products of the shape
+  attributes, so an empty dimension passed (outer 0: the row chunks' GEMMs, batch 1, then
+  wrote past the empty output) and products past int64 could wrap; the launch-floor copy
+  wrote x's size into any output. Called without the planner, each is now refused by name
+  before anything runs, and the runtime stays usable: a right call after them is checked."""
+  ops.require_cuda("the handlers' own checks")
+  from jaxoverlap import _ffi
+
+  ext = _ffi.load()
+  attrs = dict(groups=np.arange(nproc, dtype=np.int64), group_size=np.int64(nproc),
+               transport=np.int32(ext.Transport["copy_engine"].value), chunks=np.int64(1),
+               precision=np.int32(ext.Precision["default"].value))
+  sharded = NamedSharding(mesh, P("x"))
+
+  def ag_call(x_local, w_local, out_local_shape, **dims):
+    def body(x, w):
+      # The input's type with the output's shape: it carries the mesh axis (as _cuda.py's).
+      out = jax.typeof(x[0]).update(shape=out_local_shape, dtype=np.dtype(jnp.bfloat16))
+      dims64 = {k: np.int64(v) for k, v in dims.items()}
+      return jax.ffi.ffi_call("jaxoverlap_all_gather_matmul", out)(x[0], w[0], **attrs,
+                                                                    **dims64)[None]
+
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("x"), P("x")), out_specs=P("x")))
+    x = jax.make_array_from_process_local_data(sharded, x_local[None],
+                                               (nproc, *x_local.shape))
+    w = jax.make_array_from_process_local_data(sharded, w_local[None],
+                                               (nproc, *w_local.shape))
+    return f(x, w)
+
+  k, n, rows = 8, 8, 4
+  w = np.ones((k, n), jnp.bfloat16)
+  refused = [
+      # outer 0: x and out empty, w 64 elements; every size check of the products passed.
+      (dict(outer=0, rows=rows, k=k, n=n), np.zeros((0, rows, k), jnp.bfloat16),
+       (0, nproc * rows, n), "every dimension must be at least 1"),
+      # rows * k past int64: refused as such, not matched against a wrapped count.
+      (dict(outer=1, rows=2**40, k=2**40, n=n), np.zeros((1, rows, k), jnp.bfloat16),
+       (1, nproc * rows, n), "overflows int64"),
+  ]
+  for dims, x_local, out_shape, want in refused:
+    with pytest.raises(Exception, match=want):
+      jax.block_until_ready(ag_call(x_local, w, out_shape, **dims))
+
+  device = jax.local_devices()[0]
+  x = jax.device_put(np.arange(16, dtype=np.float32), device)
+  short = jax.ShapeDtypeStruct((8,), jnp.float32)
+  with pytest.raises(Exception, match="out has 32 bytes, x 64; they must be equal"):
+    jax.block_until_ready(jax.jit(lambda v: jax.ffi.ffi_call("jaxoverlap_launch_floor",
+                                                               short)(v))(x))
+
+  # The runtime still runs a right call, every element checked against float64.
+  xs = [np.random.default_rng([50, r]).standard_normal((1, rows, k)).astype(np.float32)
+        for r in range(nproc)]
+  got = ag_call(xs[rank].astype(jnp.bfloat16), w, (1, nproc * rows, n), outer=1, rows=rows,
+                k=k, n=n)
+  want = np.concatenate([x64.astype(jnp.bfloat16).astype(np.float64) for x64 in xs], axis=1)
+  want = want @ np.ones((k, n))
+  mine = np.asarray(got.addressable_shards[0].data, np.float64)[0]
+  err = np.max(np.abs(mine - want) / (np.abs(want) + 1.0))
+  assert err <= 2e-2, f"max rel err {err:.3g} after the refused calls"
